@@ -1,0 +1,1352 @@
+"""bob: a small, synchronous LLM agent turn loop you can read in one sitting.
+
+    from bob import AgentRuntime, AgentRequest, FunctionTools, OpenAICompatLlm
+
+    def add(a: int, b: int) -> int:
+        "Add two integers."
+        return a + b
+
+    llm = OpenAICompatLlm("openai:gpt-4o-mini")          # or "ollama:llama3.2", ...
+    agent = AgentRuntime(llm, FunctionTools([add]))
+    result = agent.run(AgentRequest("What is 2 + 40? Use the tool."))
+    print(result.content, result.finish_reason)
+
+Sections:
+    1. Errors                 6. Tools: functions, composite, policy
+    2. Domain types           7. Stores and event sinks
+    3. Ports                  8. Workers: threads with deadlines and cancel
+    4. Actions and prompts    9. The scheduler (AgentRuntime)
+    5. LoopGuard             10. LLM adapters: ScriptedLlm, OpenAICompatLlm
+
+Vendoring: copy this file. It needs Python >= 3.11 and the standard library; `requests` is imported
+only when an OpenAICompatLlm is created. Nothing happens at import time.
+"""
+from __future__ import annotations
+
+import dataclasses
+import enum
+import fnmatch
+import hashlib
+import inspect
+import json
+import logging
+import os
+import re
+import tempfile
+import threading
+import time
+import types
+import typing
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterable, Literal, Protocol, Sequence, Union
+
+__all__ = [
+    # errors
+    "BobError", "ConfigError", "LlmError", "ActionParseError", "StoreError", "AgentError",
+    "Cancelled",
+    # domain
+    "Message", "ToolDescriptor", "ToolCall", "ToolResult", "Final", "CallTools", "AskUser",
+    "AgentAction", "TurnPolicy", "Usage", "FinishReason", "GuardReason", "AgentRequest",
+    "AgentRunResult", "CancelToken", "SessionState", "AgentEvent", "LlmRequest", "LlmResponse",
+    # ports
+    "LlmPort", "ToolPort", "SessionStore", "EventSink",
+    # machinery and adapters
+    "parse_action", "LoopGuard", "abandoned_workers", "FunctionTools", "CompositeToolPort", "InMemorySessionStore",
+    "JsonFileSessionStore", "LoggingEventSink", "JsonlEventSink", "AgentRuntime", "ScriptedLlm",
+]
+
+log = logging.getLogger("bob")
+
+
+# ---- 1. Errors ----------------------------------------------------------------------------------
+# One root, so `except BobError` catches everything bob raises on purpose. Tool failures, guard
+# trips and cancellation are never exceptions to the caller: they are results.
+
+class BobError(Exception):
+    """Root of every error bob raises on purpose."""
+
+
+class ConfigError(BobError, ValueError):
+    """A bad setting: the message names the setting and how to fix it."""
+
+
+class LlmError(BobError):
+    """The LLM endpoint failed after retries; carries the HTTP status and a body excerpt."""
+
+    def __init__(self, message: str, status_code: int | None = None, body: str = ""):
+        super().__init__(message)
+        self.status_code = status_code
+        self.body = body
+
+
+class ActionParseError(BobError):
+    """The model's reply is not one valid JSON action."""
+
+
+class StoreError(BobError):
+    """A session could not be loaded or saved; the message names the file."""
+
+
+class AgentError(BobError):
+    """The turn could not go on (e.g. the model answered garbage twice in a row)."""
+
+
+class Cancelled(BobError):
+    """Raised by a port that noticed its cancel token; the runtime turns it into a result."""
+
+
+# ---- 2. Domain types ----------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class ToolCall:
+    """One call the model asked for; `arguments` is a JSON object."""
+    id: str
+    name: str
+    arguments: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class ToolResult:
+    """What a tool call gave back; `content` is text for the model."""
+    call_id: str
+    name: str
+    content: str
+    is_error: bool = False
+    duration_ms: float = 0.0
+
+
+@dataclass(frozen=True)
+class ToolDescriptor:
+    """A tool as the model sees it; `input_schema` is a JSON Schema object."""
+    name: str
+    description: str
+    input_schema: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Message:
+    """One history entry. Role is system, user, assistant or tool; the same in both action modes."""
+    role: Literal["system", "user", "assistant", "tool"]
+    content: str
+    tool_calls: tuple[ToolCall, ...] = ()
+    tool_call_id: str | None = None
+    name: str | None = None
+    is_error: bool = False
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON-ready dict; `Message.from_dict` reverses it exactly."""
+        d: dict[str, Any] = {"role": self.role, "content": self.content}
+        if self.tool_calls:
+            d["tool_calls"] = [dataclasses.asdict(c) for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            d["tool_call_id"] = self.tool_call_id
+        if self.name is not None:
+            d["name"] = self.name
+        if self.is_error:
+            d["is_error"] = True
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Message:
+        """Build a Message from `to_dict` output."""
+        calls = tuple(ToolCall(c["id"], c["name"], dict(c["arguments"]))
+                      for c in d.get("tool_calls", ()))
+        return cls(d["role"], d["content"], calls, d.get("tool_call_id"), d.get("name"),
+                   bool(d.get("is_error", False)))
+
+
+@dataclass(frozen=True)
+class Final:
+    """The model's answer; ends the turn."""
+    content: str
+
+
+@dataclass(frozen=True)
+class CallTools:
+    """One or more tool calls to run as a batch."""
+    calls: tuple[ToolCall, ...]
+
+
+@dataclass(frozen=True)
+class AskUser:
+    """The model needs the user; ends the turn with the question as content."""
+    question: str
+
+
+AgentAction = Union[Final, CallTools, AskUser]
+
+
+@dataclass(frozen=True)
+class TurnPolicy:
+    """The limits of one turn. Every limit is checked; a bad value is a ConfigError."""
+    max_steps: int = 12                 # LLM calls per turn
+    max_tool_calls: int = 8             # tool calls run per turn
+    max_consecutive_errors: int = 3     # error results in a row before the turn stops
+    turn_timeout_ms: int = 90_000       # wall-clock budget of the whole turn
+    tool_timeout_ms: int = 15_000       # per tool call, never past the turn deadline
+    max_history_messages: int = 50      # non-system messages sent to the model
+    max_parallel_tools: int = 8         # calls one batch may hold
+    max_repeated_batches: int = 2       # identical batches allowed per turn (the next trips)
+    max_stagnation_steps: int = 5       # identical assistant texts allowed per turn
+    max_tool_output_chars: int = 20_000  # longer outputs are cut to head + tail
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise ConfigError(f"TurnPolicy.{f.name} must be an integer, got {value!r}")
+            if value < 1:
+                raise ConfigError(f"TurnPolicy.{f.name} must be at least 1, got {value}")
+        if self.max_tool_output_chars < 200:
+            raise ConfigError("TurnPolicy.max_tool_output_chars must be at least 200, "
+                              f"got {self.max_tool_output_chars}")
+
+
+@dataclass(frozen=True)
+class Usage:
+    """Token counts; add them with `+`."""
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+    def __add__(self, other: Usage) -> Usage:
+        return Usage(self.prompt_tokens + other.prompt_tokens,
+                     self.completion_tokens + other.completion_tokens)
+
+    @property
+    def total_tokens(self) -> int:
+        """prompt + completion."""
+        return self.prompt_tokens + self.completion_tokens
+
+
+class FinishReason(str, enum.Enum):
+    """Why a turn ended."""
+    FINAL = "final"
+    ASK_USER = "ask_user"
+    GUARD_EXCEEDED = "guard_exceeded"
+    CANCELLED = "cancelled"
+
+
+class GuardReason(str, enum.Enum):
+    """Which limit ended a turn with GUARD_EXCEEDED."""
+    MAX_STEPS = "max_steps"
+    MAX_TOOL_CALLS = "max_tool_calls"
+    MAX_CONSECUTIVE_ERRORS = "max_consecutive_errors"
+    TURN_TIMEOUT = "turn_timeout"
+    LOOP_DETECTED = "loop_detected"
+    STAGNATION = "stagnation"
+
+
+@dataclass
+class AgentRequest:
+    """One user turn. A given `history` replaces the stored one for this turn."""
+    input: str
+    session_id: str = "default"
+    system_prompt: str | None = None
+    policy: TurnPolicy | None = None
+    history: list[Message] | None = None
+
+
+@dataclass
+class AgentRunResult:
+    """The outcome of a turn; `history` is the whole session after it, ready to pass back."""
+    content: str
+    finish_reason: FinishReason
+    guard_reason: GuardReason | None
+    usage: Usage
+    steps: int
+    tool_calls: int
+    history: list[Message]
+
+
+@dataclass
+class SessionState:
+    """What a SessionStore keeps per session."""
+    messages: list[Message] = field(default_factory=list)
+    usage: Usage = field(default_factory=Usage)
+    version: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON-ready dict."""
+        return {"version": self.version, "usage": dataclasses.asdict(self.usage),
+                "messages": [m.to_dict() for m in self.messages]}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> SessionState:
+        """Reverse of `to_dict`."""
+        return cls([Message.from_dict(m) for m in d["messages"]], Usage(**d.get("usage", {})),
+                   int(d.get("version", 0)))
+
+
+class CancelToken:
+    """A thread-safe cancel flag around a threading.Event, with callbacks run on cancel."""
+
+    def __init__(self) -> None:
+        self._event = threading.Event()
+        self._lock = threading.Lock()
+        self._callbacks: list[Callable[[], None]] = []
+
+    def cancel(self) -> None:
+        """Set the flag and run the callbacks once; safe from any thread, idempotent."""
+        with self._lock:
+            if self._event.is_set():
+                return
+            self._event.set()
+            callbacks, self._callbacks = self._callbacks, []
+        for cb in callbacks:
+            try:
+                cb()
+            except Exception:  # a callback must not stop the others
+                log.exception("cancel callback failed")
+
+    @property
+    def cancelled(self) -> bool:
+        """True once cancel() was called."""
+        return self._event.is_set()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until cancelled or timeout; return whether cancelled."""
+        return self._event.wait(timeout)
+
+    def on_cancel(self, callback: Callable[[], None]) -> Callable[[], None]:
+        """Run `callback` at cancel (now, if already cancelled); returns a function to remove it."""
+        with self._lock:
+            if not self._event.is_set():
+                self._callbacks.append(callback)
+                return lambda: self._remove(callback)
+        callback()
+        return lambda: None
+
+    def _remove(self, callback: Callable[[], None]) -> None:
+        with self._lock:
+            if callback in self._callbacks:
+                self._callbacks.remove(callback)
+
+
+@dataclass(frozen=True)
+class AgentEvent:
+    """One observable step of the loop; `data` holds plain JSON values only."""
+    kind: str
+    session_id: str
+    step: int
+    data: dict[str, Any]
+    ts: float
+
+
+@dataclass(frozen=True)
+class LlmRequest:
+    """What the runtime asks of an LlmPort. `deadline` is an absolute time.monotonic() value.
+
+    `messages` are already in wire shape for the action mode: in json mode there are no `tool`
+    messages (results are user messages), in native mode tool results are `tool` messages.
+    `response_format` is "json" when the JSON action contract is in force, else None.
+    """
+    messages: list[Message]
+    tools: list[ToolDescriptor]
+    response_format: str | None
+    deadline: float | None
+
+
+@dataclass(frozen=True)
+class LlmResponse:
+    """What an LlmPort returns. `finish_reason` is None when the endpoint did not say."""
+    content: str
+    tool_calls: tuple[ToolCall, ...] = ()
+    usage: Usage = field(default_factory=Usage)
+    finish_reason: str | None = None
+
+
+# ---- 3. Ports -----------------------------------------------------------------------------------
+# The scheduler talks only to these. Adapters implement them structurally; nothing inherits.
+
+class LlmPort(Protocol):
+    """A chat model. Blocks until the reply is complete; may stream text to `on_delta`.
+
+    The runtime calls it from a worker thread and stops waiting at cancel or deadline; a port
+    that notices `cancel` should stop and raise Cancelled. Transport failures raise LlmError.
+    """
+
+    def complete(self, req: LlmRequest, cancel: CancelToken,
+                 on_delta: Callable[[str], None] | None = None) -> LlmResponse: ...
+
+
+class ToolPort(Protocol):
+    """A set of tools. `call_tool` returns is_error results for tool failures and raises only
+    when the tool infrastructure itself is gone (the runtime reports that to the model)."""
+
+    def list_tools(self) -> list[ToolDescriptor]: ...
+
+    def call_tool(self, call: ToolCall, timeout_s: float) -> ToolResult: ...
+
+
+class SessionStore(Protocol):
+    """Keeps sessions between turns. `load` returns None for an unknown id; errors: StoreError."""
+
+    def load(self, session_id: str) -> SessionState | None: ...
+
+    def save(self, session_id: str, state: SessionState) -> None: ...
+
+
+class EventSink(Protocol):
+    """Receives every event synchronously, so it must be quick. Exceptions are logged, ignored."""
+
+    def emit(self, event: AgentEvent) -> None: ...
+
+
+# ---- 4. Actions and prompts ---------------------------------------------------------------------
+# The JSON action contract, its parser, the system prompt, and how history goes on the wire.
+
+ACTION_CONTRACT = """\
+Reply with exactly one JSON object and nothing else, in one of these forms:
+{"type": "final", "content": "<your answer to the user>"}
+{"type": "tool_call", "name": "<tool name>", "arguments": {<arguments matching its input schema>}}
+{"type": "ask_user", "question": "<what you need to know from the user>"}
+Call one tool at a time; you will see its result, then reply again."""
+
+DEFAULT_INSTRUCTIONS = "You are a helpful assistant. Use the tools when they help."
+
+_FENCE = re.compile(r"^```(?:json)?\s*\n?(.*?)\n?```$", re.DOTALL)
+
+
+def parse_action(text: str, call_id: str = "call_1") -> AgentAction:
+    """Parse one JSON action (whitespace and a ```json fence tolerated); ActionParseError if not."""
+    body = text.strip()
+    fenced = _FENCE.match(body)
+    if fenced:
+        body = fenced.group(1).strip()
+    if not body:
+        raise ActionParseError("the reply was empty")
+    try:
+        obj = json.loads(body)
+    except json.JSONDecodeError as e:
+        raise ActionParseError(f"the reply is not valid JSON ({e.msg} at line {e.lineno} "
+                               f"column {e.colno})") from None
+    if not isinstance(obj, dict):
+        raise ActionParseError(f"the reply must be a JSON object, not {type(obj).__name__}")
+    kind = obj.get("type")
+    if kind == "final":
+        return Final(_required_str(obj, "content", kind))
+    if kind == "ask_user":
+        return AskUser(_required_str(obj, "question", kind))
+    if kind == "tool_call":
+        name = _required_str(obj, "name", kind)
+        args = obj.get("arguments", {})
+        if not isinstance(args, dict):
+            raise ActionParseError('"arguments" of a tool_call must be a JSON object')
+        return CallTools((ToolCall(call_id, name, args),))
+    raise ActionParseError(f'"type" must be "final", "tool_call" or "ask_user", got {kind!r}')
+
+
+def _required_str(obj: dict[str, Any], key: str, kind: str) -> str:
+    value = obj.get(key)
+    if not isinstance(value, str) or (key == "name" and not value):
+        raise ActionParseError(f'a {kind} action needs a string "{key}" field')
+    return value
+
+
+def build_system_prompt(instructions: str, tools: Sequence[ToolDescriptor], mode: str) -> str:
+    """Instructions, then (json mode) the action contract and one block per tool."""
+    if mode != "json":
+        return instructions
+    parts = [instructions, "", ACTION_CONTRACT]
+    if tools:
+        parts += ["", "Tools you can call:"]
+        for t in tools:
+            schema = json.dumps(t.input_schema, separators=(",", ":"), sort_keys=True)
+            parts.append(f"- {t.name}: {t.description}\n  input schema: {schema}")
+    else:
+        parts += ["", "No tools are available: answer with final or ask_user."]
+    return "\n".join(parts)
+
+
+def _units(messages: Sequence[Message]) -> list[list[int]]:
+    """Group message indexes so an assistant tool-call message and its results stay together."""
+    units: list[list[int]] = []
+    open_ids: set[str] = set()
+    for i, m in enumerate(messages):
+        if m.role == "tool" and units and m.tool_call_id in open_ids:
+            units[-1].append(i)
+            open_ids.discard(m.tool_call_id)
+            continue
+        units.append([i])
+        open_ids = {c.id for c in m.tool_calls} if m.role == "assistant" else set()
+    return units
+
+
+def truncate_history(messages: Sequence[Message], limit: int, keep_from: int | None = None
+                     ) -> list[Message]:
+    """Drop the oldest non-system messages until at most `limit` remain.
+
+    Never splits an assistant tool call from its results; tool results whose call is gone are
+    dropped too. The unit holding index `keep_from` (the current user input) and everything after
+    it are always kept, even past the limit, so the model never loses the question it is answering.
+    """
+    units = [u for u in _units(messages)
+             if not (messages[u[0]].role == "tool")]           # orphaned results go
+    system = [u for u in units if messages[u[0]].role == "system"]
+    rest = [u for u in units if messages[u[0]].role != "system"]
+    count = sum(len(u) for u in rest)
+    start = 0
+    while count > limit and start < len(rest) - 1:
+        if keep_from is not None and rest[start][0] >= keep_from:
+            break
+        count -= len(rest[start])
+        start += 1
+    kept = sorted(i for u in system + rest[start:] for i in u)
+    return [messages[i] for i in kept]
+
+
+def render_for_wire(messages: Sequence[Message], mode: str) -> list[Message]:
+    """Put history in the action mode's wire shape (see LlmRequest)."""
+    if mode != "json":
+        return list(messages)
+    out: list[Message] = []
+    for m in messages:
+        if m.role == "tool":
+            status = "failed" if m.is_error else "succeeded"
+            out.append(Message("user", f"Tool {m.name} (call {m.tool_call_id}) {status}. "
+                                       f"Result:\n{m.content}"))
+        elif m.role == "assistant":
+            out.append(Message("assistant", _action_text(m)))
+        else:
+            out.append(m)
+    return out
+
+
+def _action_text(m: Message) -> str:
+    """An assistant message as the JSON action the model would have written."""
+    if not m.tool_calls:
+        return json.dumps({"type": "final", "content": m.content}, ensure_ascii=False)
+    return "\n".join(json.dumps({"type": "tool_call", "name": c.name, "arguments": c.arguments},
+                                ensure_ascii=False) for c in m.tool_calls)
+
+
+def _excerpt(text: str, n: int = 200) -> str:
+    return text if len(text) <= n else text[:n] + f"... ({len(text)} chars)"
+
+
+# ---- 5. LoopGuard -------------------------------------------------------------------------------
+# Every limit of a turn in one place. Each check returns a Trip or None; the scheduler ends the
+# turn on a Trip. Exact limits: see DESIGN.md section 4.
+
+@dataclass(frozen=True)
+class Trip:
+    """A guard that tripped: which limit, and a sentence for the user."""
+    reason: GuardReason
+    detail: str
+
+
+class LoopGuard:
+    """Counts steps, tool calls, errors, repeated batches and repeated texts within one turn."""
+
+    def __init__(self, policy: TurnPolicy, deadline: float):
+        self.policy = policy
+        self.deadline = deadline
+        self.steps = 0
+        self.tool_calls = 0
+        self.consecutive_errors = 0
+        self._batches: dict[str, int] = {}
+        self._texts: dict[str, int] = {}
+
+    def remaining_s(self) -> float:
+        """Seconds left until the turn deadline (never negative)."""
+        return max(0.0, self.deadline - time.monotonic())
+
+    def before_llm_call(self) -> Trip | None:
+        """Checked before every LLM call: deadline, error streak, step budget."""
+        p = self.policy
+        if time.monotonic() >= self.deadline:
+            return Trip(GuardReason.TURN_TIMEOUT,
+                        f"the turn took longer than turn_timeout_ms={p.turn_timeout_ms}")
+        if self.consecutive_errors >= p.max_consecutive_errors:
+            return Trip(GuardReason.MAX_CONSECUTIVE_ERRORS,
+                        f"{self.consecutive_errors} tool errors in a row "
+                        f"(max_consecutive_errors={p.max_consecutive_errors})")
+        if self.steps >= p.max_steps:
+            return Trip(GuardReason.MAX_STEPS,
+                        f"the model needed more than max_steps={p.max_steps} LLM calls")
+        self.steps += 1
+        return None
+
+    def check_text(self, text: str) -> Trip | None:
+        """Stagnation: the same non-final assistant text seen too often (catches A->B->A)."""
+        if not text.strip():
+            return None
+        key = hashlib.sha1(text.strip().encode()).hexdigest()
+        self._texts[key] = seen = self._texts.get(key, 0) + 1
+        if seen > self.policy.max_stagnation_steps:
+            return Trip(GuardReason.STAGNATION, f"the model repeated the same reply {seen} times "
+                        f"(max_stagnation_steps={self.policy.max_stagnation_steps})")
+        return None
+
+    def check_loop(self, calls: Sequence[ToolCall]) -> Trip | None:
+        """Before a batch runs: the same batch (names + canonical arguments) seen too often."""
+        sig = "|".join(sorted(c.name + json.dumps(c.arguments, sort_keys=True, default=str)
+                              for c in calls))
+        self._batches[sig] = seen = self._batches.get(sig, 0) + 1
+        if seen > self.policy.max_repeated_batches:
+            return Trip(GuardReason.LOOP_DETECTED, f"the same tool calls were requested {seen} "
+                        f"times (max_repeated_batches={self.policy.max_repeated_batches})")
+        return None
+
+    def check_budget(self, calls: Sequence[ToolCall]) -> Trip | None:
+        """Before a batch runs: would it pass the turn's tool-call budget?"""
+        p = self.policy
+        if self.tool_calls + len(calls) > p.max_tool_calls:
+            return Trip(GuardReason.MAX_TOOL_CALLS, f"{self.tool_calls} tool calls ran and "
+                        f"{len(calls)} more would pass max_tool_calls={p.max_tool_calls}")
+        return None
+
+    def record_results(self, results: Sequence[ToolResult]) -> None:
+        """Count a batch that ran; an error extends the streak, a success resets it."""
+        self.tool_calls += len(results)
+        for r in results:
+            self.consecutive_errors = self.consecutive_errors + 1 if r.is_error else 0
+
+    def record_refusal(self) -> None:
+        """A refused batch (too many calls at once) counts as one error, not one per call."""
+        self.consecutive_errors += 1
+
+
+# ---- 6. Tools: functions, composite, policy -----------------------------------------------------
+
+_JSON_TYPES: dict[Any, str] = {str: "string", int: "integer", float: "number", bool: "boolean",
+                               list: "array", tuple: "array", dict: "object"}
+
+
+def _schema_for(tp: Any) -> dict[str, Any]:
+    """JSON Schema for a type hint: str, int, float, bool, list[X], dict, Optional, Literal."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if tp in _JSON_TYPES:
+        return {"type": _JSON_TYPES[tp]}
+    if origin is Literal:
+        return {"type": _JSON_TYPES.get(type(args[0]), "string"), "enum": list(args)}
+    if origin in (Union, types.UnionType):
+        options = [a for a in args if a is not type(None)]
+        return _schema_for(options[0]) if len(options) == 1 else {
+            "anyOf": [_schema_for(a) for a in options]}
+    if origin in (list, tuple, Sequence) or origin is typing.get_origin(Sequence[int]):
+        return {"type": "array", **({"items": _schema_for(args[0])} if args else {})}
+    if origin is dict:
+        return {"type": "object"}
+    return {}  # Any or unannotated: accept anything
+
+
+def _matches(value: Any, schema: dict[str, Any]) -> bool:
+    """A shallow check of a value against a schema made by _schema_for."""
+    if "enum" in schema:
+        return value in schema["enum"]
+    if "anyOf" in schema:
+        return any(_matches(value, s) for s in schema["anyOf"])
+    kind = schema.get("type")
+    if kind == "integer":
+        return isinstance(value, int) and not isinstance(value, bool)
+    if kind == "number":
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    want = {"string": str, "boolean": bool, "array": list, "object": dict}.get(kind or "")
+    return want is None or isinstance(value, want)
+
+
+@dataclass(frozen=True)
+class _Function:
+    fn: Callable[..., Any]
+    descriptor: ToolDescriptor
+    params: dict[str, Any]       # name -> schema
+    nullable: frozenset[str]     # params that accept None
+
+
+class FunctionTools:
+    """Plain Python functions as tools: schema from type hints, description from the docstring.
+
+    Calls run inline on the caller's thread (the runtime runs each call in a worker with its
+    timeout). A function that raises gives an is_error result with the exception text.
+    """
+
+    def __init__(self, functions: Iterable[Callable[..., Any]] = ()):
+        self._functions: dict[str, _Function] = {}
+        for fn in functions:
+            self.add(fn)
+
+    def add(self, fn: Callable[..., Any], name: str | None = None,
+            description: str | None = None) -> None:
+        """Expose `fn`; ConfigError if the name is taken or a parameter cannot be described."""
+        name = name or fn.__name__
+        if name in self._functions:
+            raise ConfigError(f"FunctionTools: two functions named {name!r}; pass name=...")
+        hints = typing.get_type_hints(fn)
+        props: dict[str, Any] = {}
+        required, nullable = [], set()
+        for p in inspect.signature(fn).parameters.values():
+            if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
+                raise ConfigError(f"FunctionTools: {name}() takes *args/**kwargs; tools need "
+                                  "named parameters")
+            hint = hints.get(p.name, Any)
+            props[p.name] = _schema_for(hint)
+            if type(None) in typing.get_args(hint):
+                nullable.add(p.name)
+            if p.default is p.empty:
+                required.append(p.name)
+            elif isinstance(p.default, (str, int, float, bool)):
+                props[p.name] = {**props[p.name], "default": p.default}
+        doc = inspect.getdoc(fn) or ""
+        schema = {"type": "object", "properties": props, "required": required,
+                  "additionalProperties": False}
+        desc = description or doc.split("\n\n")[0].strip() or name
+        self._functions[name] = _Function(fn, ToolDescriptor(name, desc, schema), props,
+                                          frozenset(nullable))
+
+    def list_tools(self) -> list[ToolDescriptor]:
+        """The descriptors, in the order the functions were added."""
+        return [f.descriptor for f in self._functions.values()]
+
+    def call_tool(self, call: ToolCall, timeout_s: float) -> ToolResult:
+        """Validate the arguments, call the function, turn its return value into text."""
+        t0 = time.perf_counter()
+        f = self._functions.get(call.name)
+        try:
+            if f is None:
+                raise LookupError(f"unknown tool {call.name!r}")
+            problem = self._check_args(f, call.arguments)
+            if problem:
+                return ToolResult(call.id, call.name, problem, True, _ms_since(t0))
+            value = f.fn(**call.arguments)
+        except Exception as e:
+            return ToolResult(call.id, call.name, f"{type(e).__name__}: {e}", True, _ms_since(t0))
+        text = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False,
+                                                               default=str)
+        return ToolResult(call.id, call.name, text, False, _ms_since(t0))
+
+    @staticmethod
+    def _check_args(f: _Function, args: dict[str, Any]) -> str | None:
+        schema = f.descriptor.input_schema
+        unknown = sorted(set(args) - set(f.params))
+        missing = [p for p in schema["required"] if p not in args]
+        wrong = [f"{k} (expected {f.params[k].get('type') or f.params[k].get('enum')})"
+                 for k, v in args.items() if k in f.params
+                 and not (v is None and k in f.nullable) and not _matches(v, f.params[k])]
+        if not (unknown or missing or wrong):
+            return None
+        parts = [f"unknown arguments: {', '.join(unknown)}" if unknown else "",
+                 f"missing arguments: {', '.join(missing)}" if missing else "",
+                 f"wrong types: {', '.join(wrong)}" if wrong else ""]
+        return (f"invalid arguments for {f.descriptor.name}: " + "; ".join(p for p in parts if p)
+                + f". Input schema: {json.dumps(schema, sort_keys=True)}")
+
+
+def _ms_since(t0: float) -> float:
+    return round((time.perf_counter() - t0) * 1000, 3)
+
+
+class CompositeToolPort:
+    """Several ToolPorts as one; a tool name offered by two ports is a ConfigError."""
+
+    def __init__(self, ports: Sequence[ToolPort]):
+        self._ports = list(ports)
+        self._owner: dict[str, ToolPort] = {}
+        self.list_tools()  # refuse duplicates now, not in the middle of a turn
+
+    def list_tools(self) -> list[ToolDescriptor]:
+        """All tools of all ports, in port order; re-listed each call (ports may change)."""
+        owner: dict[str, tuple[int, ToolPort]] = {}
+        tools: list[ToolDescriptor] = []
+        for i, port in enumerate(self._ports):
+            for t in port.list_tools():
+                if t.name in owner:
+                    j, first = owner[t.name]
+                    raise ConfigError(f"tool {t.name!r} is offered by two ports: "
+                                      f"#{j} {type(first).__name__} and #{i} {type(port).__name__}"
+                                      "; rename one or leave one out")
+                owner[t.name] = (i, port)
+                tools.append(t)
+        self._owner = {name: port for name, (_, port) in owner.items()}
+        return tools
+
+    def call_tool(self, call: ToolCall, timeout_s: float) -> ToolResult:
+        """Route the call to the port that listed the tool."""
+        port = self._owner.get(call.name)
+        if port is None:
+            return ToolResult(call.id, call.name, f"unknown tool {call.name!r}", True)
+        return port.call_tool(call, timeout_s)
+
+
+def is_denied(name: str, patterns: Sequence[str]) -> bool:
+    """True if a deny glob (fnmatch, case-sensitive) matches the exposed tool name."""
+    return any(fnmatch.fnmatchcase(name, p) for p in patterns)
+
+
+def cut_output(text: str, limit: int) -> str:
+    """Cut text over `limit` chars to head + tail, with a notice of how much was cut."""
+    if len(text) <= limit:
+        return text
+    keep = limit - 100              # room for the notice, so the result stays under the limit
+    head, tail = text[: keep // 2], text[len(text) - keep // 2:]
+    cut = len(text) - len(head) - len(tail)
+    return f"{head}\n[... {cut} of {len(text)} characters cut ...]\n{tail}"
+
+
+# ---- 7. Stores and event sinks ------------------------------------------------------------------
+
+class InMemorySessionStore:
+    """Sessions in a dict; thread-safe; gone when the process ends."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._sessions: dict[str, SessionState] = {}
+
+    def load(self, session_id: str) -> SessionState | None:
+        """A copy of the stored state, or None."""
+        with self._lock:
+            s = self._sessions.get(session_id)
+            return None if s is None else SessionState(list(s.messages), s.usage, s.version)
+
+    def save(self, session_id: str, state: SessionState) -> None:
+        """Store a copy of `state`."""
+        with self._lock:
+            self._sessions[session_id] = SessionState(list(state.messages), state.usage,
+                                                      state.version)
+
+
+_SESSION_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+
+
+class JsonFileSessionStore:
+    """One JSON file per session in `directory`, written atomically (temp + fsync + replace)."""
+
+    def __init__(self, directory: str | os.PathLike[str]):
+        self.directory = Path(directory)
+        self._lock = threading.Lock()
+
+    def path_for(self, session_id: str) -> Path:
+        """The file of a session; StoreError for an id that could escape the directory."""
+        if not _SESSION_ID.match(session_id) or ".." in session_id:
+            raise StoreError(f"invalid session id {session_id!r}: use 1-128 letters, digits, "
+                             "'.', '_' or '-', starting with a letter or digit")
+        return self.directory / f"{session_id}.json"
+
+    def load(self, session_id: str) -> SessionState | None:
+        """The saved state, None if there is no file; StoreError for an unreadable file."""
+        path = self.path_for(session_id)
+        try:
+            raw = path.read_text(encoding="utf-8")
+        except FileNotFoundError:
+            return None
+        except OSError as e:
+            raise StoreError(f"cannot read session file {path}: {e}") from e
+        try:
+            return SessionState.from_dict(json.loads(raw))
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise StoreError(f"session file {path} is corrupt ({type(e).__name__}: {e}); "
+                             "move it away to start that session afresh") from e
+
+    def save(self, session_id: str, state: SessionState) -> None:
+        """Write the whole state to a temp file, fsync it, then atomically replace the old file."""
+        path = self.path_for(session_id)
+        data = json.dumps(state.to_dict(), ensure_ascii=False, indent=1)
+        with self._lock:
+            tmp = None
+            try:
+                self.directory.mkdir(parents=True, exist_ok=True)
+                fd, tmp = tempfile.mkstemp(prefix=f".{session_id}.", suffix=".tmp",
+                                           dir=self.directory)
+                with os.fdopen(fd, "w", encoding="utf-8") as f:
+                    f.write(data)
+                    f.flush()
+                    os.fsync(f.fileno())
+                os.replace(tmp, path)
+            except OSError as e:
+                if tmp and os.path.exists(tmp):
+                    os.unlink(tmp)
+                raise StoreError(f"cannot save session file {path}: {e}") from e
+
+
+class LoggingEventSink:
+    """Events as log lines on the `bob.events` logger (or the one given)."""
+
+    def __init__(self, logger: logging.Logger | None = None, level: int = logging.INFO):
+        self.logger = logger or logging.getLogger("bob.events")
+        self.level = level
+
+    def emit(self, event: AgentEvent) -> None:
+        """One line: kind, session, step, data as JSON."""
+        if self.logger.isEnabledFor(self.level):
+            self.logger.log(self.level, "%s session=%s step=%d %s", event.kind, event.session_id,
+                            event.step, json.dumps(event.data, default=str, ensure_ascii=False))
+
+
+class JsonlEventSink:
+    """Events appended to a file, one JSON object per line, flushed per event."""
+
+    def __init__(self, path: str | os.PathLike[str]):
+        self.path = Path(path)
+        self._lock = threading.Lock()
+        self._file: Any = None
+
+    def emit(self, event: AgentEvent) -> None:
+        """Append the event as one JSON line and flush it."""
+        line = json.dumps(dataclasses.asdict(event), default=str, ensure_ascii=False)
+        with self._lock:
+            if self._file is None:
+                self._file = open(self.path, "a", encoding="utf-8")  # opened on first event
+            self._file.write(line + "\n")
+            self._file.flush()
+
+    def close(self) -> None:
+        """Close the file (a later event reopens it)."""
+        with self._lock:
+            if self._file is not None:
+                self._file.close()
+                self._file = None
+
+
+_SECRET_KEY = re.compile(r"(?i)(api[_-]?key|authorization|password|secret|access[_-]?token)")
+
+
+def redact(data: Any) -> Any:
+    """A copy of JSON-like data with the values of secret-looking keys replaced by '***'."""
+    if isinstance(data, dict):
+        return {k: "***" if isinstance(k, str) and _SECRET_KEY.search(k) else redact(v)
+                for k, v in data.items()}
+    if isinstance(data, list):
+        return [redact(v) for v in data]
+    return data
+
+
+# ---- 8. Workers: threads with deadlines and cancel ----------------------------------------------
+# A port may block forever. Each LLM or tool call runs in a daemon thread; the loop waits on a
+# wake-up event with the remaining time, so cancel and deadlines hold while the port is stuck.
+# A worker given up on keeps running until its port returns: it is counted, and past
+# _MAX_ABANDONED live ones new tool calls are refused rather than leaking threads without bound.
+
+_MAX_ABANDONED = 32
+_abandoned_lock = threading.Lock()
+_abandoned = 0
+
+
+def abandoned_workers() -> int:
+    """How many given-up worker threads are still running (blocked in a port)."""
+    return _abandoned
+
+
+class _Worker:
+    """One call on a daemon thread; `done` is set when it returns or raises."""
+
+    def __init__(self, fn: Callable[[], Any], name: str, wake: threading.Event):
+        self.fn, self.wake = fn, wake
+        self.value: Any = None
+        self.error: BaseException | None = None
+        self.done = threading.Event()
+        self._given_up = False
+        self.thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        global _abandoned
+        try:
+            self.value = self.fn()
+        except BaseException as e:  # handed to the waiting thread, never lost
+            self.error = e
+        with _abandoned_lock:
+            self.done.set()
+            if self._given_up:
+                _abandoned -= 1
+        self.wake.set()
+
+    def give_up(self) -> None:
+        """Stop caring about the result; the thread is counted until it ends."""
+        global _abandoned
+        with _abandoned_lock:
+            if not self.done.is_set() and not self._given_up:
+                self._given_up = True
+                _abandoned += 1
+
+
+def _wait_all(workers: Sequence[_Worker], deadlines: Sequence[float], wake: threading.Event,
+              cancel: CancelToken) -> None:
+    """Wait until each worker is done or past its deadline, or until cancel; then give up the rest."""
+    remove = cancel.on_cancel(wake.set)
+    try:
+        while not cancel.cancelled:
+            wake.clear()
+            now = time.monotonic()
+            pending = [d for w, d in zip(workers, deadlines) if not w.done.is_set() and d > now]
+            if not pending:
+                break
+            wake.wait(min(pending) - now)
+    finally:
+        remove()
+        for w in workers:
+            w.give_up()
+
+
+# ---- 9. The scheduler (AgentRuntime) ------------------------------------------------------------
+# A turn is a walk through six explicit states. Each state is one method that does its work and
+# returns the next state; `run` checks every transition against TRANSITIONS and emits it.
+
+class State(str, enum.Enum):
+    """The states of a turn."""
+    START = "start"
+    BUILD_PROMPT = "build_prompt"
+    LLM_INFER = "llm_infer"
+    PARSE_ACTION = "parse_action"
+    CALL_TOOL = "call_tool"
+    DONE = "done"
+
+
+TRANSITIONS: dict[State, frozenset[State]] = {
+    State.START: frozenset({State.BUILD_PROMPT}),
+    State.BUILD_PROMPT: frozenset({State.LLM_INFER}),
+    State.LLM_INFER: frozenset({State.PARSE_ACTION, State.DONE}),
+    State.PARSE_ACTION: frozenset({State.BUILD_PROMPT, State.CALL_TOOL, State.DONE}),
+    State.CALL_TOOL: frozenset({State.BUILD_PROMPT, State.DONE}),
+    State.DONE: frozenset(),
+}
+
+
+@dataclass
+class _Turn:
+    """Everything one turn knows; owned by the scheduler's thread."""
+    request: AgentRequest
+    policy: TurnPolicy
+    caller_cancel: CancelToken              # the caller's token: cancel means CANCELLED
+    cancel: CancelToken                     # this turn's: also fired at the deadline and the end
+    guard: LoopGuard
+    session: SessionState = field(default_factory=SessionState)
+    tools: list[ToolDescriptor] = field(default_factory=list)
+    input_index: int = 0                    # where this turn's user message sits in history
+    system: Message | None = None
+    prompt: LlmRequest | None = None
+    reply: LlmResponse | None = None
+    action: AgentAction | None = None
+    parse_failures: int = 0
+    usage: Usage = field(default_factory=Usage)
+    content: str = ""
+    finish: FinishReason = FinishReason.FINAL
+    guard_reason: GuardReason | None = None
+    error: BaseException | None = None
+    closed: bool = False                    # set at the end: late worker events are dropped
+
+
+class AgentRuntime:
+    """Runs agent turns: the FSM scheduler over an LlmPort, a ToolPort, a store and event sinks."""
+
+    def __init__(self, llm: LlmPort, tools: ToolPort | None = None, *,
+                 store: SessionStore | None = None,
+                 events: EventSink | Sequence[EventSink] | None = None,
+                 policy: TurnPolicy | None = None, system_prompt: str | None = None,
+                 action_mode: Literal["json", "native"] = "json", deny_tools: Sequence[str] = ()):
+        if action_mode not in ("json", "native"):
+            raise ConfigError(f"action_mode must be 'json' or 'native', got {action_mode!r}")
+        self.llm, self.tools, self.action_mode = llm, tools, action_mode
+        self.store: SessionStore = store if store is not None else InMemorySessionStore()
+        self.sinks: list[EventSink] = (list(events) if isinstance(events, (list, tuple))
+                                       else [events] if events is not None else [])
+        self.policy = policy or TurnPolicy()
+        self.system_prompt = system_prompt
+        self.deny_tools = tuple(deny_tools)
+        self._states: dict[State, Callable[[_Turn], State]] = {
+            State.START: self._start, State.BUILD_PROMPT: self._build_prompt,
+            State.LLM_INFER: self._llm_infer, State.PARSE_ACTION: self._parse_action,
+            State.CALL_TOOL: self._call_tool}
+
+    def run(self, request: AgentRequest, cancel: CancelToken | None = None) -> AgentRunResult:
+        """Run one turn to its end. Guards and cancel are results; LlmError/AgentError raise."""
+        policy = request.policy or self.policy
+        caller = cancel or CancelToken()
+        turn = _Turn(request, policy, caller, CancelToken(), LoopGuard(
+            policy, time.monotonic() + policy.turn_timeout_ms / 1000))
+        unlink = caller.on_cancel(turn.cancel.cancel)
+        try:
+            state = State.START
+            while state is not State.DONE:
+                nxt = self._states[state](turn)
+                assert nxt in TRANSITIONS[state], f"illegal transition {state} -> {nxt}"
+                self._emit(turn, "state", {"from": state.value, "to": nxt.value})
+                state = nxt
+        finally:
+            unlink()
+            turn.cancel.cancel()  # tells any port still running for this turn to stop
+        return self._done(turn)
+
+    def health(self) -> dict[str, Any]:
+        """A quick self-check: tool listing and hung worker threads."""
+        report: dict[str, Any] = {"ok": True, "action_mode": self.action_mode,
+                                  "abandoned_workers": abandoned_workers()}
+        try:
+            report["tools"] = len(self.tools.list_tools()) if self.tools else 0
+        except Exception as e:
+            report.update(ok=False, tools_error=f"{type(e).__name__}: {e}")
+        if report["abandoned_workers"] >= _MAX_ABANDONED:
+            report["ok"] = False
+        return report
+
+    # -- the states, in the order a turn visits them --
+
+    def _start(self, t: _Turn) -> State:
+        """Load the session, list tools once, append the user's message."""
+        stored = self.store.load(t.request.session_id)
+        t.session = stored or SessionState()
+        if t.request.history is not None:
+            t.session.messages = list(t.request.history)
+        try:
+            listed = self.tools.list_tools() if self.tools else []
+        except BobError:
+            raise
+        except Exception as e:
+            raise AgentError(f"listing tools failed: {type(e).__name__}: {e}") from e
+        t.tools = [d for d in listed if not is_denied(d.name, self.deny_tools)]
+        t.session.messages.append(Message("user", t.request.input))
+        t.input_index = len(t.session.messages) - 1
+        self._emit(t, "turn_started", {"input": t.request.input,
+                                       "tools": [d.name for d in t.tools]})
+        return State.BUILD_PROMPT
+
+    def _build_prompt(self, t: _Turn) -> State:
+        """System message + history cut to max_history_messages, in the mode's wire shape."""
+        if t.system is None:
+            instructions = t.request.system_prompt or self.system_prompt or DEFAULT_INSTRUCTIONS
+            t.system = Message("system", build_system_prompt(instructions, t.tools,
+                                                             self.action_mode))
+        history = truncate_history(t.session.messages, t.policy.max_history_messages,
+                                   t.input_index)
+        json_mode = self.action_mode == "json"
+        t.prompt = LlmRequest([t.system, *render_for_wire(history, self.action_mode)],
+                              [] if json_mode else t.tools, "json" if json_mode else None,
+                              t.guard.deadline)
+        return State.LLM_INFER
+
+    def _llm_infer(self, t: _Turn) -> State:
+        """Check cancel and the guards, then call the model in a worker until deadline/cancel."""
+        if t.caller_cancel.cancelled:
+            return self._cancelled(t)
+        trip = t.guard.before_llm_call()
+        if trip:
+            return self._trip(t, trip)
+        assert t.prompt is not None
+        prompt = t.prompt
+        self._emit(t, "llm_call_started", {"messages": len(prompt.messages)})
+        t0 = time.perf_counter()
+        wake = threading.Event()
+        worker = _Worker(lambda: self.llm.complete(prompt, t.cancel, lambda text: self._emit(
+            t, "text_delta", {"text": text})), "bob-llm", wake)
+        _wait_all([worker], [t.guard.deadline], wake, t.cancel)
+        if t.caller_cancel.cancelled:
+            return self._cancelled(t)
+        if not worker.done.is_set():
+            t.cancel.cancel()  # the deadline passed: free the port's connection
+            return self._trip(t, Trip(GuardReason.TURN_TIMEOUT, "the model did not answer "
+                                      f"within turn_timeout_ms={t.policy.turn_timeout_ms}"))
+        if worker.error is not None:
+            e = worker.error
+            t.error = e if isinstance(e, BobError) else AgentError(
+                f"the LLM port raised {type(e).__name__}: {e}")
+            return State.DONE
+        t.reply = worker.value
+        t.usage += t.reply.usage
+        self._emit(t, "llm_call_completed", {
+            "usage": dataclasses.asdict(t.reply.usage), "duration_ms": _ms_since(t0),
+            "finish_reason": t.reply.finish_reason})
+        return State.PARSE_ACTION
+
+    def _parse_action(self, t: _Turn) -> State:
+        """Turn the reply into an action; one corrective re-prompt, then AgentError."""
+        reply = t.reply
+        assert reply is not None
+        try:
+            t.action = self._to_action(reply, f"call_{len(t.session.messages)}")
+        except ActionParseError as e:
+            t.parse_failures += 1
+            self._emit(t, "parse_error", {"error": str(e), "attempt": t.parse_failures})
+            if t.parse_failures >= 2:
+                t.error = AgentError(f"the model replied with an invalid action twice in a row: "
+                                     f"{e}. Last reply: {_excerpt(reply.content)!r}")
+                return State.DONE
+            t.session.messages.append(Message("user", (
+                f"Your last reply was not a valid action: {e}. It began: "
+                f"{_excerpt(reply.content)!r}. " + (ACTION_CONTRACT if self.action_mode == "json"
+                                                  else "Answer in text or call a tool."))))
+            return State.BUILD_PROMPT
+        t.parse_failures = 0
+        action = t.action
+        self._emit(t, "action_parsed", {
+            "type": {Final: "final", AskUser: "ask_user", CallTools: "tool_call"}[type(action)],
+            "tools": [c.name for c in action.calls] if isinstance(action, CallTools) else []})
+        if isinstance(action, (Final, AskUser)):
+            text = action.content if isinstance(action, Final) else action.question
+            t.session.messages.append(Message("assistant", text))
+            t.content = text
+            t.finish = FinishReason.FINAL if isinstance(action, Final) else FinishReason.ASK_USER
+            return State.DONE
+        trip = t.guard.check_text(reply.content)  # stagnation never blocks a final answer
+        if trip:
+            return self._trip(t, trip)
+        text = reply.content if self.action_mode == "native" else ""
+        t.session.messages.append(Message("assistant", text, action.calls))
+        return State.CALL_TOOL
+
+    def _call_tool(self, t: _Turn) -> State:
+        """Check the batch against the guards, run it, append results in call order."""
+        assert isinstance(t.action, CallTools)
+        calls = t.action.calls
+        trip = t.guard.check_loop(calls)
+        if trip is None and len(calls) > t.policy.max_parallel_tools:
+            n = t.policy.max_parallel_tools
+            self._append_results(t, [_error(c, f"not run: this batch has {len(calls)} calls and "
+                                            f"at most max_parallel_tools={n} may run at once; "
+                                            f"call at most {n} tools at a time") for c in calls])
+            t.guard.record_refusal()
+            return State.BUILD_PROMPT
+        trip = trip or t.guard.check_budget(calls)
+        if trip:  # keep history well-formed: every call gets a result
+            self._append_results(t, [_error(c, f"not run: {trip.detail}") for c in calls])
+            return self._trip(t, trip)
+        results = self._run_batch(t, calls)
+        t.guard.record_results(results)
+        self._append_results(t, results)
+        if t.caller_cancel.cancelled:
+            return self._cancelled(t)
+        return State.BUILD_PROMPT
+
+    def _done(self, t: _Turn) -> AgentRunResult:
+        """Save the session (a failing save is an event, never a lost answer), then report."""
+        t.session.usage += t.usage
+        t.session.version += 1
+        try:
+            self.store.save(t.request.session_id, t.session)
+        except Exception as e:
+            self._emit(t, "error", {"error": f"{type(e).__name__}: {e}", "where": "store.save"})
+        if t.error is not None:
+            self._emit(t, "error", {"error": f"{type(t.error).__name__}: {t.error}",
+                                    "where": "turn"})
+        self._emit(t, "turn_completed", {
+            "finish_reason": t.finish.value, "usage": dataclasses.asdict(t.usage),
+            "guard_reason": t.guard_reason.value if t.guard_reason else None,
+            "steps": t.guard.steps, "tool_calls": t.guard.tool_calls})
+        t.closed = True
+        if t.error is not None:
+            raise t.error
+        return AgentRunResult(t.content, t.finish, t.guard_reason, t.usage, t.guard.steps,
+                              t.guard.tool_calls, list(t.session.messages))
+
+    # -- helpers of the states --
+
+    def _to_action(self, reply: LlmResponse, call_id: str) -> AgentAction:
+        if self.action_mode == "json":
+            return parse_action(reply.content, call_id)
+        if reply.tool_calls:  # native: ids must be unique in history; some servers omit them
+            return CallTools(tuple(c if c.id else dataclasses.replace(c, id=f"{call_id}_{i}")
+                                   for i, c in enumerate(reply.tool_calls)))
+        if not reply.content.strip():
+            raise ActionParseError("the reply was empty: no text and no tool calls")
+        return Final(reply.content)
+
+    def _run_batch(self, t: _Turn, calls: Sequence[ToolCall]) -> list[ToolResult]:
+        """Run the calls concurrently, each in a worker with its own timeout."""
+        wake = threading.Event()
+        results: list[ToolResult | None] = [None] * len(calls)
+        running: list[tuple[int, _Worker, float]] = []
+        for i, call in enumerate(calls):
+            self._emit(t, "tool_call_started", {"call_id": call.id, "name": call.name,
+                                                "arguments": redact(call.arguments)})
+            results[i] = self._refusal(t, call)
+            if results[i] is None:
+                timeout = min(t.policy.tool_timeout_ms / 1000, t.guard.remaining_s())
+                port = self.tools
+                assert port is not None
+                worker = _Worker(lambda c=call, s=timeout: port.call_tool(c, s),
+                                 f"bob-tool-{call.name}", wake)
+                running.append((i, worker, timeout))
+        t0 = time.monotonic()
+        _wait_all([w for _, w, _ in running], [t0 + s for _, _, s in running], wake, t.cancel)
+        for i, worker, timeout in running:
+            results[i] = self._outcome(t, calls[i], worker, timeout)
+        return [r for r in results if r is not None]
+
+    def _refusal(self, t: _Turn, call: ToolCall) -> ToolResult | None:
+        """An error result for a call that must not run, or None."""
+        if is_denied(call.name, self.deny_tools):
+            return _error(call, f"tool {call.name!r} is denied by policy (deny_tools)")
+        if all(d.name != call.name for d in t.tools):
+            names = ", ".join(d.name for d in t.tools) or "none"
+            return _error(call, f"unknown tool {call.name!r}; available tools: {names}")
+        if abandoned_workers() >= _MAX_ABANDONED:
+            return _error(call, f"executor unavailable: {_MAX_ABANDONED} earlier tool calls are "
+                                "still hung; restart the program")
+        return None
+
+    def _outcome(self, t: _Turn, call: ToolCall, worker: _Worker, timeout: float) -> ToolResult:
+        """The result of one worker: its value, an error, a timeout or an interruption."""
+        if not worker.done.is_set():
+            if t.caller_cancel.cancelled:
+                return _error(call, "interrupted: the turn was cancelled before this call ended")
+            return _error(call, f"tool {call.name!r} timed out after {round(timeout * 1000)} ms")
+        if worker.error is not None:
+            e = worker.error
+            return _error(call, f"executor unavailable: {type(e).__name__}: {e}")
+        r: ToolResult = worker.value
+        content = cut_output(r.content, t.policy.max_tool_output_chars)
+        return ToolResult(call.id, call.name, content, r.is_error, r.duration_ms)
+
+    def _append_results(self, t: _Turn, results: Sequence[ToolResult]) -> None:
+        for r in results:
+            self._emit(t, "tool_call_completed", {"call_id": r.call_id, "name": r.name,
+                                                  "is_error": r.is_error,
+                                                  "duration_ms": r.duration_ms})
+            t.session.messages.append(Message("tool", r.content, tool_call_id=r.call_id,
+                                              name=r.name, is_error=r.is_error))
+
+    def _trip(self, t: _Turn, trip: Trip) -> State:
+        self._emit(t, "guard_tripped", {"reason": trip.reason.value, "detail": trip.detail})
+        t.finish, t.guard_reason = FinishReason.GUARD_EXCEEDED, trip.reason
+        t.content = f"Stopped: {trip.detail}."
+        return State.DONE
+
+    def _cancelled(self, t: _Turn) -> State:
+        t.finish, t.content = FinishReason.CANCELLED, "Cancelled."
+        return State.DONE
+
+    def _emit(self, t: _Turn, kind: str, data: dict[str, Any]) -> None:
+        """Send one event to every sink; a sink that raises is logged and ignored."""
+        if t.closed or not self.sinks:
+            return
+        event = AgentEvent(kind, t.request.session_id, t.guard.steps, data, time.time())
+        for sink in self.sinks:
+            try:
+                sink.emit(event)
+            except Exception:
+                log.warning("event sink %r failed on %s; ignored", sink, kind, exc_info=True)
+
+
+def _error(call: ToolCall, text: str) -> ToolResult:
+    return ToolResult(call.id, call.name, text, True)
+
+
+# ---- 10. LLM adapters: ScriptedLlm, OpenAICompatLlm ---------------------------------------------
+
+class ScriptedLlm:
+    """A test double: replies from a list, in order, and records every request.
+
+    A reply is a str (the assistant text), an LlmResponse, an Exception (raised), or a callable
+    (req, cancel) -> str | LlmResponse, which may block to play a slow or hanging model.
+    """
+
+    def __init__(self, replies: Iterable[Any] = ()):
+        self.replies = list(replies)
+        self.requests: list[LlmRequest] = []
+        self._lock = threading.Lock()
+
+    def complete(self, req: LlmRequest, cancel: CancelToken,
+                 on_delta: Callable[[str], None] | None = None) -> LlmResponse:
+        """The next scripted reply; LlmError when the script is used up."""
+        with self._lock:
+            self.requests.append(req)
+            if not self.replies:
+                raise LlmError(f"ScriptedLlm has no reply left for request #{len(self.requests)}")
+            reply = self.replies.pop(0)
+        if isinstance(reply, BaseException):
+            raise reply
+        if callable(reply):
+            reply = reply(req, cancel)
+        if isinstance(reply, str):
+            return LlmResponse(reply, finish_reason="stop")
+        return reply
