@@ -24,6 +24,7 @@ only when an OpenAICompatLlm is created. Nothing happens at import time.
 from __future__ import annotations
 
 import dataclasses
+import email.utils
 import enum
 import fnmatch
 import hashlib
@@ -32,7 +33,9 @@ import json
 import logging
 import os
 import queue
+import random
 import re
+import socket
 import tempfile
 import threading
 import time
@@ -56,6 +59,7 @@ __all__ = [
     # machinery and adapters
     "parse_action", "LoopGuard", "abandoned_workers", "FunctionTools", "CompositeToolPort", "InMemorySessionStore",
     "JsonFileSessionStore", "LoggingEventSink", "JsonlEventSink", "AgentRuntime", "ScriptedLlm",
+    "OpenAICompatLlm", "PROVIDERS",
 ]
 
 log = logging.getLogger("bob")
@@ -407,7 +411,7 @@ Call one tool at a time; you will see its result, then reply again."""
 
 DEFAULT_INSTRUCTIONS = "You are a helpful assistant. Use the tools when they help."
 
-_FENCE = re.compile(r"^```(?:json)?\s*\n?(.*?)\n?```$", re.DOTALL)
+_FENCE = re.compile(r"^```(?:json)?\s*\n?(.*?)\n?```$", re.DOTALL | re.IGNORECASE)
 
 
 def parse_action(text: str, call_id: str = "call_1") -> AgentAction:
@@ -461,11 +465,12 @@ def build_system_prompt(instructions: str, tools: Sequence[ToolDescriptor], mode
     return "\n".join(parts)
 
 
-def _units(messages: Sequence[Message]) -> list[list[int]]:
-    """Group message indexes so an assistant tool-call message and its results stay together."""
+def _units(messages: Sequence[Message], lo: int = 0) -> list[list[int]]:
+    """Group message indexes (from `lo`) so a tool-call message and its results stay together."""
     units: list[list[int]] = []
     open_ids: set[str] = set()
-    for i, m in enumerate(messages):
+    for i in range(lo, len(messages)):
+        m = messages[i]
         if m.role == "tool" and units and m.tool_call_id in open_ids:
             units[-1].append(i)
             open_ids.discard(m.tool_call_id)
@@ -478,17 +483,30 @@ def _units(messages: Sequence[Message]) -> list[list[int]]:
 def kept_indexes(messages: Sequence[Message], limit: int, keep_from: int | None = None
                  ) -> list[int]:
     """Which messages survive truncation to at most `limit` non-system messages (see below)."""
-    units = [u for u in _units(messages) if messages[u[0]].role != "tool"]  # orphans go
-    system = [u for u in units if messages[u[0]].role == "system"]
+    lo = _tail_start(messages, limit, keep_from)   # only system messages survive before it
+    units = [u for u in _units(messages, lo) if messages[u[0]].role != "tool"]  # orphans go
+    system = [[i] for i in range(lo) if messages[i].role == "system"]
+    system += [u for u in units if messages[u[0]].role == "system"]
     rest = [u for u in units if messages[u[0]].role != "system"]
     count = sum(len(u) for u in rest)
     start = 0
     while count > limit and start < len(rest) - 1:
-        if keep_from is not None and rest[start][0] >= keep_from:
+        if keep_from is not None and rest[start][-1] >= keep_from:
             break
         count -= len(rest[start])
         start += 1
     return sorted(i for u in system + rest[start:] for i in u)
+
+
+def _tail_start(messages: Sequence[Message], limit: int, keep_from: int | None) -> int:
+    """The earliest index the kept tail can start at, so a capped prompt costs O(limit)."""
+    lo, count = len(messages), 0
+    while lo > 0 and count <= limit:
+        lo -= 1
+        count += messages[lo].role != "system"
+    while lo > 0 and messages[lo].role == "tool":   # never start inside a tool-call unit
+        lo -= 1
+    return lo if keep_from is None else min(lo, keep_from)
 
 
 def truncate_history(messages: Sequence[Message], limit: int, keep_from: int | None = None
@@ -502,21 +520,17 @@ def truncate_history(messages: Sequence[Message], limit: int, keep_from: int | N
     return [messages[i] for i in kept_indexes(messages, limit, keep_from)]
 
 
-def render_for_wire(messages: Sequence[Message], mode: str) -> list[Message]:
-    """Put history in the action mode's wire shape (see LlmRequest)."""
+def render_for_wire(m: Message, mode: str) -> Message:
+    """One history message in the action mode's wire shape (see LlmRequest)."""
     if mode != "json":
-        return list(messages)
-    out: list[Message] = []
-    for m in messages:
-        if m.role == "tool":
-            status = "failed" if m.is_error else "succeeded"
-            out.append(Message("user", f"Tool {m.name} (call {m.tool_call_id}) {status}. "
-                                       f"Result:\n{m.content}"))
-        elif m.role == "assistant":
-            out.append(Message("assistant", _action_text(m)))
-        else:
-            out.append(m)
-    return out
+        return m
+    if m.role == "tool":
+        status = "failed" if m.is_error else "succeeded"
+        return Message("user", f"Tool {m.name} (call {m.tool_call_id}) {status}. "
+                               f"Result:\n{m.content}")
+    if m.role == "assistant":
+        return Message("assistant", _action_text(m))
+    return m
 
 
 def _action_text(m: Message) -> str:
@@ -727,7 +741,7 @@ class FunctionTools:
         schema = f.descriptor.input_schema
         unknown = sorted(set(args) - set(f.params))
         missing = [p for p in schema["required"] if p not in args]
-        wrong = [f"{k} (expected {f.params[k].get('type') or f.params[k].get('enum')})"
+        wrong = [f"{k} (expected {_expected(f.params[k])})"
                  for k, v in args.items() if k in f.params
                  and not (v is None and k in f.nullable) and not _matches(v, f.params[k])]
         if not (unknown or missing or wrong):
@@ -737,6 +751,15 @@ class FunctionTools:
                  f"wrong types: {', '.join(wrong)}" if wrong else ""]
         return (f"invalid arguments for {f.descriptor.name}: " + "; ".join(p for p in parts if p)
                 + f". Input schema: {json.dumps(schema, sort_keys=True)}")
+
+
+def _expected(schema: dict[str, Any]) -> str:
+    """What a schema made by _schema_for accepts, in words for an error message."""
+    if "enum" in schema:
+        return "one of " + json.dumps(schema["enum"])
+    if "anyOf" in schema:
+        return " or ".join(_expected(s) for s in schema["anyOf"])
+    return schema.get("type", "any value")
 
 
 def _ms_since(t0: float) -> float:
@@ -824,7 +847,7 @@ class JsonFileSessionStore:
 
     def path_for(self, session_id: str) -> Path:
         """The file of a session; StoreError for an id that could escape the directory."""
-        if not _SESSION_ID.match(session_id) or ".." in session_id:
+        if not _SESSION_ID.fullmatch(session_id) or ".." in session_id:
             raise StoreError(f"invalid session id {session_id!r}: use 1-128 letters, digits, "
                              "'.', '_' or '-', starting with a letter or digit")
         return self.directory / f"{session_id}.json"
@@ -961,13 +984,13 @@ def _submit(job: Callable[[], None]) -> None:
 
 
 class _Worker:
-    """One call on a pool thread; `done` is set when it returns or raises."""
+    """One call on a pool thread; `done` turns True when it returns or raises."""
 
     def __init__(self, fn: Callable[[], Any], wake: threading.Event):
         self.fn, self.wake = fn, wake
         self.value: Any = None
         self.error: BaseException | None = None
-        self.done = threading.Event()
+        self.done = False
         self._given_up = False
         _submit(self._run)
 
@@ -978,7 +1001,7 @@ class _Worker:
         except BaseException as e:  # handed to the waiting thread, never lost
             self.error = e
         with _lock:
-            self.done.set()
+            self.done = True
             if self._given_up:
                 _abandoned -= 1
         self.wake.set()
@@ -987,7 +1010,7 @@ class _Worker:
         """Stop caring about the result; the thread is counted until it ends."""
         global _abandoned
         with _lock:
-            if not self.done.is_set() and not self._given_up:
+            if not self.done and not self._given_up:
                 self._given_up = True
                 _abandoned += 1
 
@@ -1000,7 +1023,7 @@ def _wait_all(workers: Sequence[_Worker], deadlines: Sequence[float], wake: thre
         while not cancel.cancelled:
             wake.clear()
             now = time.monotonic()
-            pending = [d for w, d in zip(workers, deadlines) if not w.done.is_set() and d > now]
+            pending = [d for w, d in zip(workers, deadlines) if not w.done and d > now]
             if not pending:
                 break
             wake.wait(min(pending) - now)
@@ -1046,7 +1069,8 @@ class _Turn:
     tools: list[ToolDescriptor] = field(default_factory=list)
     input_index: int = 0                    # where this turn's user message sits in history
     system: Message | None = None
-    wire: list[Message] = field(default_factory=list)  # session.messages rendered for the wire
+    wire: dict[int, Message] = field(default_factory=dict)  # rendered messages, by index
+    wake: threading.Event = field(default_factory=threading.Event)  # set by finishing workers
     prompt: LlmRequest | None = None
     reply: LlmResponse | None = None
     action: AgentAction | None = None
@@ -1140,8 +1164,10 @@ class AgentRuntime:
             t.system = Message("system", build_system_prompt(instructions, t.tools,
                                                              self.action_mode))
         messages = t.session.messages  # only grows during a turn: render each message once
-        t.wire += render_for_wire(messages[len(t.wire):], self.action_mode)
         kept = kept_indexes(messages, t.policy.max_history_messages, t.input_index)
+        for i in kept:
+            if i not in t.wire:
+                t.wire[i] = render_for_wire(messages[i], self.action_mode)
         json_mode = self.action_mode == "json"
         t.prompt = LlmRequest([t.system, *(t.wire[i] for i in kept)],
                               [] if json_mode else t.tools, "json" if json_mode else None,
@@ -1159,13 +1185,12 @@ class AgentRuntime:
         prompt = t.prompt
         self._emit(t, "llm_call_started", {"messages": len(prompt.messages)})
         t0 = time.perf_counter()
-        wake = threading.Event()
         worker = _Worker(lambda: self.llm.complete(prompt, t.cancel, lambda text: self._emit(
-            t, "text_delta", {"text": text})), wake)
-        _wait_all([worker], [t.guard.deadline], wake, t.cancel)
+            t, "text_delta", {"text": text})), t.wake)
+        _wait_all([worker], [t.guard.deadline], t.wake, t.cancel)
         if t.caller_cancel.cancelled:
             return self._cancelled(t)
-        if not worker.done.is_set():
+        if not worker.done:
             t.cancel.cancel()  # the deadline passed: free the port's connection
             return self._trip(t, Trip(GuardReason.TURN_TIMEOUT, "the model did not answer "
                                       f"within turn_timeout_ms={t.policy.turn_timeout_ms}"))
@@ -1177,7 +1202,7 @@ class AgentRuntime:
         t.reply = worker.value
         t.usage += t.reply.usage
         self._emit(t, "llm_call_completed", {
-            "usage": dataclasses.asdict(t.reply.usage), "duration_ms": _ms_since(t0),
+            "usage": dict(vars(t.reply.usage)), "duration_ms": _ms_since(t0),
             "finish_reason": t.reply.finish_reason})
         return State.PARSE_ACTION
 
@@ -1221,6 +1246,10 @@ class AgentRuntime:
         """Check the batch against the guards, run it, append results in call order."""
         assert isinstance(t.action, CallTools)
         calls = t.action.calls
+        if t.caller_cancel.cancelled:  # cancelled while the model answered: start nothing
+            self._append_results(t, [_error(c, "interrupted: the turn was cancelled before this "
+                                            "call started") for c in calls])
+            return self._cancelled(t)
         trip = t.guard.check_loop(calls)
         if trip is None and len(calls) > t.policy.max_parallel_tools:
             n = t.policy.max_parallel_tools
@@ -1252,7 +1281,7 @@ class AgentRuntime:
             self._emit(t, "error", {"error": f"{type(t.error).__name__}: {t.error}",
                                     "where": "turn"})
         self._emit(t, "turn_completed", {
-            "finish_reason": t.finish.value, "usage": dataclasses.asdict(t.usage),
+            "finish_reason": t.finish.value, "usage": dict(vars(t.usage)),
             "guard_reason": t.guard_reason.value if t.guard_reason else None,
             "steps": t.guard.steps, "tool_calls": t.guard.tool_calls})
         t.closed = True
@@ -1266,16 +1295,19 @@ class AgentRuntime:
     def _to_action(self, reply: LlmResponse, call_id: str) -> AgentAction:
         if self.action_mode == "json":
             return parse_action(reply.content, call_id)
-        if reply.tool_calls:  # native: ids must be unique in history; some servers omit them
-            return CallTools(tuple(c if c.id else dataclasses.replace(c, id=f"{call_id}_{i}")
-                                   for i, c in enumerate(reply.tool_calls)))
+        if reply.tool_calls:  # native: ids must be unique; some servers omit or repeat them
+            calls: list[ToolCall] = []
+            for i, c in enumerate(reply.tool_calls):
+                if not c.id or any(c.id == d.id for d in calls):
+                    c = dataclasses.replace(c, id=f"{call_id}_{i}")
+                calls.append(c)
+            return CallTools(tuple(calls))
         if not reply.content.strip():
             raise ActionParseError("the reply was empty: no text and no tool calls")
         return Final(reply.content)
 
     def _run_batch(self, t: _Turn, calls: Sequence[ToolCall]) -> list[ToolResult]:
         """Run the calls concurrently, each in a worker with its own timeout."""
-        wake = threading.Event()
         results: list[ToolResult | None] = [None] * len(calls)
         running: list[tuple[int, _Worker, float]] = []
         for i, call in enumerate(calls):
@@ -1286,10 +1318,10 @@ class AgentRuntime:
                 timeout = min(t.policy.tool_timeout_ms / 1000, t.guard.remaining_s())
                 port = self.tools
                 assert port is not None
-                worker = _Worker(lambda c=call, s=timeout: port.call_tool(c, s), wake)
+                worker = _Worker(lambda c=call, s=timeout: port.call_tool(c, s), t.wake)
                 running.append((i, worker, timeout))
         t0 = time.monotonic()
-        _wait_all([w for _, w, _ in running], [t0 + s for _, _, s in running], wake, t.cancel)
+        _wait_all([w for _, w, _ in running], [t0 + s for _, _, s in running], t.wake, t.cancel)
         for i, worker, timeout in running:
             results[i] = self._outcome(t, calls[i], worker, timeout)
         return [r for r in results if r is not None]
@@ -1308,7 +1340,7 @@ class AgentRuntime:
 
     def _outcome(self, t: _Turn, call: ToolCall, worker: _Worker, timeout: float) -> ToolResult:
         """The result of one worker: its value, an error, a timeout or an interruption."""
-        if not worker.done.is_set():
+        if not worker.done:
             if t.caller_cancel.cancelled:
                 return _error(call, "interrupted: the turn was cancelled before this call ended")
             return _error(call, f"tool {call.name!r} timed out after {round(timeout * 1000)} ms")
@@ -1382,3 +1414,491 @@ class ScriptedLlm:
         if isinstance(reply, str):
             return LlmResponse(reply, finish_reason="stop")
         return reply
+
+
+# OpenAICompatLlm: any OpenAI-compatible /chat/completions endpoint. OpenAI JSON exists only
+# here, in _to_wire / _from_wire and the stream reader; transport errors become LlmError in
+# _attempt, the one place that talks HTTP.
+
+PROVIDERS: dict[str, tuple[str, str | None]] = {
+    # provider: (default base_url, environment variable holding the API key or None)
+    "openai": ("https://api.openai.com/v1", "OPENAI_API_KEY"),
+    "ollama": ("http://localhost:11434/v1", None),
+    "vllm": ("http://localhost:8000/v1", None),
+    "llamacpp": ("http://localhost:8080/v1", None),
+    "lmstudio": ("http://localhost:1234/v1", None),
+    "openrouter": ("https://openrouter.ai/api/v1", "OPENROUTER_API_KEY"),
+    "groq": ("https://api.groq.com/openai/v1", "GROQ_API_KEY"),
+    "together": ("https://api.together.xyz/v1", "TOGETHER_API_KEY"),
+    "deepseek": ("https://api.deepseek.com/v1", "DEEPSEEK_API_KEY"),
+    "mistral": ("https://api.mistral.ai/v1", "MISTRAL_API_KEY"),
+}
+RETRYABLE_STATUSES = frozenset({408, 409, 429, 500, 502, 503, 504})
+_TOOL_NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
+_CONTEXT_TOO_LONG = re.compile(r"context.length|context.window|maximum context|too many tokens|"
+                               r"prompt is too long|input is too long|reduce the length", re.I)
+_OPTIONAL_FIELDS = ("response_format", "stream_options")  # dropped if a server rejects them
+
+
+def _text(content: Any) -> str:
+    """Message content as text: a string, null, or a list of {"type": "text"} parts."""
+    if isinstance(content, list):
+        return "".join(p.get("text") or "" for p in content if isinstance(p, dict))
+    return content if isinstance(content, str) else ""
+
+
+def _usage(u: Any) -> Usage:
+    if not isinstance(u, dict):
+        return Usage()
+    return Usage(int(u.get("prompt_tokens") or 0), int(u.get("completion_tokens") or 0))
+
+
+def _message_to_wire(m: Message) -> dict[str, Any]:
+    d: dict[str, Any] = {"role": m.role, "content": m.content or ""}  # "" not null: some reject
+    if m.tool_calls:
+        d["tool_calls"] = [{"id": c.id, "type": "function", "function": {
+            "name": c.name, "arguments": json.dumps(c.arguments, ensure_ascii=False)}}
+            for c in m.tool_calls]
+    if m.role == "tool":
+        d["tool_call_id"] = m.tool_call_id
+        if m.name:
+            d["name"] = m.name
+    return d
+
+
+def _tool_to_wire(t: ToolDescriptor) -> dict[str, Any]:
+    if not _TOOL_NAME.match(t.name):
+        raise ConfigError(f"tool name {t.name!r} cannot be sent to the model: names must match "
+                          f"{_TOOL_NAME.pattern} (letters, digits, _ and -, at most 64)")
+    return {"type": "function", "function": {"name": t.name, "description": t.description,
+                                             "parameters": t.input_schema}}
+
+
+def _call_from_wire(call_id: Any, name: Any, arguments: Any) -> ToolCall:
+    """A ToolCall; arguments that are not a JSON object become {} (see below)."""
+    # Why {}: a ToolCall's arguments must be a dict, and inventing keys (e.g. {"_raw": ...})
+    # could pass a lax schema and run the tool on garbage. With {} the tool's argument check
+    # reports what is missing to the model, which then retries. A missing id stays "": the
+    # runtime gives it a unique one.
+    args: Any = arguments
+    if isinstance(args, str):
+        try:
+            args = json.loads(args) if args.strip() else {}
+            if isinstance(args, str):  # some models double-encode
+                args = json.loads(args)
+        except ValueError:
+            args = None
+    if not isinstance(args, dict):
+        log.warning("tool call %s: arguments are not a JSON object, using {}: %.200r",
+                    name, arguments)
+        args = {}
+    return ToolCall(str(call_id or ""), str(name or ""), args)
+
+
+class _StreamAccumulator:
+    """Assembles streamed deltas: text, tool calls by index, usage, finish_reason."""
+
+    def __init__(self, on_delta: Callable[[str], None] | None):
+        self.on_delta = on_delta
+        self.text: list[str] = []
+        self.calls: dict[int, list[str]] = {}  # index -> [id, name, arguments]
+        self.usage: Usage = Usage()
+        self.finish_reason: str | None = None
+        self.started = False
+
+    def add(self, chunk: dict[str, Any]) -> None:
+        """Fold one chat.completion.chunk in; text deltas go to on_delta."""
+        if chunk.get("usage"):
+            self.usage = _usage(chunk["usage"])
+        for choice in chunk.get("choices") or ():
+            delta = choice.get("delta") or {}
+            piece = _text(delta.get("content"))
+            if piece:
+                self.started = True
+                self.text.append(piece)
+                if self.on_delta:
+                    self.on_delta(piece)
+            for i, tc in enumerate(delta.get("tool_calls") or ()):
+                self.started = True
+                slot = self.calls.setdefault(tc.get("index", i), ["", "", ""])
+                fn = tc.get("function") or {}
+                slot[0] = tc.get("id") or slot[0]           # ids may repeat: keep one
+                if fn.get("name") and fn["name"] != slot[1]:  # names may repeat: keep one
+                    slot[1] += fn["name"]
+                slot[2] += fn.get("arguments") or ""
+            self.finish_reason = choice.get("finish_reason") or self.finish_reason
+
+    def response(self) -> LlmResponse:
+        """What was assembled so far."""
+        calls = tuple(_call_from_wire(*self.calls[i]) for i in sorted(self.calls))
+        return LlmResponse("".join(self.text), calls, self.usage, self.finish_reason)
+
+
+def _sse_data(resp: Any) -> Any:
+    """Yield the data field of each Server-Sent Event, as soon as its line arrives."""
+    read1 = getattr(resp.raw, "read1", None)  # what has arrived: no waiting for 512 bytes
+    pieces = (iter(lambda: read1(65536, decode_content=True), b"") if read1
+              else resp.iter_content(512))
+    buf = b""
+    for piece in pieces:
+        buf += piece
+        *lines, buf = buf.split(b"\n")
+        for line in lines:
+            if line.startswith(b"data:"):
+                yield line[5:].strip().decode("utf-8", "replace")
+
+
+def _retry_after(value: str | None) -> float | None:
+    """Retry-After in seconds: a number or an HTTP date; None when absent or unreadable."""
+    if not value:
+        return None
+    try:
+        return max(0.0, float(value))
+    except ValueError:
+        pass
+    try:
+        when = email.utils.parsedate_to_datetime(value)
+    except (TypeError, ValueError):
+        return None
+    return max(0.0, when.timestamp() - time.time())
+
+
+def _cause(e: BaseException) -> str:
+    """The innermost reason of a transport error, short (requests nests them deeply)."""
+    found = re.findall(r"\[Errno -?\d+\] [^'\")]+|Read timed out|Connection refused|"
+                       r"Response ended prematurely|Remote end closed connection", str(e))
+    return found[-1] if found else type(e).__name__
+
+
+def _abort(conn: Any) -> None:
+    """Shut the socket of an in-flight connection: a thread blocked reading it wakes up."""
+    sock, fd = getattr(conn, "sock", None), getattr(conn, "bob_fd", None)
+    try:
+        if sock is not None and sock.fileno() != -1:
+            sock.shutdown(socket.SHUT_RDWR)
+        elif fd is not None:  # mid TLS handshake: shut the socket through a duplicate of its fd
+            with socket.socket(fileno=os.dup(fd)) as dup:
+                dup.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+
+
+def _tracking_session(inflight: dict[int, Any]) -> Any:
+    """A requests.Session whose connections record the thread using them in `inflight`.
+
+    cancel() must unblock a thread waiting for a reply; closing a Session only closes idle
+    connections, so we keep each in-flight connection to shut its socket down.
+    """
+    try:
+        import requests
+        import urllib3
+    except ImportError as e:
+        raise ConfigError(f"OpenAICompatLlm needs requests ({e}): pip install requests") from e
+
+    def in_flight(conn: Any, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        me = threading.get_ident()
+        inflight[me] = conn
+        out = fn(conn, *args, **kwargs)
+        if inflight.get(me) is not conn:  # cancelled before the socket existed
+            _abort(conn)
+        return out
+
+    def tracked(pool_cls: Any) -> Any:
+        base = pool_cls.ConnectionCls
+
+        class Connection(base):  # type: ignore[valid-type, misc]
+            def _new_conn(self) -> Any:
+                sock = base._new_conn(self)
+                self.bob_fd = sock.fileno()  # TLS wrapping detaches `sock`; _abort needs this
+                return sock
+
+            def connect(self) -> None:  # HTTPS pools connect before request()
+                try:
+                    in_flight(self, base.connect)
+                finally:
+                    self.bob_fd = None
+
+            def request(self, *args: Any, **kwargs: Any) -> Any:
+                return in_flight(self, base.request, *args, **kwargs)
+        return type(pool_cls.__name__, (pool_cls,), {"ConnectionCls": Connection})
+
+    pools = {"http": tracked(urllib3.HTTPConnectionPool),
+             "https": tracked(urllib3.HTTPSConnectionPool)}
+
+    class Adapter(requests.adapters.HTTPAdapter):
+        def init_poolmanager(self, *args: Any, **kwargs: Any) -> None:
+            super().init_poolmanager(*args, **kwargs)
+            self.poolmanager.pool_classes_by_scheme = pools
+
+        def proxy_manager_for(self, *args: Any, **kwargs: Any) -> Any:
+            manager = super().proxy_manager_for(*args, **kwargs)
+            if isinstance(manager, urllib3.ProxyManager):  # not SOCKS: it has its own pools
+                manager.pool_classes_by_scheme = pools
+            return manager
+
+    session = requests.Session()
+    session.mount("http://", Adapter())
+    session.mount("https://", Adapter())
+    return session
+
+
+@dataclass(frozen=True)
+class _Retry:
+    """A failed attempt that may be tried again (after `retry_after` s, if the server said)."""
+    error: LlmError
+    retry_after: float | None = None
+    counted: bool = True  # False: an optional field was dropped, which costs no retry
+
+
+class OpenAICompatLlm:
+    """An LlmPort for OpenAI-compatible /chat/completions endpoints (OpenAI, Ollama, vLLM, ...).
+
+    `model` is "provider:model" (split at the first colon; see PROVIDERS). `base_url` and
+    `api_key_env` override the provider's defaults; an unknown provider works with a base_url.
+    """
+
+    def __init__(self, model: str, base_url: str | None = None, api_key: str | None = None,
+                 api_key_env: str | None = None, retry_max: int = 2, stream: bool = False,
+                 temperature: float | None = None, seed: int | None = None,
+                 max_tokens: int | None = None, json_response_format: bool = True, *,
+                 timeout_s: float = 120.0, backoff_base_s: float = 0.5,
+                 stream_usage: bool = True):
+        provider, _, name = model.partition(":")
+        if not provider or not name:
+            raise ConfigError(f"model {model!r} must be 'provider:model', e.g. "
+                              "'openai:gpt-4o-mini' or 'ollama:llama3.2'")
+        if provider not in PROVIDERS and not base_url:
+            raise ConfigError(f"unknown provider {provider!r} in model {model!r}: known "
+                              f"providers are {', '.join(PROVIDERS)}; for another "
+                              "OpenAI-compatible server give base_url")
+        if not isinstance(retry_max, int) or retry_max < 0:
+            raise ConfigError(f"retry_max must be an integer >= 0, got {retry_max!r}")
+        default_url, default_env = PROVIDERS.get(provider, ("", None))
+        self.provider, self.model = provider, name
+        self.base_url = (base_url or default_url).rstrip("/")
+        self.api_key_env = api_key_env or default_env
+        self._api_key = self._find_key(model, api_key)
+        self._key_source = ("the api_key given" if api_key else
+                            f"the environment variable {self.api_key_env}" if self.api_key_env
+                            else "")
+        self.retry_max, self.stream, self.stream_usage = retry_max, stream, stream_usage
+        self.temperature, self.seed, self.max_tokens = temperature, seed, max_tokens
+        self.json_response_format = json_response_format
+        self.timeout_s, self.backoff_base_s = timeout_s, backoff_base_s
+        self._url = self.base_url + "/chat/completions"
+        self._headers = {"Content-Type": "application/json"}
+        if self._api_key:
+            self._headers["Authorization"] = f"Bearer {self._api_key}"
+        self._rejected: set[str] = set()       # optional fields this server refused
+        self._inflight: dict[int, Any] = {}    # thread id -> connection it is using
+        self._session = _tracking_session(self._inflight)  # one per adapter: keep-alive
+        import requests
+        import urllib3
+        self._transport_errors = (requests.RequestException, urllib3.exceptions.HTTPError,
+                                  OSError)
+
+    def _find_key(self, model: str, api_key: str | None) -> str | None:
+        """The API key: given, or from api_key_env; ConfigError naming the variable if absent."""
+        key = api_key or (os.environ.get(self.api_key_env) if self.api_key_env else None)
+        if not key and self.api_key_env:
+            raise ConfigError(f"no API key for {model!r}: set the environment variable "
+                              f"{self.api_key_env} (or pass api_key / api_key_env)")
+        if key and (not key.isascii() or any(c.isspace() for c in key)):
+            where = "api_key" if api_key else self.api_key_env  # e.g. a pasted newline
+            raise ConfigError(f"the API key for {model!r} in {where} contains spaces or "
+                              "non-ASCII characters; set it again")
+        return key or None
+
+    def __repr__(self) -> str:
+        return f"OpenAICompatLlm({self.provider + ':' + self.model!r}, base_url={self.base_url!r})"
+
+    def describe(self) -> str:
+        """One line for humans, e.g. "openai:gpt-4o-mini at https://api.openai.com/v1"."""
+        return f"{self.provider}:{self.model} at {self.base_url}"
+
+    def close(self) -> None:
+        """Close the pooled connections (the adapter still works: it reconnects)."""
+        self._session.close()
+
+    def complete(self, req: LlmRequest, cancel: CancelToken,
+                 on_delta: Callable[[str], None] | None = None) -> LlmResponse:
+        """One chat completion, with retries; LlmError after the last try, Cancelled on cancel."""
+        body = self._to_wire(req)
+        me = threading.get_ident()
+        unhook = cancel.on_cancel(lambda: _abort(self._inflight.pop(me, None)))
+        try:
+            tries = 0
+            while True:
+                if cancel.cancelled:
+                    raise Cancelled("the LLM request was cancelled")
+                outcome = self._attempt(body, req.deadline, cancel, on_delta)
+                if isinstance(outcome, LlmResponse):
+                    return outcome
+                if outcome.counted:
+                    tries += 1
+                if tries > self.retry_max:
+                    e = outcome.error
+                    raise LlmError(f"{e} (gave up after {tries} tries)", e.status_code, e.body)
+                self._pause(tries, outcome, req.deadline, cancel)
+        finally:
+            unhook()
+            self._inflight.pop(me, None)
+
+    # -- one HTTP exchange --
+
+    def _attempt(self, body: dict[str, Any], deadline: float | None, cancel: CancelToken,
+                 on_delta: Callable[[str], None] | None) -> LlmResponse | _Retry:
+        """Send once. Returns the reply or a _Retry; raises LlmError when retrying is useless."""
+        timeout = self._timeout(deadline)
+        data = json.dumps(body, separators=(",", ":")).encode()
+        try:
+            resp = self._session.post(self._url, data=data, headers=self._headers,
+                                      timeout=(timeout, timeout), stream=self.stream)
+            try:
+                if resp.status_code != 200:
+                    return self._http_failure(resp, body)
+                if "text/event-stream" in resp.headers.get("Content-Type", ""):
+                    return self._read_stream(resp, deadline, cancel, on_delta)
+                return self._from_wire(resp.content)
+            finally:
+                resp.close()
+        except self._transport_errors as e:  # the one place transport errors are converted
+            if cancel.cancelled:
+                raise Cancelled("the LLM request was cancelled") from None
+            return _Retry(LlmError(self._redact(f"{self._transport_text(e)} {self._url}: "
+                                                f"{_cause(e)}")))
+
+    def _timeout(self, deadline: float | None) -> float:
+        if deadline is None:
+            return self.timeout_s
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise LlmError(f"no time left in the turn for a request to {self._url}")
+        return left
+
+    @staticmethod
+    def _transport_text(e: Exception) -> str:
+        import requests
+        if isinstance(e, requests.ConnectTimeout):
+            return "timed out connecting to"
+        if isinstance(e, requests.Timeout):
+            return "no answer in time from"
+        return "cannot reach" if isinstance(e, requests.ConnectionError) else "transport error on"
+
+    def _http_failure(self, resp: Any, body: dict[str, Any]) -> _Retry:
+        """A non-200 answer: a _Retry when the status may pass, else raise LlmError at once."""
+        status, text = resp.status_code, resp.text
+        excerpt = self._redact(" ".join(text.split())[:300])
+        where = f"{self.describe()} answered HTTP {status}"
+        rejected = [f for f in _OPTIONAL_FIELDS if f in body and f in text]
+        if status == 400 and rejected:
+            self._rejected.add(rejected[0])
+            body.pop(rejected[0])
+            log.warning("%s rejected %s; sending requests without it", self._url, rejected[0])
+            return _Retry(LlmError(f"{where}: {excerpt}", status, excerpt), 0.0, counted=False)
+        if status in RETRYABLE_STATUSES:
+            return _Retry(LlmError(f"{where}: {excerpt}", status, excerpt),
+                          _retry_after(resp.headers.get("Retry-After")))
+        if status in (401, 403):
+            fix = (f"check the key in {self._key_source}" if self._key_source
+                   else "this server wants a key: set api_key_env")
+            where = f"{where} (the API key was refused: {fix})"
+        elif status == 400 and _CONTEXT_TOO_LONG.search(text):
+            where = (f"{where}: the conversation is too long for the model's context window "
+                     "(lower max_history_messages, or use a model with a longer context)")
+        elif status == 404:
+            where = f"{where} (check base_url and the model name {self.model!r})"
+        raise LlmError(f"{where}: {excerpt}", status, excerpt)
+
+    def _pause(self, tries: int, retry: _Retry, deadline: float | None,
+               cancel: CancelToken) -> None:
+        """Back off before the next try; never past the deadline, never through a cancel."""
+        delay = retry.retry_after
+        if delay is None:
+            delay = self.backoff_base_s * 2 ** (tries - 1) * random.uniform(0.5, 1.0)
+        left = self.timeout_s if deadline is None else deadline - time.monotonic()
+        if delay >= left:
+            e = retry.error
+            raise LlmError(f"{e} (no time left to retry: the next try would start in "
+                           f"{delay:.2f} s)", e.status_code, e.body)
+        if cancel.wait(delay):
+            raise Cancelled("the LLM request was cancelled")
+
+    def _redact(self, text: str) -> str:
+        return text.replace(self._api_key, "***") if self._api_key else text
+
+    # -- wire format --
+
+    def _to_wire(self, req: LlmRequest) -> dict[str, Any]:
+        """The request body; optional fields only when set (and not refused by the server)."""
+        body: dict[str, Any] = {"model": self.model,
+                                "messages": [_message_to_wire(m) for m in req.messages]}
+        if req.tools and req.response_format != "json":
+            body["tools"] = [_tool_to_wire(t) for t in req.tools]
+        if req.response_format == "json" and self.json_response_format:
+            body["response_format"] = {"type": "json_object"}
+        for key in ("temperature", "seed", "max_tokens"):
+            if getattr(self, key) is not None:
+                body[key] = getattr(self, key)
+        if self.stream:
+            body["stream"] = True
+            if self.stream_usage:
+                body["stream_options"] = {"include_usage": True}
+        for key in tuple(self._rejected):  # a copy: another turn's thread may add to it
+            body.pop(key, None)
+        return body
+
+    def _from_wire(self, raw: bytes) -> LlmResponse:
+        """A non-streamed completion body -> LlmResponse; LlmError quoting it if malformed."""
+        try:
+            data = json.loads(raw)
+        except ValueError:
+            data = None
+        choices = data.get("choices") if isinstance(data, dict) else None
+        if not (isinstance(choices, list) and choices and isinstance(choices[0], dict)):
+            what = "is not JSON" if data is None else "has no 'choices'"
+            excerpt = self._redact(raw[:300].decode("utf-8", "replace"))
+            raise LlmError(f"{self.describe()} answered HTTP 200 but the body {what}: "
+                           f"{excerpt!r}", 200, excerpt)
+        choice = choices[0]
+        msg = choice.get("message") or {}
+        calls = tuple(_call_from_wire(c.get("id"), (c.get("function") or {}).get("name"),
+                                      (c.get("function") or {}).get("arguments"))
+                      for c in msg.get("tool_calls") or ())
+        return LlmResponse(_text(msg.get("content")), calls, _usage(data.get("usage")),
+                           choice.get("finish_reason"))
+
+    # -- streaming --
+
+    def _read_stream(self, resp: Any, deadline: float | None, cancel: CancelToken,
+                     on_delta: Callable[[str], None] | None) -> LlmResponse | _Retry:
+        """Read Server-Sent Events to [DONE]; a stream cut before it finished is an LlmError."""
+        acc, done = _StreamAccumulator(on_delta), False
+        try:
+            for payload in _sse_data(resp):  # read on after [DONE], so the connection is reused
+                if done or payload == "[DONE]":
+                    done = True
+                    continue
+                acc.add(self._sse_json(payload))
+                if deadline is not None and time.monotonic() > deadline:
+                    raise LlmError(f"the stream from {self._url} ran past the turn deadline")
+        except self._transport_errors as e:
+            if cancel.cancelled:
+                raise Cancelled("the LLM request was cancelled") from None
+            if not (done or acc.started):  # nothing shown yet: safe to try again
+                return _Retry(LlmError(f"stream from {self._url} failed: {_cause(e)}"))
+        if not done and acc.finish_reason is None:
+            raise LlmError(f"the stream from {self._url} was cut before it finished "
+                           f"({len(''.join(acc.text))} chars received)")
+        return acc.response()
+
+    def _sse_json(self, payload: str) -> dict[str, Any]:
+        try:
+            chunk = json.loads(payload)
+        except ValueError:
+            chunk = None
+        if not isinstance(chunk, dict) or "error" in chunk:
+            excerpt = self._redact(payload[:300])
+            raise LlmError(f"{self.describe()} sent a bad stream event: {excerpt!r}", 200,
+                           excerpt)
+        return chunk

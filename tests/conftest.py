@@ -1,0 +1,42 @@
+"""Shared fixture of the core tests: ports that block until the test lets them go.
+
+    def test_x(hang):
+        release = hang()                  # a threading.Event a blocking port waits on
+        ...                               # at teardown every release is set, and the test
+                                          # waits until bob's abandoned workers have drained
+"""
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+import bob
+
+
+def wait_until(predicate, timeout: float = 2.0) -> bool:
+    """Poll `predicate` until it is true or `timeout` seconds pass; return its last value."""
+    end = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > end:
+            return predicate()
+        time.sleep(0.002)
+    return True
+
+
+@pytest.fixture
+def hang():
+    """Factory of release events; all are set at teardown, then abandoned workers must end."""
+    before = bob.abandoned_workers()
+    events: list[threading.Event] = []
+
+    def make() -> threading.Event:
+        ev = threading.Event()
+        events.append(ev)
+        return ev
+
+    yield make
+    for ev in events:
+        ev.set()
+    assert wait_until(lambda: bob.abandoned_workers() <= before), "blocked workers never ended"
