@@ -572,12 +572,19 @@ class LoopGuard:
         """Seconds left until the turn deadline (never negative)."""
         return max(0.0, self.deadline - time.monotonic())
 
+    def out_of_time(self) -> Trip | None:
+        """The turn deadline has passed."""
+        if time.monotonic() < self.deadline:
+            return None
+        return Trip(GuardReason.TURN_TIMEOUT,
+                    f"the turn took longer than turn_timeout_ms={self.policy.turn_timeout_ms}")
+
     def before_llm_call(self) -> Trip | None:
         """Checked before every LLM call: deadline, error streak, step budget."""
         p = self.policy
-        if time.monotonic() >= self.deadline:
-            return Trip(GuardReason.TURN_TIMEOUT,
-                        f"the turn took longer than turn_timeout_ms={p.turn_timeout_ms}")
+        trip = self.out_of_time()
+        if trip:
+            return trip
         if self.consecutive_errors >= p.max_consecutive_errors:
             return Trip(GuardReason.MAX_CONSECUTIVE_ERRORS,
                         f"{self.consecutive_errors} tool errors in a row "
@@ -610,8 +617,11 @@ class LoopGuard:
         return None
 
     def check_budget(self, calls: Sequence[ToolCall]) -> Trip | None:
-        """Before a batch runs: would it pass the turn's tool-call budget?"""
+        """Before a batch runs: is there time left, and would it pass the tool-call budget?"""
         p = self.policy
+        trip = self.out_of_time()  # no tool should start with a 0 ms timeout
+        if trip:
+            return trip
         if self.tool_calls + len(calls) > p.max_tool_calls:
             return Trip(GuardReason.MAX_TOOL_CALLS, f"{self.tool_calls} tool calls ran and "
                         f"{len(calls)} more would pass max_tool_calls={p.max_tool_calls}")
@@ -1629,12 +1639,6 @@ def _tracking_session(inflight: dict[int, Any]) -> Any:
         def init_poolmanager(self, *args: Any, **kwargs: Any) -> None:
             super().init_poolmanager(*args, **kwargs)
             self.poolmanager.pool_classes_by_scheme = pools
-
-        def proxy_manager_for(self, *args: Any, **kwargs: Any) -> Any:
-            manager = super().proxy_manager_for(*args, **kwargs)
-            if isinstance(manager, urllib3.ProxyManager):  # not SOCKS: it has its own pools
-                manager.pool_classes_by_scheme = pools
-            return manager
 
     session = requests.Session()
     session.mount("http://", Adapter())
