@@ -1058,7 +1058,7 @@ class State(str, enum.Enum):
 
 
 TRANSITIONS: dict[State, frozenset[State]] = {
-    State.START: frozenset({State.BUILD_PROMPT}),
+    State.START: frozenset({State.BUILD_PROMPT, State.DONE}),
     State.BUILD_PROMPT: frozenset({State.LLM_INFER}),
     State.LLM_INFER: frozenset({State.PARSE_ACTION, State.DONE}),
     State.PARSE_ACTION: frozenset({State.BUILD_PROMPT, State.CALL_TOOL, State.DONE}),
@@ -1149,23 +1149,19 @@ class AgentRuntime:
     # -- the states, in the order a turn visits them --
 
     def _start(self, t: _Turn) -> State:
-        """Load the session, list tools once, append the user's message."""
+        """Load the session, append the user's message, list tools once (bounded like any port)."""
         stored = self.store.load(t.request.session_id)
         t.session = stored or SessionState()
         if t.request.history is not None:
             t.session.messages = list(t.request.history)
-        try:
-            listed = self.tools.list_tools() if self.tools else []
-        except BobError:
-            raise
-        except Exception as e:
-            raise AgentError(f"listing tools failed: {type(e).__name__}: {e}") from e
-        t.tools = [d for d in listed if not is_denied(d.name, self.deny_tools)]
         t.session.messages.append(Message("user", t.request.input))
         t.input_index = len(t.session.messages) - 1
+        worker = self._call_port(t, self.tools.list_tools if self.tools else list)
+        if worker.done and worker.error is None:
+            t.tools = [d for d in worker.value if not is_denied(d.name, self.deny_tools)]
         self._emit(t, "turn_started", {"input": t.request.input,
                                        "tools": [d.name for d in t.tools]})
-        return State.BUILD_PROMPT
+        return self._stopped(t, worker, "listing the tools") or State.BUILD_PROMPT
 
     def _build_prompt(self, t: _Turn) -> State:
         """System message + history cut to max_history_messages, in the mode's wire shape."""
@@ -1195,20 +1191,11 @@ class AgentRuntime:
         prompt = t.prompt
         self._emit(t, "llm_call_started", {"messages": len(prompt.messages)})
         t0 = time.perf_counter()
-        worker = _Worker(lambda: self.llm.complete(prompt, t.cancel, lambda text: self._emit(
-            t, "text_delta", {"text": text})), t.wake)
-        _wait_all([worker], [t.guard.deadline], t.wake, t.cancel)
-        if t.caller_cancel.cancelled:
-            return self._cancelled(t)
-        if not worker.done:
-            t.cancel.cancel()  # the deadline passed: free the port's connection
-            return self._trip(t, Trip(GuardReason.TURN_TIMEOUT, "the model did not answer "
-                                      f"within turn_timeout_ms={t.policy.turn_timeout_ms}"))
-        if worker.error is not None:
-            e = worker.error
-            t.error = e if isinstance(e, BobError) else AgentError(
-                f"the LLM port raised {type(e).__name__}: {e}")
-            return State.DONE
+        worker = self._call_port(t, lambda: self.llm.complete(
+            prompt, t.cancel, lambda text: self._emit(t, "text_delta", {"text": text})))
+        stop = self._stopped(t, worker, "the model")
+        if stop:
+            return stop
         t.reply = worker.value
         t.usage += t.reply.usage
         self._emit(t, "llm_call_completed", {
@@ -1301,6 +1288,27 @@ class AgentRuntime:
                               t.guard.tool_calls, list(t.session.messages))
 
     # -- helpers of the states --
+
+    def _call_port(self, t: _Turn, fn: Callable[[], Any]) -> _Worker:
+        """Run a port call on a worker; wait until it ends, the turn deadline, or a cancel."""
+        worker = _Worker(fn, t.wake)
+        _wait_all([worker], [t.guard.deadline], t.wake, t.cancel)
+        return worker
+
+    def _stopped(self, t: _Turn, worker: _Worker, what: str) -> State | None:
+        """DONE if the port call was cancelled, timed out or raised; None if it gave a value."""
+        if t.caller_cancel.cancelled:
+            return self._cancelled(t)
+        if not worker.done:
+            t.cancel.cancel()  # the deadline passed: tell the port to free its connection
+            return self._trip(t, Trip(GuardReason.TURN_TIMEOUT, f"{what} did not answer "
+                                      f"within turn_timeout_ms={t.policy.turn_timeout_ms}"))
+        e = worker.error
+        if e is None:
+            return None
+        t.error = e if isinstance(e, BobError) else AgentError(
+            f"{what} failed: {type(e).__name__}: {e}")
+        return State.DONE
 
     def _to_action(self, reply: LlmResponse, call_id: str) -> AgentAction:
         if self.action_mode == "json":

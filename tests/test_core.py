@@ -296,6 +296,49 @@ def test_cancel_while_the_llm_blocks_forever(hang):
     assert wait_until(lambda: bob.abandoned_workers() <= before)   # ...until it ends
 
 
+class HungListing:
+    """A ToolPort whose list_tools blocks (e.g. a tool server that never answers)."""
+
+    def __init__(self, entered, release):
+        self.entered, self.release = entered, release
+
+    def list_tools(self):
+        self.entered.set()
+        self.release.wait()
+        return []
+
+    def call_tool(self, call, timeout_s):
+        raise AssertionError("never called")
+
+
+def test_cancel_while_list_tools_blocks_keeps_the_users_message(hang):
+    entered, release = threading.Event(), hang()
+    rt = agent(["never"], tools=HungListing(entered, release))
+    r, latency = run_and_cancel(rt, entered)
+    assert r.finish_reason is FinishReason.CANCELLED and latency < 0.1
+    assert [(m.role, m.content) for m in rt.store.load("c").messages] == [("user", "go")]
+
+
+def test_a_list_tools_that_hangs_past_the_deadline_is_a_turn_timeout(hang):
+    entered, release = threading.Event(), hang()
+    rt = agent(["never"], tools=HungListing(entered, release), turn_timeout_ms=150)
+    r = rt.run(AgentRequest("go"))
+    assert (r.finish_reason, r.guard_reason) == (FinishReason.GUARD_EXCEEDED,
+                                                 GuardReason.TURN_TIMEOUT)
+    assert "listing the tools" in r.content and "turn_timeout_ms=150" in r.content
+
+
+def test_a_list_tools_that_raises_is_an_agent_error_after_saving():
+    class Broken:
+        def list_tools(self):
+            raise RuntimeError("tool server gone")
+
+    rt = agent(["never"], tools=Broken())
+    with pytest.raises(AgentError, match="listing the tools failed: RuntimeError: tool server"):
+        rt.run(AgentRequest("keep me", session_id="s"))
+    assert rt.store.load("s").messages[-1].content == "keep me"
+
+
 def test_cancel_while_a_tool_blocks_forever(hang):
     entered, release = threading.Event(), hang()
     before = bob.abandoned_workers()
