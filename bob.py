@@ -27,6 +27,7 @@ import dataclasses
 import email.utils
 import enum
 import fnmatch
+import functools
 import hashlib
 import inspect
 import json
@@ -41,7 +42,6 @@ import threading
 import time
 import types
 import typing
-import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Literal, Protocol, Sequence, Union
@@ -57,9 +57,10 @@ __all__ = [
     # ports
     "LlmPort", "ToolPort", "SessionStore", "EventSink",
     # machinery and adapters
-    "parse_action", "LoopGuard", "abandoned_workers", "FunctionTools", "CompositeToolPort", "InMemorySessionStore",
-    "JsonFileSessionStore", "LoggingEventSink", "JsonlEventSink", "AgentRuntime", "ScriptedLlm",
-    "OpenAICompatLlm", "PROVIDERS",
+    "parse_action", "LoopGuard", "Trip", "State", "TRANSITIONS", "abandoned_workers",
+    "truncate_history", "render_for_wire", "FunctionTools", "CompositeToolPort",
+    "InMemorySessionStore", "JsonFileSessionStore", "LoggingEventSink", "JsonlEventSink",
+    "AgentRuntime", "ScriptedLlm", "OpenAICompatLlm", "PROVIDERS", "RETRYABLE_STATUSES",
 ]
 
 log = logging.getLogger("bob")
@@ -1027,7 +1028,7 @@ class _Worker:
 
 def _wait_all(workers: Sequence[_Worker], deadlines: Sequence[float], wake: threading.Event,
               cancel: CancelToken) -> None:
-    """Wait until each worker is done or past its deadline, or until cancel; then give up the rest."""
+    """Wait until each worker is done or past its deadline, or until cancel; give up the rest."""
     remove = cancel.on_cancel(wake.set)
     try:
         while not cancel.cancelled:
@@ -1105,8 +1106,9 @@ class AgentRuntime:
             raise ConfigError(f"action_mode must be 'json' or 'native', got {action_mode!r}")
         self.llm, self.tools, self.action_mode = llm, tools, action_mode
         self.store: SessionStore = store if store is not None else InMemorySessionStore()
-        self.sinks: list[EventSink] = (list(events) if isinstance(events, (list, tuple))
-                                       else [events] if events is not None else [])
+        self.sinks: list[EventSink] = (
+            [] if events is None else list(events) if isinstance(events, (list, tuple))
+            else [typing.cast(EventSink, events)])
         self.policy = policy or TurnPolicy()
         self.system_prompt = system_prompt
         self.deny_tools = tuple(deny_tools)
@@ -1326,6 +1328,8 @@ class AgentRuntime:
 
     def _run_batch(self, t: _Turn, calls: Sequence[ToolCall]) -> list[ToolResult]:
         """Run the calls concurrently, each in a worker with its own timeout."""
+        port = self.tools
+        assert port is not None  # _refusal lets only listed tools through
         results: list[ToolResult | None] = [None] * len(calls)
         running: list[tuple[int, _Worker, float]] = []
         for i, call in enumerate(calls):
@@ -1334,9 +1338,7 @@ class AgentRuntime:
             results[i] = self._refusal(t, call)
             if results[i] is None:
                 timeout = min(t.policy.tool_timeout_ms / 1000, t.guard.remaining_s())
-                port = self.tools
-                assert port is not None
-                worker = _Worker(lambda c=call, s=timeout: port.call_tool(c, s), t.wake)
+                worker = _Worker(functools.partial(port.call_tool, call, timeout), t.wake)
                 running.append((i, worker, timeout))
         t0 = time.monotonic()
         _wait_all([w for _, w, _ in running], [t0 + s for _, _, s in running], t.wake, t.cancel)
