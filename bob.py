@@ -58,7 +58,8 @@ __all__ = [
     "LlmPort", "ToolPort", "SessionStore", "EventSink",
     # machinery and adapters
     "parse_action", "LoopGuard", "Trip", "State", "TRANSITIONS", "abandoned_workers",
-    "truncate_history", "render_for_wire", "FunctionTools", "CompositeToolPort",
+    "build_system_prompt", "kept_indexes", "truncate_history", "render_for_wire", "is_denied",
+    "cut_output", "redact", "FunctionTools", "CompositeToolPort",
     "InMemorySessionStore", "JsonFileSessionStore", "LoggingEventSink", "JsonlEventSink",
     "AgentRuntime", "ScriptedLlm", "OpenAICompatLlm", "PROVIDERS", "RETRYABLE_STATUSES",
 ]
@@ -1328,8 +1329,6 @@ class AgentRuntime:
 
     def _run_batch(self, t: _Turn, calls: Sequence[ToolCall]) -> list[ToolResult]:
         """Run the calls concurrently, each in a worker with its own timeout."""
-        port = self.tools
-        assert port is not None  # _refusal lets only listed tools through
         results: list[ToolResult | None] = [None] * len(calls)
         running: list[tuple[int, _Worker, float]] = []
         for i, call in enumerate(calls):
@@ -1338,7 +1337,8 @@ class AgentRuntime:
             results[i] = self._refusal(t, call)
             if results[i] is None:
                 timeout = min(t.policy.tool_timeout_ms / 1000, t.guard.remaining_s())
-                worker = _Worker(functools.partial(port.call_tool, call, timeout), t.wake)
+                assert self.tools is not None  # _refusal lets only listed tools through
+                worker = _Worker(functools.partial(self.tools.call_tool, call, timeout), t.wake)
                 running.append((i, worker, timeout))
         t0 = time.monotonic()
         _wait_all([w for _, w, _ in running], [t0 + s for _, _, s in running], t.wake, t.cancel)

@@ -786,3 +786,11 @@ def test_scripted_llm_exception_reply_is_raised():
 def test_health_reports_tools_and_workers():
     report = agent([], tools=Counter().tools()).health()
     assert report["ok"] is True and report["tools"] == 2 and "abandoned_workers" in report
+
+
+def test_a_tool_call_with_no_tool_port_is_an_unknown_tool_result():
+    rt = agent([tc("ls"), final("no tools then")])
+    r = rt.run(AgentRequest("go"))
+    assert r.finish_reason is FinishReason.FINAL and r.content == "no tools then"
+    assert r.history[2].is_error
+    assert "unknown tool 'ls'; available tools: none" in r.history[2].content

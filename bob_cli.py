@@ -1,0 +1,685 @@
+"""bob_cli: bob's command line. Reads agent.toml, wires the adapters, runs a REPL or prompts.
+
+    python bob_cli.py --demo                       # no key, no config: a scripted session
+    python bob_cli.py                              # REPL on ./agent.toml (/help lists commands)
+    python bob_cli.py -p "What is 2 + 40?"         # one turn; only the answer goes to stdout
+    printf 'hi\\nand again\\n' | python bob_cli.py   # each line a turn of one session
+    python bob_cli.py --session work --trace run.jsonl -v
+
+Exit codes: 0 ok, 1 runtime error, 2 usage or config error (a missing API key included),
+3 a guard trip or a cancel ended a one-shot or piped turn.
+
+Sections:
+    1. Configuration: agent.toml -> Config      4. Shell: MCP tools, turns, commands
+    2. Demo tools and script                    5. Modes: piped, REPL, demo
+    3. Terminal sinks: status line, streaming   6. main
+
+Needs bob.py beside it; bob_mcp.py and the `mcp` package only when agent.toml lists MCP servers.
+"""
+from __future__ import annotations
+
+import argparse
+import atexit
+import contextlib
+import dataclasses
+import difflib
+import fnmatch
+import json
+import logging
+import os
+import re
+import signal
+import sys
+import threading
+import time
+import tomllib
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterable, Literal, NoReturn, TextIO
+
+import bob
+
+__all__ = ["Config", "Shell", "load_config", "main"]
+
+
+# ---- 1. Configuration: agent.toml -> Config ----------------------------------------------------
+# Each table has a schema, key -> kind. Errors name the file, the table and the key; values are
+# never echoed, since MCP env and headers hold secrets.
+
+_KINDS: dict[str, Callable[[Any], bool]] = {
+    "a string": lambda v: isinstance(v, str),
+    "a boolean": lambda v: isinstance(v, bool),
+    "an integer": lambda v: isinstance(v, int) and not isinstance(v, bool),
+    "a number": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+    "a list of strings": lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v),
+    "a table of strings": lambda v: isinstance(v, dict) and all(
+        isinstance(x, str) for x in v.values()),
+    "an array of tables": lambda v: isinstance(v, list) and all(isinstance(x, dict) for x in v),
+    "a table": lambda v: isinstance(v, dict),
+}
+_POLICY_KEYS = [f.name for f in dataclasses.fields(bob.TurnPolicy)]
+_SCHEMA: dict[str, dict[str, str]] = {
+    "top level": dict.fromkeys(("runtime", "llm", "store", "policy", "mcp"), "a table"),
+    "runtime": {"default_model": "a string", "action_mode": "a string",
+                "system_prompt": "a string", **dict.fromkeys(_POLICY_KEYS, "an integer")},
+    "llm": {"retry_max": "an integer", "stream_default": "a boolean", "base_url": "a string",
+            "api_key_env": "a string", "temperature": "a number", "seed": "an integer",
+            "max_tokens": "an integer", "json_response_format": "a boolean"},
+    "store": {"path": "a string"},
+    "policy": {"deny_tools": "a list of strings"},
+    "mcp": {"servers": "an array of tables"},
+    "mcp.servers": {"id": "a string", "transport": "a string", "command": "a string",
+                    "args": "a list of strings", "env": "a table of strings", "cwd": "a string",
+                    "url": "a string", "headers": "a table of strings",
+                    "tool_timeout_ms": "an integer", "startup_timeout_ms": "an integer",
+                    "required": "a boolean"},
+}
+_RANGES = {"retry_max": (0, 10), "max_tokens": (1, 10**7), "temperature": (0, 2)}  # [llm]
+_VAR = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
+_NEEDS = {"stdio": "command", "streamable_http": "url"}   # MCP transport -> its required key
+
+
+@dataclass(frozen=True)
+class Config:
+    """A checked agent.toml. Paths are absolute; MCP entries have their ${VAR}s expanded."""
+    path: Path | None = None
+    default_model: str = "openai:gpt-4o-mini"
+    action_mode: Literal["json", "native"] = "json"
+    system_prompt: str | None = None
+    policy: bob.TurnPolicy = field(default_factory=bob.TurnPolicy)
+    llm: dict[str, Any] = field(default_factory=dict)   # [llm] as given; OpenAICompatLlm defaults
+    store_path: Path | None = None
+    deny_tools: tuple[str, ...] = ()
+    mcp_servers: tuple[dict[str, Any], ...] = field(default=(), repr=False)  # holds secrets
+
+
+def _checked(values: Any, label: str, where: str, schema: str) -> dict[str, Any]:
+    """The table, after refusing unknown keys (naming the nearest valid one) and wrong kinds."""
+    kinds = _SCHEMA[schema]
+    if not isinstance(values, dict):
+        raise bob.ConfigError(f"{where}: {label} must be a table")
+    for key, value in values.items():
+        if key not in kinds:
+            near = difflib.get_close_matches(key, list(kinds), n=1)
+            raise bob.ConfigError(f"{where}: unknown key {key!r} in {label}; "
+                                  + (f"did you mean {near[0]!r}? " if near else "")
+                                  + f"valid keys: {', '.join(kinds)}")
+        if not _KINDS[kinds[key]](value):
+            raise bob.ConfigError(f"{where}: {label} {key} must be {kinds[key]}, "
+                                  f"got {type(value).__name__}")
+    return values
+
+
+def _expand(value: Any, where: str, environ: dict[str, str]) -> Any:
+    """${VAR} replaced from `environ` in a string, list or table; unset is a ConfigError."""
+    if isinstance(value, list):
+        return tuple(_expand(v, where, environ) for v in value)
+    if isinstance(value, dict):
+        return {k: _expand(v, f"{where}.{k}", environ) for k, v in value.items()}
+
+    def lookup(m: re.Match[str]) -> str:
+        if m.group(1) not in environ:
+            raise bob.ConfigError(f"{where}: environment variable {m.group(1)} is not set; "
+                                  "export it or change the value")
+        return environ[m.group(1)]
+    return _VAR.sub(lookup, value)
+
+
+def _mcp_server(raw: Any, n: int, where: str, base: Path,
+                environ: dict[str, str]) -> dict[str, Any]:
+    """One [[mcp.servers]] entry: keys checked, required keys present, ${VAR}s expanded."""
+    server = dict(_checked(raw, f"[[mcp.servers]] #{n}", where, "mcp.servers"))
+    here = f"{where}: [[mcp.servers]] #{n}"
+    if not server.get("id"):
+        raise bob.ConfigError(f"{here} is missing the required key 'id'")
+    here = f"{where}: [[mcp.servers]] id={server['id']!r}"
+    transport = server.get("transport", "stdio")
+    if transport not in _NEEDS:
+        raise bob.ConfigError(f'{here} transport must be "stdio" or "streamable_http"')
+    if not server.get(_NEEDS[transport]):
+        raise bob.ConfigError(f"{here} is missing {_NEEDS[transport]!r}, "
+                              f"required by transport {transport!r}")
+    for key in ("args", "env", "headers", "url"):
+        if key in server:
+            server[key] = _expand(server[key], f"{here} {key}", environ)
+    if "cwd" in server:  # like [store] path: relative to the config file
+        server["cwd"] = str(base / Path(server["cwd"]).expanduser())
+    return server
+
+
+def _read_toml(path: Path) -> dict[str, Any]:
+    """The parsed file; a missing file or a syntax error (line and column) is a ConfigError."""
+    try:
+        return tomllib.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        example = Path(__file__).resolve().parent / "agent.toml"
+        raise bob.ConfigError(f"config file {path} not found; start from the example: "
+                              f"cp {example} {path} (or pass --config PATH; or try --demo)"
+                              ) from None
+    except tomllib.TOMLDecodeError as e:
+        raise bob.ConfigError(f"{path}: invalid TOML: {e}") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise bob.ConfigError(f"cannot read config file {path}: {e}") from None
+
+
+def load_config(path: str | os.PathLike[str], environ: dict[str, str] | None = None) -> Config:
+    """Read and check an agent.toml; every problem is a ConfigError naming file, table and key."""
+    path = Path(path).expanduser().absolute()
+    where, env = str(path), dict(os.environ if environ is None else environ)
+    doc = _checked(_read_toml(path), "the top level", where, "top level")
+    t = {name: _checked(doc.get(name, {}), f"[{name}]", where, name)
+         for name in _SCHEMA["top level"]}
+    for key, (low, high) in _RANGES.items():
+        if key in t["llm"] and not low <= t["llm"][key] <= high:
+            raise bob.ConfigError(f"{where}: [llm] {key} must be between {low} and {high}")
+    servers = tuple(_mcp_server(s, n, where, path.parent, env)
+                    for n, s in enumerate(t["mcp"].get("servers", []), 1))
+    ids = [s["id"] for s in servers]
+    if len(set(ids)) != len(ids):
+        raise bob.ConfigError(f"{where}: [[mcp.servers]] ids must be unique, got {ids}")
+    store = t["store"].get("path")
+    rt = t["runtime"]
+    if rt.get("action_mode", "json") not in ("json", "native"):
+        raise bob.ConfigError(f'{where}: [runtime] action_mode must be "json" or "native"')
+    try:  # TurnPolicy checks its own values
+        policy = bob.TurnPolicy(**{k: v for k, v in rt.items() if k in _POLICY_KEYS})
+    except bob.ConfigError as e:
+        raise bob.ConfigError(f"{where}: [runtime] {e}") from None
+    return Config(path, **{k: v for k, v in rt.items() if k not in _POLICY_KEYS}, policy=policy,
+                  llm=t["llm"], deny_tools=tuple(t["policy"].get("deny_tools", ())),
+                  store_path=None if store is None else path.parent / Path(store).expanduser(),
+                  mcp_servers=servers)
+
+
+# ---- 2. Demo tools and script -------------------------------------------------------------------
+# --demo needs no key and no config: ScriptedLlm plays the model; these functions are real tools.
+
+def word_count(text: str) -> int:
+    """Count the words in a text."""
+    return len(text.split())
+
+
+def add(a: float, b: float) -> float:
+    """Add two numbers."""
+    return a + b
+
+
+def current_time() -> str:
+    """The local date and time, ISO 8601."""
+    return time.strftime("%Y-%m-%dT%H:%M:%S")
+
+
+def _demo_final(req: bob.LlmRequest, cancel: bob.CancelToken) -> str:
+    """The scripted model's last reply, quoting the time that current_time returned."""
+    found = re.search(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d", req.messages[-1].content)
+    return json.dumps({"type": "final", "content": "The text has 5 words; 5 + 37 = 42; the time "
+                       f"is {found.group(0) if found else 'unknown'}."})
+
+
+_DEMO_PROMPT = "How many words are in 'the quick brown fox jumps', plus 37? And what time is it?"
+_DEMO_REPLIES = (
+    ('{"type": "tool_call", "name": "word_count", "arguments": {"text": '
+     '"the quick brown fox jumps"}}'),
+    '{"type": "tool_call", "name": "add", "arguments": {"a": 5, "b": 37}}',
+    '{"type": "tool_call", "name": "current_time", "arguments": {}}',
+    _demo_final,
+)
+
+
+class EventPrinter:
+    """An EventSink printing each event as one readable line (--demo uses it)."""
+
+    def __init__(self, out: TextIO):
+        self.out = out
+
+    def emit(self, event: bob.AgentEvent) -> None:
+        """`[step] kind  summary`; state transitions as `from -> to`, other data as short JSON."""
+        d = event.data
+        text = (f"{d['from']} -> {d['to']}" if event.kind == "state"
+                else json.dumps(d, default=str, ensure_ascii=False))
+        text = text if len(text) <= 90 else text[:87] + "..."
+        print(f"  [{event.step}] {event.kind:<20} {text}", file=self.out, flush=True)
+
+
+# ---- 3. Terminal sinks: status line, streaming --------------------------------------------------
+
+class StatusLine:
+    """An EventSink keeping one stderr line current: state, step n/max, tools running, elapsed.
+
+    Used only when stderr is a terminal. The CLI calls `begin()` as a turn starts, `tick()`
+    while it waits, `clear()` before it prints the answer; streamed text also clears it.
+    """
+
+    def __init__(self, out: TextIO, max_steps: int):
+        self.out, self.max_steps, self._lock = out, max_steps, threading.Lock()
+        self._t0: float | None = None          # None: nothing to draw until the next turn
+        self._state, self._step = "start", 0
+        self._tools: list[str] = []
+
+    def emit(self, event: bob.AgentEvent) -> None:
+        """Update what the event changes, then redraw."""
+        kind, d = event.kind, event.data
+        if kind == "text_delta":
+            return self.clear()
+        self._state = d["to"] if kind == "state" else self._state
+        if kind == "tool_call_started":
+            self._tools.append(d["name"])
+        elif kind == "tool_call_completed" and d["name"] in self._tools:
+            self._tools.remove(d["name"])
+        self._step = event.step
+        self.tick()
+
+    def begin(self) -> None:
+        """A turn starts (loading the session and, at first, waiting for MCP servers)."""
+        self._t0, self._state, self._step, self._tools = time.monotonic(), "start", 0, []
+
+    def tick(self) -> None:
+        """Redraw: the elapsed time moves on."""
+        with self._lock:
+            if self._t0 is not None:
+                tools = f"  running {', '.join(self._tools)}" if self._tools else ""
+                self.out.write(f"\r\x1b[K  {self._state}  step {self._step}/{self.max_steps}"
+                               f"{tools}  {time.monotonic() - self._t0:.1f}s")
+                self.out.flush()
+
+    def clear(self) -> None:
+        """Erase the line; nothing is drawn until the next turn starts."""
+        with self._lock:
+            if self._t0 is not None:
+                self.out.write("\r\x1b[K")
+                self.out.flush()
+            self._t0 = None
+
+
+_FINAL_HEAD = re.compile(r'\s*(```(json)?\s*)?\{\s*"type"\s*:\s*"final"\s*,\s*"content"\s*:\s*"')
+_WHOLE_CHARS = re.compile(r'(?:[^"\\]|\\["\\/bfnrt]|\\u[0-9a-fA-F]{4})*')  # no half escape
+
+
+class StreamPrinter:
+    """An EventSink writing streamed answer text to stdout as it arrives.
+
+    In json mode it shows only the content of a `final` action, decoded while it streams.
+    `shown` is what the current LLM call put on screen, so the caller prints just the rest.
+    """
+
+    def __init__(self, out: TextIO, json_mode: bool):
+        self.out, self.json_mode, self.raw, self.shown = out, json_mode, "", ""
+
+    def emit(self, event: bob.AgentEvent) -> None:
+        """Start afresh at each LLM call; print the new part of the text at each delta."""
+        if event.kind == "llm_call_started":
+            if self.shown:  # text shown before a tool call stays; the next goes below it
+                self.out.write("\n")
+            self.raw = self.shown = ""
+        elif event.kind == "text_delta":
+            self.raw += event.data["text"]
+            text = self._final_so_far() if self.json_mode else self.raw
+            if len(text) > len(self.shown) and text.startswith(self.shown):
+                self.out.write(text[len(self.shown):])
+                self.out.flush()
+                self.shown = text
+
+    def _final_so_far(self) -> str:
+        head = _FINAL_HEAD.match(self.raw)
+        chars = _WHOLE_CHARS.match(self.raw, head.end()) if head else None
+        try:
+            return json.loads(f'"{chars.group(0)}"') if chars else ""
+        except ValueError:
+            return ""
+
+
+# ---- 4. Shell: MCP tools, turns, commands -------------------------------------------------------
+
+class McpTools:
+    """The MCP servers as a ToolPort, set up on a background thread: importing bob_mcp loads the
+    mcp SDK (about a second), and the prompt should not wait for it. The first list_tools or
+    call_tool waits for the import, then McpToolPort.start(wait=False) waits for the servers."""
+
+    def __init__(self, servers: Iterable[dict[str, Any]], import_timeout_s: float = 60.0):
+        self._lock, self._ready = threading.Lock(), threading.Event()
+        self._port: Any = None
+        self._error: BaseException | None = None
+        self._closed, self._timeout = False, import_timeout_s
+        threading.Thread(target=self._start, args=(list(servers),), name="bob-mcp-start",
+                         daemon=True).start()
+
+    def _start(self, servers: list[dict[str, Any]]) -> None:
+        try:
+            import bob_mcp
+            port = bob_mcp.McpToolPort([bob_mcp.McpServerConfig(**s) for s in servers])
+            with self._lock:   # a close() that came first wins: then nothing is started
+                if not self._closed:
+                    port.start(wait=False)
+                    self._port = port
+        except ImportError as e:
+            self._error = bob.ConfigError(f"MCP servers are configured but {e}")
+        except BaseException as e:  # handed to whoever uses the tools
+            self._error = e
+        finally:
+            self._ready.set()
+
+    def port(self) -> Any:
+        """The started McpToolPort; raises what setting it up raised."""
+        if not self._ready.wait(self._timeout):
+            raise bob.AgentError(f"loading the mcp SDK took over {self._timeout:.0f} s")
+        if self._error is not None:
+            raise self._error
+        return self._port
+
+    def list_tools(self) -> list[bob.ToolDescriptor]:
+        """Every server's tools, named <server_id>__<tool>."""
+        return self.port().list_tools()
+
+    def call_tool(self, call: bob.ToolCall, timeout_s: float) -> bob.ToolResult:
+        """Route the call to its server."""
+        return self.port().call_tool(call, timeout_s)
+
+    def tool_sources(self) -> dict[str, str]:
+        """Exposed tool name -> server id."""
+        return self.port().tool_sources()
+
+    def close(self) -> None:
+        """Stop every server process; idempotent."""
+        with self._lock:
+            self._closed, port = True, self._port
+        if port is not None:
+            port.close()
+
+
+_GUARD_KEYS = {"turn_timeout": "turn_timeout_ms", "loop_detected": "max_repeated_batches",
+               "stagnation": "max_stagnation_steps"}   # the others are named as their key
+_HELP = """  /help    this list
+  /tools   the tools the model may call: name, server, description
+  /reset   start a new session (the old one stays in the store)
+  /usage   tokens used in this session
+  /exit    quit (or Ctrl-D). Ctrl-C cancels a running turn, or clears the line."""
+
+
+def _one_line(e: BaseException) -> str:
+    return " ".join(str(e).split()) or type(e).__name__
+
+
+def new_session_id() -> str:
+    """A fresh session id, safe as a file name: cli-YYYYmmdd-HHMMSS-xxxxxx."""
+    return f"cli-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
+
+
+@dataclass
+class Shell:
+    """One conversation: runs turns (Ctrl-C cancels them), prints answers, runs /commands."""
+    runtime: bob.AgentRuntime
+    session_id: str
+    config_name: str = "agent.toml"
+    model: str = ""                    # for humans, e.g. "openai:gpt-4o-mini at https://..."
+    mcp: McpTools | None = None
+    status: StatusLine | None = None
+    printer: StreamPrinter | None = None
+    out: TextIO = field(default_factory=lambda: sys.stdout)
+    err: TextIO = field(default_factory=lambda: sys.stderr)
+    cancel: bob.CancelToken = field(default_factory=bob.CancelToken)
+
+    def turn(self, text: str) -> bob.AgentRunResult:
+        """Run one turn, print its answer (stdout) and any notice (stderr), return the result."""
+        try:
+            result = self._run(text)
+        finally:
+            if self.status:
+                self.status.clear()
+        shown, content = (self.printer.shown if self.printer else ""), result.content
+        print(content[len(shown):] if content.startswith(shown) else "\n" + content,
+              file=self.out, flush=True)
+        if self.printer:
+            self.printer.shown = ""
+        if result.finish_reason is bob.FinishReason.CANCELLED:
+            print("bob: turn cancelled; the session is kept", file=self.err, flush=True)
+        elif result.guard_reason is not None:
+            key = _GUARD_KEYS.get(result.guard_reason.value, result.guard_reason.value)
+            print(f"bob: turn stopped by the {result.guard_reason.value} guard; raise {key} "
+                  f"under [runtime] in {self.config_name}", file=self.err, flush=True)
+        return result
+
+    def _run(self, text: str) -> bob.AgentRunResult:
+        """runtime.run on a worker thread: SIGINT, which Python handles on the main thread, then
+        only sets the cancel token, and the runtime returns within 100 ms of it."""
+        cancel = self.cancel = bob.CancelToken()
+        box: dict[str, Any] = {}
+        done = threading.Event()
+
+        def work() -> None:
+            try:
+                box["result"] = self.runtime.run(bob.AgentRequest(text, self.session_id), cancel)
+            except BaseException as e:  # re-raised on the main thread below
+                box["error"] = e
+            finally:
+                done.set()
+        previous = signal.signal(signal.SIGINT, lambda signum, frame: cancel.cancel())
+        if self.status:
+            self.status.begin()
+        try:
+            threading.Thread(target=work, name="bob-turn", daemon=True).start()
+            while not done.wait(0.1):
+                if self.status:
+                    self.status.tick()
+        finally:
+            signal.signal(signal.SIGINT, previous)
+        if "error" in box:
+            raise box["error"]
+        return box["result"]
+
+    def command(self, line: str) -> bool:
+        """Run a /command; returns False when the user wants to quit."""
+        name = line.split()[0]
+        if name == "/help":
+            print(_HELP, file=self.out)
+        elif name == "/tools":
+            self._print_tools()
+        elif name == "/reset":
+            self.session_id = new_session_id()
+            print(f"new session {self.session_id}", file=self.out)
+        elif name == "/usage":
+            state = self.runtime.store.load(self.session_id)
+            u = state.usage if state else bob.Usage()
+            print(f"session {self.session_id}: {u.prompt_tokens} prompt + {u.completion_tokens} "
+                  f"completion = {u.total_tokens} tokens", file=self.out)
+        elif name not in ("/exit", "/quit"):
+            print(f"unknown command {name}; /help lists the commands", file=self.out)
+        return name not in ("/exit", "/quit")
+
+    def _print_tools(self) -> None:
+        tools = self.mcp.list_tools() if self.mcp else []
+        sources = self.mcp.tool_sources() if self.mcp else {}
+        width = max((len(t.name) for t in tools), default=0)
+        for t in tools:
+            denied = any(fnmatch.fnmatchcase(t.name, p) for p in self.runtime.deny_tools)
+            about = (t.description.strip().splitlines() or [""])[0][:70]
+            print(f"  {t.name:<{width}}  {sources.get(t.name, '?'):<12} {about}"
+                  + ("  (denied by [policy])" if denied else ""), file=self.out)
+        if not tools:
+            print("no tools (MCP servers are listed under [[mcp.servers]])", file=self.out)
+
+    def close(self) -> None:
+        """Cancel a running turn and stop every MCP server; idempotent."""
+        self.cancel.cancel()
+        if self.mcp is not None:
+            self.mcp.close()
+
+
+# ---- 5. Modes: piped, REPL, demo ----------------------------------------------------------------
+
+def exit_code(result: bob.AgentRunResult) -> int:
+    """3 when a guard or a cancel ended the turn, else 0."""
+    stopped = (bob.FinishReason.GUARD_EXCEEDED, bob.FinishReason.CANCELLED)
+    return 3 if result.finish_reason in stopped else 0
+
+
+def run_piped(shell: Shell, lines: Iterable[str]) -> int:
+    """Each non-empty line is a turn of one session; a cancel stops reading."""
+    code = 0
+    for line in filter(str.strip, lines):
+        result = shell.turn(line.strip())
+        code = max(code, exit_code(result))
+        if result.finish_reason is bob.FinishReason.CANCELLED:
+            break
+    return code
+
+
+def _save_history(readline: Any, path: str) -> None:
+    with contextlib.suppress(OSError):
+        readline.write_history_file(path)
+
+
+def _history() -> None:
+    """Line editing, and history kept in ~/.bob_history, where the readline module exists."""
+    try:
+        import readline
+    except ImportError:  # plain input() still works
+        return
+    path = os.path.expanduser("~/.bob_history")
+    with contextlib.suppress(OSError):
+        readline.read_history_file(path)
+    readline.set_history_length(1000)
+    atexit.register(_save_history, readline, path)
+
+
+def run_repl(shell: Shell, banner: str) -> int:
+    """Read-eval-print until /exit or Ctrl-D; a failed turn is reported and the REPL goes on."""
+    _history()
+    print(banner, file=shell.err, flush=True)
+    prompt = "bob> "
+    while True:
+        try:
+            line = input(prompt).strip()
+            if line.startswith("/") and not shell.command(line):
+                return 0
+            if line and not line.startswith("/"):
+                asked = shell.turn(line).finish_reason is bob.FinishReason.ASK_USER
+                prompt = "answer> " if asked else "bob> "  # the next line answers the question
+        except KeyboardInterrupt:   # Ctrl-C at the prompt drops the line (in a turn: cancels)
+            print(file=shell.out)
+        except EOFError:
+            print(file=shell.out)
+            return 0
+        except bob.BobError as e:
+            print(f"bob: error: {_one_line(e)}", file=shell.err, flush=True)
+
+
+def run_demo(sinks: list[Any]) -> int:
+    """A scripted model (bob.ScriptedLlm) drives real tools through the real loop, shown live."""
+    out = sys.stdout
+    runtime = bob.AgentRuntime(bob.ScriptedLlm(_DEMO_REPLIES),
+                               bob.FunctionTools([word_count, add, current_time]),
+                               events=[EventPrinter(out), *sinks])
+    print("bob --demo: bob.ScriptedLlm plays the model (no key needed); the tools and the turn "
+          f"loop are real, and every event is shown.\nuser> {_DEMO_PROMPT}", file=out, flush=True)
+    result = runtime.run(bob.AgentRequest(_DEMO_PROMPT, session_id="demo"))
+    print(f"answer> {result.content}\n({result.finish_reason.value}: {result.steps} LLM calls, "
+          f"{result.tool_calls} tool calls)", file=out, flush=True)
+    return exit_code(result)
+
+
+# ---- 6. main ------------------------------------------------------------------------------------
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="bob", description="Run the bob agent: a REPL on a terminal, one turn with -p, or "
+        "one turn per line of piped stdin.", epilog="exit codes: 0 ok, 1 runtime error, "
+        "2 usage or config error, 3 a guard or a cancel ended the turn")
+    p.add_argument("--config", metavar="PATH", default="agent.toml",
+                   help="the agent.toml to read (default: ./agent.toml)")
+    p.add_argument("-p", "--prompt", help="run one turn, print the answer, exit")
+    p.add_argument("--session", metavar="ID",
+                   help="session id; with [store] path set, resumes the session across runs")
+    p.add_argument("--model", help="provider:model; overrides [runtime] default_model")
+    p.add_argument("--trace", metavar="FILE", help="append every event to FILE as JSON lines")
+    p.add_argument("-v", "--verbose", action="store_true",
+                   help="log every event, and error tracebacks, on stderr")
+    p.add_argument("--demo", action="store_true",
+                   help="watch a scripted session drive real tools; needs no key or config")
+    return p
+
+
+def _sinks(args: argparse.Namespace) -> list[Any]:
+    """What the flags ask for: -v logs every event, --trace writes them as JSON lines."""
+    sinks: list[Any] = []
+    if args.verbose:
+        logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                            format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        sinks.append(bob.LoggingEventSink())
+    if args.trace:
+        sinks.append(bob.JsonlEventSink(args.trace))
+    return sinks
+
+
+def build_shell(cfg: Config, args: argparse.Namespace) -> Shell:
+    """Wire what the config names: the LLM (its key checked now), store, sinks, MCP servers."""
+    stream = cfg.llm.get("stream_default", False)
+    options = {k: v for k, v in cfg.llm.items() if k != "stream_default"}
+    try:
+        llm = bob.OpenAICompatLlm(args.model or cfg.default_model, stream=stream, **options)
+    except bob.ConfigError as e:
+        raise bob.ConfigError(f"{cfg.path}: {e}") from None
+    session_id = args.session or new_session_id()
+    store: Any = bob.InMemorySessionStore()
+    if cfg.store_path is not None:
+        store = bob.JsonFileSessionStore(cfg.store_path)
+        try:  # a bad --session id is a usage error, found before any turn
+            store.path_for(session_id)
+        except bob.StoreError as e:
+            raise bob.ConfigError(f"--session: {e}") from None
+    status = StatusLine(sys.stderr, cfg.policy.max_steps) if (
+        sys.stderr.isatty() and not args.verbose) else None
+    printer = StreamPrinter(sys.stdout, cfg.action_mode == "json") if stream else None
+    mcp = McpTools(cfg.mcp_servers) if cfg.mcp_servers else None
+    runtime = bob.AgentRuntime(llm, mcp, store=store, policy=cfg.policy,
+                               events=[s for s in (status, printer) if s] + _sinks(args),
+                               system_prompt=cfg.system_prompt, action_mode=cfg.action_mode,
+                               deny_tools=cfg.deny_tools)
+    name = cfg.path.name if cfg.path else "agent.toml"
+    return Shell(runtime, session_id, name, llm.describe(), mcp, status, printer)
+
+
+def _fail(e: BaseException, code: int, verbose: bool) -> int:
+    """Report an error on stderr in one line (and its traceback with -v); return `code`."""
+    if verbose:
+        logging.getLogger("bob").error("the traceback:", exc_info=e)
+    internal = "" if isinstance(e, bob.BobError) else f"internal error: {type(e).__name__}: "
+    print(f"bob: error: {internal}{_one_line(e)}", file=sys.stderr, flush=True)
+    return code
+
+
+def _terminate(signum: int, frame: Any) -> NoReturn:
+    raise SystemExit(128 + signum)   # unwinds through main's finally, which stops MCP servers
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the CLI on `argv` (default sys.argv[1:]); returns the exit code."""
+    args = _parser().parse_args(argv)
+    for signum in (signal.SIGTERM, signal.SIGHUP):   # a closed terminal sends SIGHUP
+        signal.signal(signum, _terminate)
+    shell: Shell | None = None
+    try:
+        if args.demo:
+            return run_demo(_sinks(args))
+        cfg = load_config(args.config)
+        shell = build_shell(cfg, args)
+        if args.prompt is not None:
+            return exit_code(shell.turn(args.prompt))
+        if not sys.stdin.isatty():
+            return run_piped(shell, sys.stdin)
+        servers = f"; {len(cfg.mcp_servers)} MCP server(s) starting" if cfg.mcp_servers else ""
+        return run_repl(shell, f"bob: {shell.model}, session "
+                        f"{shell.session_id}{servers}. /help lists commands, Ctrl-D quits.")
+    except bob.ConfigError as e:
+        return _fail(e, 2, args.verbose)
+    except Exception as e:  # BobError (LlmError, AgentError, StoreError...) or a bug
+        return _fail(e, 1, args.verbose)
+    except KeyboardInterrupt:
+        return 130
+    finally:
+        if shell is not None:
+            shell.close()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,485 @@
+"""Tests of bob_cli: the CLI as a real subprocess against a real local HTTP server (fake_openai).
+
+Sections:
+    1. Helpers: config files, runs, a pseudo terminal
+    2. Configuration (in process: load_config)
+    3. One-shot, piped, sessions, trace, guards, demo
+    4. Configuration errors and their exit codes
+    5. The REPL through a pseudo terminal
+    6. MCP servers never outlive the CLI
+"""
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import pty
+import select
+import signal
+import struct
+import subprocess
+import sys
+import termios
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from fake_openai import FakeOpenAI, stream_reply
+
+import bob
+import bob_cli
+
+CLI = REPO / "bob_cli.py"
+MCP_SERVER = REPO / "tests" / "mcp_server.py"
+KEY = "sk-test-" + "s3cret" * 3
+
+
+def final(text: str) -> str:
+    return json.dumps({"type": "final", "content": text})
+
+
+# ---- 1. Helpers: config files, runs, a pseudo terminal ----
+
+def child_env(tmp_path: Path, **extra: str) -> dict[str, str]:
+    """A clean environment: no API keys but the test one, HOME in the temp dir."""
+    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(tmp_path),
+           "LANG": "C.UTF-8", "TERM": "dumb", "BOB_TEST_KEY": KEY}
+    env.update(extra)
+    return env
+
+
+def write_config(tmp_path: Path, srv: FakeOpenAI | None, extra: str = "",
+                 runtime: str = "") -> Path:
+    """An agent.toml pointing base_url at the fake server; `extra` follows the [llm] keys."""
+    url = srv.url if srv else "http://127.0.0.1:9/v1"
+    timeout = "" if "turn_timeout_ms" in runtime else "turn_timeout_ms = 5000\n"
+    text = (f'[runtime]\ndefault_model = "openai:test"\n{timeout}{runtime}\n'
+            f'[llm]\nbase_url = "{url}"\napi_key_env = "BOB_TEST_KEY"\nretry_max = 0\n{extra}')
+    path = tmp_path / "agent.toml"
+    path.write_text(text)
+    return path
+
+
+def run_cli(tmp_path: Path, *args: str, stdin: str | None = None,
+            env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, str(CLI), *args], check=False, cwd=tmp_path,
+                          env=env or child_env(tmp_path), input=stdin,
+                          stdin=subprocess.DEVNULL if stdin is None else None,
+                          capture_output=True, text=True, timeout=15)
+
+
+def messages_of(request: dict) -> str:
+    return json.dumps(request["body"]["messages"])
+
+
+class Terminal:
+    """The CLI on a pseudo terminal (its controlling tty), read with select and a deadline."""
+
+    def __init__(self, tmp_path: Path, *args: str):
+        master, slave = pty.openpty()
+        fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 200, 0, 0))
+        self.proc = subprocess.Popen(
+            [sys.executable, str(CLI), *args], cwd=tmp_path, env=child_env(tmp_path),
+            stdin=slave, stdout=slave, stderr=slave, start_new_session=True,
+            preexec_fn=lambda: fcntl.ioctl(0, termios.TIOCSCTTY, 0))  # noqa: PLW1509 - no lock
+        os.close(slave)                                              # taken: just one syscall
+        self.fd, self.seen = master, b""
+
+    def expect(self, text: bytes, timeout: float = 3.0) -> bytes:
+        """Read until `text` appears; return everything up to it and consume it."""
+        deadline = time.monotonic() + timeout
+        while text not in self.seen:
+            left = deadline - time.monotonic()
+            ready = select.select([self.fd], [], [], max(left, 0))[0] if left > 0 else []
+            if not ready:
+                raise AssertionError(f"{text!r} not seen in time; output: {self.seen[-600:]!r}")
+            try:
+                data = os.read(self.fd, 4096)
+            except OSError:  # EIO: the child closed the terminal
+                data = b""
+            if not data:
+                raise AssertionError(f"{text!r} not seen before EOF; output: {self.seen!r}")
+            self.seen += data
+        head, _, self.seen = self.seen.partition(text)
+        return head
+
+    def send(self, data: bytes) -> None:
+        os.write(self.fd, data)
+
+    def wait_blocked_reading(self, timeout: float = 1.0) -> None:
+        """Wait until the CLI's main thread sleeps in select(): CPython's readline misses a
+        SIGINT that lands just before it enters select() (no human is that fast; a test is).
+        Where the kernel hides wchan this just waits `timeout`."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with contextlib.suppress(OSError):
+                wchan = Path(f"/proc/{self.proc.pid}/wchan").read_text()
+                if "poll" in wchan or "select" in wchan:   # "0" means running, not sleeping
+                    return
+            time.sleep(0.005)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(5)
+        os.close(self.fd)
+
+
+@pytest.fixture
+def srv():
+    with FakeOpenAI() as server:
+        yield server
+
+
+# ---- 2. Configuration (in process: load_config) ----
+
+def test_repository_agent_toml_is_a_working_example():
+    cfg = bob_cli.load_config(REPO / "agent.toml", environ={"HOME": "/home/x"})
+    assert cfg.default_model.startswith("openai:")
+    assert cfg.mcp_servers and all(s.get("required") is False for s in cfg.mcp_servers)
+    assert cfg.store_path == REPO / ".bob" / "sessions"
+
+
+def test_load_config_reads_every_table(tmp_path):
+    (tmp_path / "agent.toml").write_text(
+        '[runtime]\ndefault_model = "openai:m"\naction_mode = "native"\nmax_steps = 4\n'
+        'max_tool_output_chars = 500\nsystem_prompt = "Be brief."\n'
+        '[llm]\nstream_default = true\ntemperature = 0.5\nseed = 7\nmax_tokens = 99\n'
+        '[store]\npath = "s"\n[policy]\ndeny_tools = ["fs__write_*"]\n'
+        '[[mcp.servers]]\nid = "fs"\ncommand = "run-${WHO}"\nargs = ["--root", "${ROOT}"]\n'
+        'env = { TOKEN = "${TOKEN}" }\nheaders = { Authorization = "Bearer ${TOKEN}" }\n'
+        'cwd = "work"\nrequired = false\n')
+    cfg = bob_cli.load_config(tmp_path / "agent.toml",
+                              environ={"WHO": "me", "ROOT": "/r", "TOKEN": "tok-secret"})
+    assert (cfg.default_model, cfg.action_mode, cfg.system_prompt) == ("openai:m", "native",
+                                                                       "Be brief.")
+    assert cfg.policy == bob.TurnPolicy(max_steps=4, max_tool_output_chars=500)
+    assert cfg.llm == {"stream_default": True, "temperature": 0.5, "seed": 7, "max_tokens": 99}
+    assert cfg.store_path == tmp_path / "s" and cfg.deny_tools == ("fs__write_*",)
+    server = cfg.mcp_servers[0]
+    assert server["command"] == "run-${WHO}"   # only args, env, headers and url are expanded
+    assert server["args"] == ("--root", "/r") and server["env"] == {"TOKEN": "tok-secret"}
+    assert server["headers"] == {"Authorization": "Bearer tok-secret"}
+    assert server["cwd"] == str(tmp_path / "work")
+    assert "tok-secret" not in repr(cfg)
+
+
+def test_load_config_of_an_empty_file_gives_the_defaults(tmp_path):
+    (tmp_path / "agent.toml").write_text("")
+    cfg = bob_cli.load_config(tmp_path / "agent.toml")
+    assert cfg.policy == bob.TurnPolicy() and cfg.store_path is None and not cfg.mcp_servers
+
+
+@pytest.mark.parametrize("text, words", [
+    ("[runtime]\nmax_step = 3\n", ["[runtime]", "'max_step'", "did you mean 'max_steps'"]),
+    ("[runtim]\n", ["'runtim'", "did you mean 'runtime'"]),
+    ("[llm]\nstream_default = 1\n", ["[llm] stream_default must be a boolean"]),
+    ("[runtime]\nmax_steps = 0\n", ["[runtime]", "max_steps", "at least 1"]),
+    ("[llm]\ntemperature = 9\n", ["[llm] temperature", "between 0 and 2"]),
+    ('[runtime]\naction_mode = "xml"\n', ["action_mode", '"json" or "native"']),
+    ("[[mcp.servers]]\ncommand = 'x'\n", ["[[mcp.servers]] #1", "required key 'id'"]),
+    ("[[mcp.servers]]\nid = 'a'\nenv = { K = 5 }\n", ["env must be a table of strings"]),
+    ("[[mcp.servers]]\nid = 'a'\nwhat = 1\n", ["unknown key 'what'", "valid keys: id,"]),
+])
+def test_config_errors_name_file_table_and_key(tmp_path, text, words):
+    (tmp_path / "agent.toml").write_text(text)
+    with pytest.raises(bob.ConfigError) as err:
+        bob_cli.load_config(tmp_path / "agent.toml", environ={})
+    for word in [str(tmp_path / "agent.toml"), *words]:
+        assert word in str(err.value)
+
+
+# ---- 3. One-shot, piped, sessions, trace, guards, demo ----
+
+def test_one_shot_prints_only_the_answer(tmp_path, srv):
+    srv.push(final("Hello from the fake model."))
+    write_config(tmp_path, srv)
+    r = run_cli(tmp_path, "-p", "Say hello")
+    assert (r.returncode, r.stdout, r.stderr) == (0, "Hello from the fake model.\n", "")
+    body = srv.requests[0]["body"]
+    assert body["model"] == "test" and "Say hello" in messages_of(srv.requests[0])
+    assert srv.requests[0]["headers"]["Authorization"] == f"Bearer {KEY}"
+
+
+def test_model_flag_overrides_the_config(tmp_path, srv):
+    srv.push(final("ok"))
+    write_config(tmp_path, srv)
+    assert run_cli(tmp_path, "-p", "hi", "--model", "openai:other").returncode == 0
+    assert srv.requests[0]["body"]["model"] == "other"
+
+
+def test_piped_lines_are_turns_of_one_session(tmp_path, srv):
+    srv.push(final("First answer 1111."), final("Second answer 2222."))
+    write_config(tmp_path, srv)
+    r = run_cli(tmp_path, stdin="hi\n\nand again\n")
+    assert (r.returncode, r.stdout) == (0, "First answer 1111.\nSecond answer 2222.\n")
+    assert len(srv.requests) == 2
+    assert "First answer 1111." in messages_of(srv.requests[1])
+
+
+def test_session_is_resumed_by_a_second_process(tmp_path, srv):
+    srv.push(final("Noted, Ann-4242."), final("You are Ann-4242."))
+    write_config(tmp_path, srv, extra='[store]\npath = "sessions"\n')
+    assert run_cli(tmp_path, "--session", "s1", "-p", "I am Ann-4242").returncode == 0
+    assert (tmp_path / "sessions" / "s1.json").exists()
+    r = run_cli(tmp_path, "--session", "s1", "-p", "Who am I?")
+    assert (r.returncode, r.stdout) == (0, "You are Ann-4242.\n")
+    assert "Noted, Ann-4242." in messages_of(srv.requests[1])
+
+
+def test_trace_holds_every_event_and_no_key(tmp_path, srv):
+    srv.push(final("traced"))
+    write_config(tmp_path, srv)
+    r = run_cli(tmp_path, "-p", "hi", "--trace", "trace.jsonl", "-v")
+    assert r.returncode == 0 and r.stdout == "traced\n"
+    text = (tmp_path / "trace.jsonl").read_text()
+    kinds = [json.loads(line)["kind"] for line in text.splitlines()]
+    assert {"turn_started", "llm_call_started", "llm_call_completed", "turn_completed"} <= set(
+        kinds)
+    assert "turn_completed" in r.stderr  # -v logs the events
+    assert KEY not in text and KEY not in r.stderr
+
+
+def test_guard_trip_prints_the_notice_and_exits_3(tmp_path, srv):
+    srv.push(json.dumps({"type": "tool_call", "name": "nothing", "arguments": {}}))
+    write_config(tmp_path, srv, runtime="max_steps = 1\n")
+    r = run_cli(tmp_path, "-p", "loop")
+    assert r.returncode == 3 and r.stdout.strip()
+    assert "max_steps" in r.stderr and "raise max_steps under [runtime] in agent.toml" in r.stderr
+
+
+def test_turn_timeout_prints_the_notice_and_exits_3(tmp_path, srv):
+    srv.push(FakeOpenAI.HANG)
+    write_config(tmp_path, srv, runtime="turn_timeout_ms = 300\n")
+    try:
+        r = run_cli(tmp_path, "-p", "hang", "--config", "agent.toml")
+    finally:
+        srv.release()
+    assert r.returncode == 3 and "turn_timeout" in r.stdout + r.stderr
+    assert "raise turn_timeout_ms under [runtime] in agent.toml" in r.stderr
+
+
+def test_llm_error_is_one_line_and_exits_1(tmp_path, srv):
+    srv.push({"status": 400, "body": {"error": {"message": "bad model"}}})
+    write_config(tmp_path, srv)
+    r = run_cli(tmp_path, "-p", "hi")
+    assert r.returncode == 1 and r.stdout == ""
+    assert r.stderr.startswith("bob: error: ") and r.stderr.count("\n") == 1
+    assert "Traceback" not in r.stderr
+
+
+def test_streamed_json_answer_is_printed_once_as_plain_text(tmp_path, srv):
+    pieces = ['{"type": "fin', 'al", "content": "Hel', 'lo \\"wor', 'ld\\" \\u00e9', '"}']
+    srv.push(stream_reply(pieces))
+    write_config(tmp_path, srv, extra="stream_default = true\n")
+    r = run_cli(tmp_path, "-p", "hi")
+    assert (r.returncode, r.stdout) == (0, 'Hello "world" \u00e9\n')
+    assert srv.requests[0]["body"]["stream"] is True
+
+
+def test_sigint_cancels_a_one_shot_turn_with_exit_3(tmp_path, srv):
+    srv.push(FakeOpenAI.HANG)
+    write_config(tmp_path, srv)
+    proc = subprocess.Popen([sys.executable, str(CLI), "-p", "hang"], cwd=tmp_path,
+                            env=child_env(tmp_path), stdin=subprocess.DEVNULL,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert srv.wait_for_requests(1, timeout=5)
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=5)
+        assert proc.returncode == 3 and "cancelled" in err and out.strip()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        srv.release()
+
+
+def test_bad_session_id_is_a_usage_error(tmp_path, srv):
+    write_config(tmp_path, srv, extra='[store]\npath = "s"\n')
+    r = run_cli(tmp_path, "--session", "../escape", "-p", "hi")
+    assert r.returncode == 2 and "invalid session id" in r.stderr and not srv.requests
+
+
+def test_demo_runs_without_config_or_key(tmp_path):
+    env = child_env(tmp_path)
+    del env["BOB_TEST_KEY"]
+    r = run_cli(tmp_path, "--demo", env=env)
+    assert r.returncode == 0, r.stderr
+    for text in ("start -> build_prompt", "llm_infer -> parse_action", "call_tool -> build_prompt",
+                 "parse_action -> done", '"name": "word_count"', "answer> ", "42"):
+        assert text in r.stdout
+
+
+def test_help_names_the_flags_and_imports_neither_mcp_nor_requests(tmp_path):
+    r = subprocess.run([sys.executable, "-X", "importtime", str(CLI), "--help"], check=False,
+                       cwd=tmp_path, env=child_env(tmp_path), capture_output=True, text=True,
+                       timeout=15)
+    assert r.returncode == 0
+    for flag in ("--config", "-p", "--session", "--model", "--trace", "-v", "--demo"):
+        assert flag in r.stdout
+    imported = {line.rsplit("|", 1)[-1].strip() for line in r.stderr.splitlines()}
+    assert "bob" in imported and not imported & {"mcp", "requests", "bob_mcp"}
+
+
+# ---- 4. Configuration errors and their exit codes ----
+
+def test_missing_config_file_says_how_to_start(tmp_path):
+    r = run_cli(tmp_path, "-p", "hi")
+    assert r.returncode == 2
+    assert "agent.toml not found" in r.stderr and "cp " in r.stderr and "--demo" in r.stderr
+
+
+def test_toml_syntax_error_gives_line_and_column(tmp_path):
+    (tmp_path / "agent.toml").write_text("[runtime]\nmax_steps = = 3\n")
+    r = run_cli(tmp_path, "-p", "hi")
+    assert r.returncode == 2 and "line 2" in r.stderr and "column" in r.stderr
+
+
+def test_unknown_key_suggests_the_right_one(tmp_path):
+    write_config(tmp_path, None, runtime="max_tool_call = 3\n")
+    r = run_cli(tmp_path, "-p", "hi")
+    assert r.returncode == 2 and "did you mean 'max_tool_calls'" in r.stderr
+
+
+def test_wrong_type_names_the_key(tmp_path):
+    write_config(tmp_path, None, runtime='max_steps = "12"\n')
+    r = run_cli(tmp_path, "-p", "hi")
+    assert r.returncode == 2 and "[runtime] max_steps must be an integer" in r.stderr
+
+
+def test_missing_api_key_names_the_variable(tmp_path, srv):
+    write_config(tmp_path, srv)
+    env = child_env(tmp_path)
+    del env["BOB_TEST_KEY"]
+    r = run_cli(tmp_path, "-p", "hi", env=env)
+    assert r.returncode == 2 and "BOB_TEST_KEY" in r.stderr and not srv.requests
+
+
+def test_unset_variable_in_mcp_entry_is_named(tmp_path):
+    write_config(tmp_path, None, extra='[[mcp.servers]]\nid = "x"\ncommand = "true"\n'
+                                       'env = { T = "${BOB_UNSET_VAR_42}" }\n')
+    r = run_cli(tmp_path, "-p", "hi")
+    assert r.returncode == 2 and "BOB_UNSET_VAR_42" in r.stderr and "is not set" in r.stderr
+
+
+def test_usage_error_exits_2(tmp_path):
+    assert run_cli(tmp_path, "--no-such-flag").returncode == 2
+
+
+# ---- 5. The REPL through a pseudo terminal ----
+
+def test_repl_answers_cancels_on_ctrl_c_and_quits_on_ctrl_d(tmp_path, srv):
+    srv.push(final("first-reply"), FakeOpenAI.HANG, final("after-cancel"))
+    write_config(tmp_path, srv)
+    term = Terminal(tmp_path)
+    try:
+        term.expect(b"bob> ")
+        term.send(b"hello\r")
+        assert b"first-reply" in term.expect(b"bob> ")
+        term.send(b"wait for me\r")
+        assert srv.wait_for_requests(2)
+        term.send(b"\x03")                           # Ctrl-C while the model hangs
+        assert b"cancelled" in term.expect(b"bob> ")
+        srv.release()
+        term.send(b"typed then dropped")             # Ctrl-C at the prompt clears the line
+        term.expect(b"dropped")
+        term.wait_blocked_reading()
+        term.send(b"\x03")
+        term.expect(b"bob> ")
+        term.send(b"again\r")
+        assert b"after-cancel" in term.expect(b"bob> ")
+        assert "wait for me" in messages_of(srv.requests[2])   # the session is intact
+        assert "typed then dropped" not in messages_of(srv.requests[2])
+        term.send(b"/usage\r")
+        assert b"tokens" in term.expect(b"bob> ")
+        term.send(b"/tools\r")
+        assert b"no tools" in term.expect(b"bob> ")
+        term.send(b"\x04")                           # Ctrl-D quits
+        assert term.proc.wait(5) == 0
+    finally:
+        term.close()
+    assert (tmp_path / ".bob_history").exists()
+
+
+def test_repl_exit_command_and_ask_user(tmp_path, srv):
+    srv.push(json.dumps({"type": "ask_user", "question": "Which city?"}), final("Paris it is."))
+    write_config(tmp_path, srv)
+    term = Terminal(tmp_path)
+    try:
+        term.expect(b"bob> ")
+        term.send(b"weather please\r")
+        assert b"Which city?" in term.expect(b"answer> ")
+        term.send(b"Paris\r")
+        assert b"Paris it is." in term.expect(b"bob> ")
+        assert "Which city?" in messages_of(srv.requests[1])
+        term.send(b"/exit\r")
+        assert term.proc.wait(5) == 0
+    finally:
+        term.close()
+
+
+# ---- 6. MCP servers never outlive the CLI ----
+
+def processes_with(marker: str) -> list[int]:
+    """Pids whose command line carries the marker."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and marker.encode() in (entry / "cmdline").read_bytes():
+                pids.append(int(entry.name))
+        except OSError:
+            continue
+    return pids
+
+
+def test_sigterm_during_a_turn_leaves_no_mcp_process(tmp_path, srv):
+    marker = f"bob-test-{uuid.uuid4().hex}"
+    srv.push(FakeOpenAI.HANG)
+    write_config(tmp_path, srv, extra=(
+        f'[[mcp.servers]]\nid = "t"\ncommand = "{sys.executable}"\n'
+        f'args = ["{MCP_SERVER}", "--child", "--marker", "{marker}"]\n'))
+    proc = subprocess.Popen([sys.executable, str(CLI), "-p", "hang"], cwd=tmp_path,
+                            env=child_env(tmp_path), stdin=subprocess.DEVNULL,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        assert srv.wait_for_requests(1, timeout=10), "the turn never reached the model"
+        assert processes_with(marker), "the MCP server should be running during the turn"
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(5) != 0
+        deadline = time.monotonic() + 3
+        while processes_with(marker) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert processes_with(marker) == []
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.communicate(timeout=5)
+        srv.release()
+
+
+def test_ctrl_c_while_mcp_servers_start_brings_the_prompt_back(tmp_path, srv):
+    marker = f"bob-test-{uuid.uuid4().hex}"
+    write_config(tmp_path, srv, extra=(
+        f'[[mcp.servers]]\nid = "slow"\ncommand = "{sys.executable}"\nstartup_timeout_ms = 20000\n'
+        f'args = ["{MCP_SERVER}", "--hang", "--marker", "{marker}"]\n'))
+    term = Terminal(tmp_path)
+    try:
+        term.expect(b"bob> ")
+        term.send(b"hello\r")
+        deadline = time.monotonic() + 5
+        while not processes_with(marker) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert processes_with(marker), "the MCP server never started"
+        term.send(b"\x03")                   # the turn waits for the server's handshake
+        assert b"cancelled" in term.expect(b"bob> ", timeout=2.5)
+        term.send(b"\x04")
+        assert term.proc.wait(10) == 0
+    finally:
+        term.close()
+    assert not srv.requests and processes_with(marker) == []
