@@ -467,48 +467,53 @@ def build_system_prompt(instructions: str, tools: Sequence[ToolDescriptor], mode
     return "\n".join(parts)
 
 
-def _units(messages: Sequence[Message], lo: int = 0) -> list[list[int]]:
-    """Group message indexes (from `lo`) so a tool-call message and its results stay together."""
-    units: list[list[int]] = []
-    open_ids: set[str] = set()
-    for i in range(lo, len(messages)):
-        m = messages[i]
-        if m.role == "tool" and units and m.tool_call_id in open_ids:
-            units[-1].append(i)
-            open_ids.discard(m.tool_call_id)
-            continue
-        units.append([i])
-        open_ids = {c.id for c in m.tool_calls} if m.role == "assistant" else set()
-    return units
+class _Grouping:
+    """History grouped into units: an assistant tool-call message with its results, or any other
+    message alone. It is extended as a turn appends messages, so each step pays only for what is
+    new; tool results whose call is not right before them are orphans and never sent."""
+
+    def __init__(self) -> None:
+        self.units: list[list[int]] = []   # non-system units, oldest first
+        self.systems: list[int] = []       # system messages: always kept, never counted
+        self._open: set[str] = set()       # call ids of the last unit still without a result
+        self._seen = 0
+
+    def update(self, messages: Sequence[Message]) -> _Grouping:
+        """Group the messages appended since the last update."""
+        for i in range(self._seen, len(messages)):
+            m = messages[i]
+            if m.role == "tool":
+                if m.tool_call_id in self._open:
+                    self.units[-1].append(i)
+                    self._open.discard(m.tool_call_id)
+                continue
+            self._open = {c.id for c in m.tool_calls} if m.role == "assistant" else set()
+            if m.role == "system":
+                self.systems.append(i)
+            else:
+                self.units.append([i])
+        self._seen = len(messages)
+        return self
+
+    def kept(self, limit: int, keep_from: int | None) -> list[int]:
+        """The newest units that fit in `limit`; the newest one and those from `keep_from` on
+        are kept even past it. Walks back from the end, so it costs O(what is kept)."""
+        tail: list[list[int]] = []
+        count = 0
+        for u in reversed(self.units):
+            forced = not tail or (keep_from is not None and u[-1] >= keep_from)
+            if not forced and count + len(u) > limit:
+                break
+            tail.append(u)
+            count += len(u)
+        kept = [i for u in reversed(tail) for i in u]
+        return sorted(self.systems + kept) if self.systems else kept
 
 
 def kept_indexes(messages: Sequence[Message], limit: int, keep_from: int | None = None
                  ) -> list[int]:
-    """Which messages survive truncation to at most `limit` non-system messages (see below)."""
-    lo = _tail_start(messages, limit, keep_from)   # only system messages survive before it
-    units = [u for u in _units(messages, lo) if messages[u[0]].role != "tool"]  # orphans go
-    system = [[i] for i in range(lo) if messages[i].role == "system"]
-    system += [u for u in units if messages[u[0]].role == "system"]
-    rest = [u for u in units if messages[u[0]].role != "system"]
-    count = sum(len(u) for u in rest)
-    start = 0
-    while count > limit and start < len(rest) - 1:
-        if keep_from is not None and rest[start][-1] >= keep_from:
-            break
-        count -= len(rest[start])
-        start += 1
-    return sorted(i for u in system + rest[start:] for i in u)
-
-
-def _tail_start(messages: Sequence[Message], limit: int, keep_from: int | None) -> int:
-    """The earliest index the kept tail can start at, so a capped prompt costs O(limit)."""
-    lo, count = len(messages), 0
-    while lo > 0 and count <= limit:
-        lo -= 1
-        count += messages[lo].role != "system"
-    while lo > 0 and messages[lo].role == "tool":   # never start inside a tool-call unit
-        lo -= 1
-    return lo if keep_from is None else min(lo, keep_from)
+    """Which messages `truncate_history` keeps, as indexes in order."""
+    return _Grouping().update(messages).kept(limit, keep_from)
 
 
 def truncate_history(messages: Sequence[Message], limit: int, keep_from: int | None = None
@@ -1029,8 +1034,9 @@ class _Worker:
 
 def _wait_all(workers: Sequence[_Worker], deadlines: Sequence[float], wake: threading.Event,
               cancel: CancelToken) -> None:
-    """Wait until each worker is done or past its deadline, or until cancel; give up the rest."""
-    remove = cancel.on_cancel(wake.set)
+    """Wait until each worker is done or past its deadline, or until cancel; give up the rest.
+
+    Workers set `wake` when they end; the caller has `cancel` set it too (once per turn)."""
     try:
         while not cancel.cancelled:
             wake.clear()
@@ -1040,7 +1046,6 @@ def _wait_all(workers: Sequence[_Worker], deadlines: Sequence[float], wake: thre
                 break
             wake.wait(min(pending) - now)
     finally:
-        remove()
         for w in workers:
             w.give_up()
 
@@ -1082,6 +1087,7 @@ class _Turn:
     input_index: int = 0                    # where this turn's user message sits in history
     system: Message | None = None
     wire: dict[int, Message] = field(default_factory=dict)  # rendered messages, by index
+    grouping: _Grouping = field(default_factory=_Grouping)  # of session.messages
     wake: threading.Event = field(default_factory=threading.Event)  # set by finishing workers
     prompt: LlmRequest | None = None
     reply: LlmResponse | None = None
@@ -1124,6 +1130,7 @@ class AgentRuntime:
         caller = cancel or CancelToken()
         turn = _Turn(request, policy, caller, CancelToken(), LoopGuard(
             policy, time.monotonic() + policy.turn_timeout_ms / 1000))
+        turn.cancel.on_cancel(turn.wake.set)  # a cancel wakes whatever the turn waits for
         unlink = caller.on_cancel(turn.cancel.cancel)
         try:
             state = State.START
@@ -1173,7 +1180,7 @@ class AgentRuntime:
             t.system = Message("system", build_system_prompt(instructions, t.tools,
                                                              self.action_mode))
         messages = t.session.messages  # only grows during a turn: render each message once
-        kept = kept_indexes(messages, t.policy.max_history_messages, t.input_index)
+        kept = t.grouping.update(messages).kept(t.policy.max_history_messages, t.input_index)
         for i in kept:
             if i not in t.wire:
                 t.wire[i] = render_for_wire(messages[i], self.action_mode)
