@@ -1,4 +1,4 @@
-"""Shared fixture of the core tests: ports that block until the test lets them go.
+"""Shared test helpers: `wait_until`, and ports that block until the test lets them go.
 
     def test_x(hang):
         release = hang()                  # a threading.Event a blocking port waits on
@@ -15,8 +15,9 @@ import pytest
 import bob
 
 
-def wait_until(predicate, timeout: float = 2.0) -> bool:
-    """Poll `predicate` until it is true or `timeout` seconds pass; return its last value."""
+def wait_until(predicate, timeout: float = 3.0) -> bool:
+    """Poll `predicate` until it is true or `timeout` seconds pass; return its last value.
+    (Imported by the test modules: `from conftest import wait_until`.)"""
     end = time.monotonic() + timeout
     while not predicate():
         if time.monotonic() > end:

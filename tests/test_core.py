@@ -23,6 +23,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import bob
+from conftest import wait_until
 from bob import (AgentError, AgentRequest, AgentRuntime, CancelToken, ConfigError, FinishReason,
                  FunctionTools, GuardReason, LlmError, LlmResponse, Message, ScriptedLlm,
                  ToolCall, TurnPolicy, Usage)
@@ -101,13 +102,6 @@ def assert_well_formed(history: list[Message]) -> None:
             i += 1
 
 
-def wait_until(predicate, timeout: float = 2.0) -> bool:
-    end = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > end:
-            return predicate()
-        time.sleep(0.002)
-    return True
 
 
 def agent(replies, *, tools=None, mode="json", events=None, **policy) -> AgentRuntime:

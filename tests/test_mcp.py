@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 
 import bob
+from conftest import wait_until
 from bob import ConfigError, ToolCall
 from bob_mcp import McpError, McpServerConfig, McpToolPort, exposed_name
 
@@ -49,14 +50,6 @@ def marked_pids(marker: str) -> list[int]:
     return pids
 
 
-def wait_until(predicate, timeout: float = 3.0) -> bool:
-    """Poll `predicate` until true or `timeout` s pass; return its last value."""
-    end = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > end:
-            return predicate()
-        time.sleep(0.01)
-    return True
 
 
 def call(port: McpToolPort, tool: str, timeout_s: float = 5.0, **arguments) -> bob.ToolResult:
