@@ -23,6 +23,7 @@ only when an OpenAICompatLlm is created. Nothing happens at import time.
 """
 from __future__ import annotations
 
+import collections.abc
 import dataclasses
 import email.utils
 import enum
@@ -58,7 +59,7 @@ __all__ = [
     "LlmPort", "ToolPort", "SessionStore", "EventSink",
     # machinery and adapters
     "parse_action", "LoopGuard", "Trip", "State", "TRANSITIONS", "abandoned_workers",
-    "build_system_prompt", "kept_indexes", "truncate_history", "render_for_wire", "is_denied",
+    "build_system_prompt", "truncate_history", "render_for_wire", "is_denied",
     "cut_output", "redact", "FunctionTools", "CompositeToolPort",
     "InMemorySessionStore", "JsonFileSessionStore", "LoggingEventSink", "JsonlEventSink",
     "AgentRuntime", "ScriptedLlm", "OpenAICompatLlm", "PROVIDERS", "RETRYABLE_STATUSES",
@@ -510,12 +511,6 @@ class _Grouping:
         return sorted(self.systems + kept) if self.systems else kept
 
 
-def kept_indexes(messages: Sequence[Message], limit: int, keep_from: int | None = None
-                 ) -> list[int]:
-    """Which messages `truncate_history` keeps, as indexes in order."""
-    return _Grouping().update(messages).kept(limit, keep_from)
-
-
 def truncate_history(messages: Sequence[Message], limit: int, keep_from: int | None = None
                      ) -> list[Message]:
     """Drop the oldest non-system messages until at most `limit` remain.
@@ -524,7 +519,7 @@ def truncate_history(messages: Sequence[Message], limit: int, keep_from: int | N
     dropped too. The unit holding index `keep_from` (the current user input) and everything after
     it are always kept, even past the limit, so the model never loses the question it is answering.
     """
-    return [messages[i] for i in kept_indexes(messages, limit, keep_from)]
+    return [messages[i] for i in _Grouping().update(messages).kept(limit, keep_from)]
 
 
 def render_for_wire(m: Message, mode: str) -> Message:
@@ -662,7 +657,7 @@ def _schema_for(tp: Any) -> dict[str, Any]:
         options = [a for a in args if a is not type(None)]
         return _schema_for(options[0]) if len(options) == 1 else {
             "anyOf": [_schema_for(a) for a in options]}
-    if origin in (list, tuple, Sequence) or origin is typing.get_origin(Sequence[int]):
+    if origin in (list, tuple, collections.abc.Sequence):
         return {"type": "array", **({"items": _schema_for(args[0])} if args else {})}
     if origin is dict:
         return {"type": "object"}
@@ -671,8 +666,8 @@ def _schema_for(tp: Any) -> dict[str, Any]:
 
 def _matches(value: Any, schema: dict[str, Any]) -> bool:
     """A shallow check of a value against a schema made by _schema_for."""
-    if "enum" in schema:
-        return value in schema["enum"]
+    if "enum" in schema:  # True == 1 in Python, but not in JSON
+        return any(value == e and type(value) is type(e) for e in schema["enum"])
     if "anyOf" in schema:
         return any(_matches(value, s) for s in schema["anyOf"])
     kind = schema.get("type")
@@ -710,10 +705,13 @@ class FunctionTools:
         name = name or fn.__name__
         if name in self._functions:
             raise ConfigError(f"FunctionTools: two functions named {name!r}; pass name=...")
-        hints = typing.get_type_hints(fn)
+        try:
+            hints, params = typing.get_type_hints(fn), inspect.signature(fn).parameters
+        except (NameError, TypeError, ValueError) as e:
+            raise ConfigError(f"FunctionTools: cannot read the signature of {name}: {e}") from e
         props: dict[str, Any] = {}
         required, nullable = [], set()
-        for p in inspect.signature(fn).parameters.values():
+        for p in params.values():
             if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
                 raise ConfigError(f"FunctionTools: {name}() takes *args/**kwargs; tools need "
                                   "named parameters")

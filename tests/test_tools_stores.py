@@ -538,3 +538,21 @@ def test_native_mode_history_carries_tool_messages():
     assert llm.requests[1].response_format is None and [t.name for t in llm.requests[1].tools] \
         == ["add"]
     assert r.content == "5"
+
+
+def test_a_literal_of_ints_refuses_a_bool():
+    def pick(n: Literal[1, 2]) -> int:
+        """Pick."""
+        return n
+
+    r = FunctionTools([pick]).call_tool(ToolCall("c", "pick", {"n": True}), 1.0)
+    assert r.is_error and "n (expected one of [1, 2])" in r.content
+
+
+def test_a_function_whose_hints_cannot_be_read_is_a_config_error():
+    def broken(x: "NoSuchType") -> str:  # noqa: F821
+        """Broken."""
+        return x
+
+    with pytest.raises(ConfigError, match="cannot read the signature of broken"):
+        FunctionTools([broken])
