@@ -1130,13 +1130,21 @@ class AgentRuntime:
             policy, time.monotonic() + policy.turn_timeout_ms / 1000))
         turn.cancel.on_cancel(turn.wake.set)  # a cancel wakes whatever the turn waits for
         unlink = caller.on_cancel(turn.cancel.cancel)
+        state = State.START
         try:
-            state = State.START
             while state is not State.DONE:
                 nxt = self._states[state](turn)
-                assert nxt in TRANSITIONS[state], f"illegal transition {state} -> {nxt}"
+                if nxt not in TRANSITIONS[state]:
+                    raise AgentError(f"bug: illegal transition {state.value} -> {nxt.value}")
                 self._emit(turn, "state", {"from": state.value, "to": nxt.value})
                 state = nxt
+        except Exception as e:  # a bug or a broken store: save what the turn has, then raise
+            if not turn.session.messages:
+                raise               # the session never loaded: saving would overwrite it
+            turn.error = e
+            if not isinstance(e, BobError):
+                turn.error = AgentError(f"internal error in {state.value}: {type(e).__name__}: {e}")
+                turn.error.__cause__ = e
         finally:
             unlink()
             turn.cancel.cancel()  # tells any port still running for this turn to stop

@@ -788,3 +788,25 @@ def test_a_tool_call_with_no_tool_port_is_an_unknown_tool_result():
     assert r.finish_reason is FinishReason.FINAL and r.content == "no tools then"
     assert r.history[2].is_error
     assert "unknown tool 'ls'; available tools: none" in r.history[2].content
+
+
+def test_an_unexpected_error_inside_a_state_is_an_agent_error_after_saving():
+    class OddTools:  # a schema json cannot encode: building the prompt fails
+        def list_tools(self):
+            return [bob.ToolDescriptor("odd", "odd", {"type": "object", "x": object()})]
+
+        def call_tool(self, call, timeout_s):
+            raise AssertionError("never called")
+
+    rt = agent(["never"], tools=OddTools())
+    with pytest.raises(AgentError, match="internal error in build_prompt: TypeError"):
+        rt.run(AgentRequest("keep me", session_id="s"))
+    assert rt.store.load("s").messages[-1].content == "keep me"
+
+
+def test_a_store_that_cannot_load_raises_and_saves_nothing(tmp_path):
+    (tmp_path / "s.json").write_text("{not json")
+    rt = AgentRuntime(ScriptedLlm(["never"]), store=bob.JsonFileSessionStore(tmp_path))
+    with pytest.raises(bob.StoreError, match="s.json is corrupt"):
+        rt.run(AgentRequest("hi", session_id="s"))
+    assert (tmp_path / "s.json").read_text() == "{not json"     # nothing was overwritten
