@@ -618,20 +618,22 @@ class LoopGuard:
                         f"times (max_repeated_batches={self.policy.max_repeated_batches})")
         return None
 
-    def check_budget(self, calls: Sequence[ToolCall]) -> Trip | None:
-        """Before a batch runs: is there time left, and would it pass the tool-call budget?"""
+    def check_budget(self, runnable: int) -> Trip | None:
+        """Before a batch runs: is there time left, and would its `runnable` calls pass the
+        tool-call budget? (Refused calls, e.g. unknown tools, never run, so they do not count.)"""
         p = self.policy
         trip = self.out_of_time()  # no tool should start with a 0 ms timeout
         if trip:
             return trip
-        if self.tool_calls + len(calls) > p.max_tool_calls:
+        if self.tool_calls + runnable > p.max_tool_calls:
             return Trip(GuardReason.MAX_TOOL_CALLS, f"{self.tool_calls} tool calls ran and "
-                        f"{len(calls)} more would pass max_tool_calls={p.max_tool_calls}")
+                        f"{runnable} more would pass max_tool_calls={p.max_tool_calls}")
         return None
 
-    def record_results(self, results: Sequence[ToolResult]) -> None:
-        """Count a batch that ran; an error extends the streak, a success resets it."""
-        self.tool_calls += len(results)
+    def record_results(self, results: Sequence[ToolResult], ran: int) -> None:
+        """Count the `ran` calls that ran; an error result (refusals too) extends the streak,
+        a success resets it."""
+        self.tool_calls += ran
         for r in results:
             self.consecutive_errors = self.consecutive_errors + 1 if r.is_error else 0
 
@@ -1172,12 +1174,13 @@ class AgentRuntime:
             t.session.messages = list(t.request.history)
         t.session.messages.append(Message("user", t.request.input))
         t.input_index = len(t.session.messages) - 1
-        worker = self._call_port(t, self.tools.list_tools if self.tools else list)
-        if worker.done and worker.error is None:
+        worker = self._call_port(t, self.tools.list_tools) if self.tools is not None else None
+        if worker is not None and worker.done and worker.error is None:
             t.tools = [d for d in worker.value if not is_denied(d.name, self.deny_tools)]
         self._emit(t, "turn_started", {"input": t.request.input,
                                        "tools": [d.name for d in t.tools]})
-        return self._stopped(t, worker, "listing the tools") or State.BUILD_PROMPT
+        stop = worker and self._stopped(t, worker, "listing the tools")
+        return stop or State.BUILD_PROMPT
 
     def _build_prompt(self, t: _Turn) -> State:
         """System message + history cut to max_history_messages, in the mode's wire shape."""
@@ -1271,12 +1274,13 @@ class AgentRuntime:
                                             f"call at most {n} tools at a time") for c in calls])
             t.guard.record_refusal()
             return State.BUILD_PROMPT
-        trip = trip or t.guard.check_budget(calls)
+        refusals = [self._refusal(t, c) for c in calls]
+        trip = trip or t.guard.check_budget(sum(r is None for r in refusals))
         if trip:  # keep history well-formed: every call gets a result
             self._append_results(t, [_error(c, f"not run: {trip.detail}") for c in calls])
             return self._trip(t, trip)
-        results = self._run_batch(t, calls)
-        t.guard.record_results(results)
+        results, ran = self._run_batch(t, calls, refusals)
+        t.guard.record_results(results, ran)
         self._append_results(t, results)
         if t.caller_cancel.cancelled:
             return self._cancelled(t)
@@ -1307,6 +1311,9 @@ class AgentRuntime:
 
     def _call_port(self, t: _Turn, fn: Callable[[], Any]) -> _Worker:
         """Run a port call on a worker; wait until it ends, the turn deadline, or a cancel."""
+        if abandoned_workers() >= _MAX_ABANDONED:  # a port that ignores cancel: stop leaking
+            raise AgentError(f"{_MAX_ABANDONED} earlier port calls are still hung (a port that "
+                             "ignores cancel and deadlines); restart the program")
         worker = _Worker(fn, t.wake)
         _wait_all([worker], [t.guard.deadline], t.wake, t.cancel)
         return worker
@@ -1340,14 +1347,15 @@ class AgentRuntime:
             raise ActionParseError("the reply was empty: no text and no tool calls")
         return Final(reply.content)
 
-    def _run_batch(self, t: _Turn, calls: Sequence[ToolCall]) -> list[ToolResult]:
-        """Run the calls concurrently, each in a worker with its own timeout."""
-        results: list[ToolResult | None] = [None] * len(calls)
+    def _run_batch(self, t: _Turn, calls: Sequence[ToolCall],
+                   refusals: list[ToolResult | None]) -> tuple[list[ToolResult], int]:
+        """Run the calls not refused concurrently, each in a worker with its own timeout;
+        return all results in call order and how many calls ran."""
+        results = list(refusals)
         running: list[tuple[int, _Worker, float]] = []
         for i, call in enumerate(calls):
             self._emit(t, "tool_call_started", {"call_id": call.id, "name": call.name,
                                                 "arguments": redact(call.arguments)})
-            results[i] = self._refusal(t, call)
             if results[i] is None:
                 timeout = min(t.policy.tool_timeout_ms / 1000, t.guard.remaining_s())
                 assert self.tools is not None  # _refusal lets only listed tools through
@@ -1357,7 +1365,7 @@ class AgentRuntime:
         _wait_all([w for _, w, _ in running], [t0 + s for _, _, s in running], t.wake, t.cancel)
         for i, worker, timeout in running:
             results[i] = self._outcome(t, calls[i], worker, timeout)
-        return [r for r in results if r is not None]
+        return [r for r in results if r is not None], len(running)
 
     def _refusal(self, t: _Turn, call: ToolCall) -> ToolResult | None:
         """An error result for a call that must not run, or None."""
@@ -1367,7 +1375,7 @@ class AgentRuntime:
             names = ", ".join(d.name for d in t.tools) or "none"
             return _error(call, f"unknown tool {call.name!r}; available tools: {names}")
         if abandoned_workers() >= _MAX_ABANDONED:
-            return _error(call, f"executor unavailable: {_MAX_ABANDONED} earlier tool calls are "
+            return _error(call, f"executor unavailable: {_MAX_ABANDONED} earlier port calls are "
                                 "still hung; restart the program")
         return None
 

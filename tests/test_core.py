@@ -24,7 +24,8 @@ from hypothesis import strategies as st
 
 import bob
 from conftest import wait_until
-from bob import (AgentError, AgentRequest, AgentRuntime, CancelToken, ConfigError, FinishReason,
+from bob import (AgentError, AgentRequest, AgentRuntime, CancelToken, CompositeToolPort,
+                 ConfigError, FinishReason,
                  FunctionTools, GuardReason, LlmError, LlmResponse, Message, ScriptedLlm,
                  ToolCall, TurnPolicy, Usage)
 
@@ -810,3 +811,31 @@ def test_a_store_that_cannot_load_raises_and_saves_nothing(tmp_path):
     with pytest.raises(bob.StoreError, match="s.json is corrupt"):
         rt.run(AgentRequest("hi", session_id="s"))
     assert (tmp_path / "s.json").read_text() == "{not json"     # nothing was overwritten
+
+
+def test_refused_calls_do_not_count_against_max_tool_calls():
+    c = Counter()
+    rt = AgentRuntime(ScriptedLlm([tc("nope"), tc("fs__write_x"), tc("echo", x=1), final("ok")]),
+                      CompositeToolPort([c.tools(), FunctionTools([fs__write_x])]),
+                      policy=TurnPolicy(max_tool_calls=1), deny_tools=["fs__write_*"])
+    r = rt.run(AgentRequest("go"))
+    assert (r.finish_reason, r.tool_calls) == (FinishReason.FINAL, 1)
+    assert [name for name, _ in c.calls] == ["echo"]
+
+
+def fs__write_x() -> str:
+    """A denied tool."""
+    raise AssertionError("a denied tool must never run")
+
+
+def test_port_calls_that_ignore_cancel_are_capped(hang):
+    release = hang()
+    n = bob._MAX_ABANDONED - bob.abandoned_workers()
+    entered = [threading.Event() for _ in range(n)]
+    rt = agent([blocking_llm(e, release) for e in entered] + ["never"])
+    for e in entered:   # each turn's model call hangs, ignoring the cancel that ends the turn
+        assert run_and_cancel(rt, e)[0].finish_reason is FinishReason.CANCELLED
+    assert bob.abandoned_workers() >= bob._MAX_ABANDONED
+    with pytest.raises(AgentError, match="earlier port calls are still hung"):
+        rt.run(AgentRequest("one more", session_id="c"))
+    assert rt.store.load("c").messages[-1].content == "one more"

@@ -382,11 +382,14 @@ def test_json_store_under_concurrent_writers(tmp_path):
     stop = threading.Event()
 
     def writer(k: int) -> None:
-        for i in range(8):
-            for sid in ("shared", f"own{k}"):
-                text = f"{sid}:{k}:{i}"
-                written.add(text)
-                stores[k % 2].save(sid, state_of(text, i))
+        try:
+            for i in range(8):
+                for sid in ("shared", f"own{k}"):
+                    text = f"{sid}:{k}:{i}"
+                    written.add(text)
+                    stores[k % 2].save(sid, state_of(text, i))
+        except BaseException as e:  # a failed save must fail the test, not just warn
+            errors.append(e)
 
     def reader() -> None:
         try:
