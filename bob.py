@@ -1211,7 +1211,7 @@ class AgentRuntime:
         self._emit(t, "llm_call_started", {"messages": len(prompt.messages)})
         t0 = time.perf_counter()
         worker = self._call_port(t, lambda: self.llm.complete(
-            prompt, t.cancel, lambda text: self._emit(t, "text_delta", {"text": text})))
+            prompt, t.cancel, functools.partial(self._delta, t)))
         stop = self._stopped(t, worker, "the model")
         if stop:
             return stop
@@ -1363,7 +1363,7 @@ class AgentRuntime:
                 running.append((i, worker, timeout))
         t0 = time.monotonic()
         _wait_all([w for _, w, _ in running], [t0 + s for _, _, s in running], t.wake, t.cancel)
-        for i, worker, timeout in running:
+        for i, worker, timeout in running:  # one timeout for all: none timed out before a cancel
             results[i] = self._outcome(t, calls[i], worker, timeout)
         return [r for r in results if r is not None], len(running)
 
@@ -1399,6 +1399,11 @@ class AgentRuntime:
                                                   "duration_ms": r.duration_ms})
             t.session.messages.append(Message("tool", r.content, tool_call_id=r.call_id,
                                               name=r.name, is_error=r.is_error))
+
+    def _delta(self, t: _Turn, text: str) -> None:
+        """Streamed text from the model; dropped once the turn gave the call up."""
+        if not t.cancel.cancelled:
+            self._emit(t, "text_delta", {"text": text})
 
     def _trip(self, t: _Turn, trip: Trip) -> State:
         self._emit(t, "guard_tripped", {"reason": trip.reason.value, "detail": trip.detail})
