@@ -1486,6 +1486,14 @@ _CONTEXT_TOO_LONG = re.compile(r"context.length|context.window|maximum context|t
 _OPTIONAL_FIELDS = ("response_format", "stream_options")  # dropped if a server rejects them
 
 
+def _json(raw: str | bytes) -> Any:
+    """Parsed JSON, or None when it is not JSON."""
+    try:
+        return json.loads(raw)
+    except ValueError:
+        return None
+
+
 def _text(content: Any) -> str:
     """Message content as text: a string, null, or a list of {"type": "text"} parts."""
     if isinstance(content, list):
@@ -1494,8 +1502,7 @@ def _text(content: Any) -> str:
 
 
 def _usage(u: Any) -> Usage:
-    if not isinstance(u, dict):
-        return Usage()
+    u = u if isinstance(u, dict) else {}
     return Usage(int(u.get("prompt_tokens") or 0), int(u.get("completion_tokens") or 0))
 
 
@@ -1512,28 +1519,16 @@ def _message_to_wire(m: Message) -> dict[str, Any]:
     return d
 
 
-def _tool_to_wire(t: ToolDescriptor) -> dict[str, Any]:
-    if not _TOOL_NAME.match(t.name):
-        raise ConfigError(f"tool name {t.name!r} cannot be sent to the model: names must match "
-                          f"{_TOOL_NAME.pattern} (letters, digits, _ and -, at most 64)")
-    return {"type": "function", "function": {"name": t.name, "description": t.description,
-                                             "parameters": t.input_schema}}
-
-
 def _call_from_wire(call_id: Any, name: Any, arguments: Any) -> ToolCall:
-    """A ToolCall; arguments that are not a JSON object become {} (see below)."""
-    # Why {}: a ToolCall's arguments must be a dict, and inventing keys (e.g. {"_raw": ...})
-    # could pass a lax schema and run the tool on garbage. With {} the tool's argument check
-    # reports what is missing to the model, which then retries. A missing id stays "": the
-    # runtime gives it a unique one.
-    args: Any = arguments
+    """A ToolCall; arguments that are not a JSON object become {}, with a warning."""
+    # Why {}: inventing keys (e.g. {"_raw": ...}) could pass a lax schema and run the tool on
+    # garbage; with {} the tool's argument check tells the model what is missing. A missing id
+    # stays "": the runtime gives it a unique one.
+    args = arguments
     if isinstance(args, str):
-        try:
-            args = json.loads(args) if args.strip() else {}
-            if isinstance(args, str):  # some models double-encode
-                args = json.loads(args)
-        except ValueError:
-            args = None
+        args = _json(args) if args.strip() else {}
+        if isinstance(args, str):  # some models double-encode
+            args = _json(args)
     if not isinstance(args, dict):
         log.warning("tool call %s: arguments are not a JSON object, using {}: %.200r",
                     name, arguments)
@@ -1541,16 +1536,16 @@ def _call_from_wire(call_id: Any, name: Any, arguments: Any) -> ToolCall:
     return ToolCall(str(call_id or ""), str(name or ""), args)
 
 
-class _StreamAccumulator:
-    """Assembles streamed deltas: text, tool calls by index, usage, finish_reason."""
+class _Stream:
+    """A streamed reply being put together: text, tool calls by index, usage, finish_reason."""
 
     def __init__(self, on_delta: Callable[[str], None] | None):
         self.on_delta = on_delta
         self.text: list[str] = []
         self.calls: dict[int, list[str]] = {}  # index -> [id, name, arguments]
-        self.usage: Usage = Usage()
+        self.usage = Usage()
         self.finish_reason: str | None = None
-        self.started = False
+        self.done = False  # [DONE] was seen
 
     def add(self, chunk: dict[str, Any]) -> None:
         """Fold one chat.completion.chunk in; text deltas go to on_delta."""
@@ -1558,14 +1553,11 @@ class _StreamAccumulator:
             self.usage = _usage(chunk["usage"])
         for choice in chunk.get("choices") or ():
             delta = choice.get("delta") or {}
-            piece = _text(delta.get("content"))
-            if piece:
-                self.started = True
+            if piece := _text(delta.get("content")):
                 self.text.append(piece)
                 if self.on_delta:
                     self.on_delta(piece)
             for i, tc in enumerate(delta.get("tool_calls") or ()):
-                self.started = True
                 slot = self.calls.setdefault(tc.get("index", i), ["", "", ""])
                 fn = tc.get("function") or {}
                 slot[0] = tc.get("id") or slot[0]           # ids may repeat: keep one
@@ -1574,8 +1566,11 @@ class _StreamAccumulator:
                 slot[2] += fn.get("arguments") or ""
             self.finish_reason = choice.get("finish_reason") or self.finish_reason
 
-    def response(self) -> LlmResponse:
-        """What was assembled so far."""
+    def response(self, url: str) -> LlmResponse:
+        """The reply; LlmError if the stream ended before it said it was finished."""
+        if not (self.done or self.finish_reason):
+            raise LlmError(f"the stream from {url} was cut before it finished "
+                           f"({sum(map(len, self.text))} chars received)")
         calls = tuple(_call_from_wire(*self.calls[i]) for i in sorted(self.calls))
         return LlmResponse("".join(self.text), calls, self.usage, self.finish_reason)
 
@@ -1587,8 +1582,7 @@ def _sse_data(resp: Any) -> Any:
               else resp.iter_content(512))
     buf = b""
     for piece in pieces:
-        buf += piece
-        *lines, buf = buf.split(b"\n")
+        *lines, buf = (buf + piece).split(b"\n")
         for line in lines:
             if line.startswith(b"data:"):
                 yield line[5:].strip().decode("utf-8", "replace")
@@ -1603,10 +1597,9 @@ def _retry_after(value: str | None) -> float | None:
     except ValueError:
         pass
     try:
-        when = email.utils.parsedate_to_datetime(value)
+        return max(0.0, email.utils.parsedate_to_datetime(value).timestamp() - time.time())
     except (TypeError, ValueError):
         return None
-    return max(0.0, when.timestamp() - time.time())
 
 
 def _cause(e: BaseException) -> str:
@@ -1617,7 +1610,7 @@ def _cause(e: BaseException) -> str:
 
 
 def _abort(conn: Any) -> None:
-    """Shut the socket of an in-flight connection: a thread blocked reading it wakes up."""
+    """Shut the socket of an in-flight connection: a thread blocked on it wakes up."""
     sock, fd = getattr(conn, "sock", None), getattr(conn, "bob_fd", None)
     try:
         if sock is not None and sock.fileno() != -1:
@@ -1629,57 +1622,52 @@ def _abort(conn: Any) -> None:
         pass
 
 
-def _tracking_session(inflight: dict[int, Any]) -> Any:
-    """A requests.Session whose connections record the thread using them in `inflight`.
-
-    cancel() must unblock a thread waiting for a reply; closing a Session only closes idle
-    connections, so we keep each in-flight connection to shut its socket down.
-    """
+def _tracking_session(inflight: dict[int, Any], cancels: dict[int, CancelToken]
+                      ) -> tuple[Any, tuple[type[BaseException], ...]]:
+    """A requests.Session whose pools note in `inflight` the connection each thread is using,
+    and the exceptions that mean the transport failed."""
+    # Why: cancel() must wake a thread blocked on a reply, but closing a Session only closes
+    # idle connections; so we keep each thread's connection, and _abort shuts its socket.
+    # A cancel that comes before the connection is noted is seen through `cancels` instead.
     try:
         import requests
         import urllib3
     except ImportError as e:
         raise ConfigError(f"OpenAICompatLlm needs requests ({e}): pip install requests") from e
 
-    def in_flight(conn: Any, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        me = threading.get_ident()
-        inflight[me] = conn
-        out = fn(conn, *args, **kwargs)
-        if inflight.get(me) is not conn:  # cancelled before the socket existed
-            _abort(conn)
-        return out
+    def cancelled_here() -> bool:
+        token = cancels.get(threading.get_ident())
+        return token is not None and token.cancelled
 
     def tracked(pool_cls: Any) -> Any:
-        base = pool_cls.ConnectionCls
-
-        class Connection(base):  # type: ignore[valid-type, misc]
+        class Connection(pool_cls.ConnectionCls):
             def _new_conn(self) -> Any:
-                sock = base._new_conn(self)
+                sock = super()._new_conn()
                 self.bob_fd = sock.fileno()  # TLS wrapping detaches `sock`; _abort needs this
+                if cancelled_here():
+                    sock.shutdown(socket.SHUT_RDWR)
                 return sock
 
-            def connect(self) -> None:  # HTTPS pools connect before request()
+        class Pool(pool_cls):
+            ConnectionCls = Connection
+
+            def _make_request(self, conn: Any, *args: Any, **kwargs: Any) -> Any:
+                inflight[threading.get_ident()] = conn  # until _attempt ends
+                if cancelled_here():  # the cancel came first and found nothing to shut
+                    _abort(conn)
                 try:
-                    in_flight(self, base.connect)
+                    return super()._make_request(conn, *args, **kwargs)
                 finally:
-                    self.bob_fd = None
+                    conn.bob_fd = None  # connected, or failed: _abort must not use the fd
+        return Pool
 
-            def request(self, *args: Any, **kwargs: Any) -> Any:
-                return in_flight(self, base.request, *args, **kwargs)
-        return type(pool_cls.__name__, (pool_cls,), {"ConnectionCls": Connection})
-
-    pools = {"http": tracked(urllib3.HTTPConnectionPool),
-             "https": tracked(urllib3.HTTPSConnectionPool)}
-
-    class Adapter(requests.adapters.HTTPAdapter):
-        def init_poolmanager(self, *args: Any, **kwargs: Any) -> None:
-            super().init_poolmanager(*args, **kwargs)
-            self.poolmanager.pool_classes_by_scheme = pools
-
+    adapter = requests.adapters.HTTPAdapter()
+    adapter.poolmanager.pool_classes_by_scheme = {
+        "http": tracked(urllib3.HTTPConnectionPool), "https": tracked(urllib3.HTTPSConnectionPool)}
     session = requests.Session()
-    session.mount("http://", Adapter())
-    session.mount("https://", Adapter())
-    return session
+    session.mount("http://", adapter)
+    session.mount("https://", adapter)
+    return session, (requests.RequestException, urllib3.exceptions.HTTPError, OSError)
 
 
 @dataclass(frozen=True)
@@ -1717,37 +1705,33 @@ class OpenAICompatLlm:
         self.provider, self.model = provider, name
         self.base_url = (base_url or default_url).rstrip("/")
         self.api_key_env = api_key_env or default_env
-        self._api_key = self._find_key(model, api_key)
-        self._key_source = ("the api_key given" if api_key else
-                            f"the environment variable {self.api_key_env}" if self.api_key_env
-                            else "")
         self.retry_max, self.stream, self.stream_usage = retry_max, stream, stream_usage
         self.temperature, self.seed, self.max_tokens = temperature, seed, max_tokens
         self.json_response_format = json_response_format
         self.timeout_s, self.backoff_base_s = timeout_s, backoff_base_s
+        self._api_key, self._key_source = self._find_key(model, api_key)
         self._url = self.base_url + "/chat/completions"
         self._headers = {"Content-Type": "application/json"}
         if self._api_key:
             self._headers["Authorization"] = f"Bearer {self._api_key}"
         self._rejected: set[str] = set()       # optional fields this server refused
         self._inflight: dict[int, Any] = {}    # thread id -> connection it is using
-        self._session = _tracking_session(self._inflight)  # one per adapter: keep-alive
-        import requests
-        import urllib3
-        self._transport_errors = (requests.RequestException, urllib3.exceptions.HTTPError,
-                                  OSError)
+        self._cancels: dict[int, CancelToken] = {}  # thread id -> the token of its call
+        self._session, self._transport_errors = _tracking_session(self._inflight, self._cancels)
 
-    def _find_key(self, model: str, api_key: str | None) -> str | None:
-        """The API key: given, or from api_key_env; ConfigError naming the variable if absent."""
-        key = api_key or (os.environ.get(self.api_key_env) if self.api_key_env else None)
-        if not key and self.api_key_env:
-            raise ConfigError(f"no API key for {model!r}: set the environment variable "
-                              f"{self.api_key_env} (or pass api_key / api_key_env)")
-        if key and (not key.isascii() or any(c.isspace() for c in key)):
-            where = "api_key" if api_key else self.api_key_env  # e.g. a pasted newline
-            raise ConfigError(f"the API key for {model!r} in {where} contains spaces or "
+    def _find_key(self, model: str, api_key: str | None) -> tuple[str | None, str]:
+        """The API key and where it came from; ConfigError naming the variable if it is bad."""
+        env = self.api_key_env
+        key = api_key or (os.environ.get(env) if env else None)
+        source = ("the api_key given" if api_key else
+                  f"the environment variable {env}" if env else "")
+        if not key and env:
+            raise ConfigError(f"no API key for {model!r}: set the environment variable {env} "
+                              "(or pass api_key / api_key_env)")
+        if key and (not key.isascii() or any(c.isspace() for c in key)):  # a pasted newline
+            raise ConfigError(f"the API key for {model!r} in {source} contains spaces or "
                               "non-ASCII characters; set it again")
-        return key or None
+        return key or None, source
 
     def __repr__(self) -> str:
         return f"OpenAICompatLlm({self.provider + ':' + self.model!r}, base_url={self.base_url!r})"
@@ -1765,107 +1749,98 @@ class OpenAICompatLlm:
         """One chat completion, with retries; LlmError after the last try, Cancelled on cancel."""
         body = self._to_wire(req)
         me = threading.get_ident()
+        self._cancels[me] = cancel
         unhook = cancel.on_cancel(lambda: _abort(self._inflight.pop(me, None)))
         try:
             tries = 0
-            while True:
-                if cancel.cancelled:
-                    raise Cancelled("the LLM request was cancelled")
+            while not cancel.cancelled:
                 outcome = self._attempt(body, req.deadline, cancel, on_delta)
                 if isinstance(outcome, LlmResponse):
                     return outcome
-                if outcome.counted:
-                    tries += 1
+                e = outcome.error
+                tries += outcome.counted
                 if tries > self.retry_max:
-                    e = outcome.error
                     raise LlmError(f"{e} (gave up after {tries} tries)", e.status_code, e.body)
-                self._pause(tries, outcome, req.deadline, cancel)
+                delay = outcome.retry_after  # else back off exponentially, with jitter
+                if delay is None:
+                    delay = self.backoff_base_s * 2 ** (tries - 1) * random.uniform(0.5, 1.0)
+                left = self.timeout_s if req.deadline is None else req.deadline - time.monotonic()
+                if delay >= left:  # fail now rather than sleep into the deadline
+                    raise LlmError(f"{e} (no time left to retry: the next try would start in "
+                                   f"{delay:.2f} s)", e.status_code, e.body)
+                cancel.wait(delay)  # a cancel ends the wait at once
+            raise Cancelled("the LLM request was cancelled")
         finally:
             unhook()
-            self._inflight.pop(me, None)
+            self._cancels.pop(me, None)
 
     # -- one HTTP exchange --
 
     def _attempt(self, body: dict[str, Any], deadline: float | None, cancel: CancelToken,
                  on_delta: Callable[[str], None] | None) -> LlmResponse | _Retry:
         """Send once. Returns the reply or a _Retry; raises LlmError when retrying is useless."""
-        timeout = self._timeout(deadline)
+        timeout = self.timeout_s if deadline is None else deadline - time.monotonic()
+        if timeout <= 0:
+            raise LlmError(f"no time left in the turn for a request to {self._url}")
         data = json.dumps(body, separators=(",", ":")).encode()
+        acc = _Stream(on_delta)
         try:
             resp = self._session.post(self._url, data=data, headers=self._headers,
                                       timeout=(timeout, timeout), stream=self.stream)
             try:
                 if resp.status_code != 200:
                     return self._http_failure(resp, body)
-                if "text/event-stream" in resp.headers.get("Content-Type", ""):
-                    return self._read_stream(resp, deadline, cancel, on_delta)
-                return self._from_wire(resp.content)
+                if "text/event-stream" not in resp.headers.get("Content-Type", ""):
+                    return self._from_wire(resp.content)  # also when a server ignores stream
+                self._read_stream(resp, acc, deadline)
+                return acc.response(self._url)
             finally:
                 resp.close()
-        except self._transport_errors as e:  # the one place transport errors are converted
+        except self._transport_errors as e:
             if cancel.cancelled:
                 raise Cancelled("the LLM request was cancelled") from None
-            return _Retry(LlmError(self._redact(f"{self._transport_text(e)} {self._url}: "
-                                                f"{_cause(e)}")))
-
-    def _timeout(self, deadline: float | None) -> float:
-        if deadline is None:
-            return self.timeout_s
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise LlmError(f"no time left in the turn for a request to {self._url}")
-        return left
-
-    @staticmethod
-    def _transport_text(e: Exception) -> str:
-        import requests
-        if isinstance(e, requests.ConnectTimeout):
-            return "timed out connecting to"
-        if isinstance(e, requests.Timeout):
-            return "no answer in time from"
-        return "cannot reach" if isinstance(e, requests.ConnectionError) else "transport error on"
+            if acc.text or acc.calls or acc.done:  # the user saw part of it: do not try again
+                return acc.response(self._url)
+            import requests  # already loaded by _tracking_session
+            what = ("timed out connecting to" if isinstance(e, requests.ConnectTimeout) else
+                    "no answer in time from" if isinstance(e, requests.Timeout) else
+                    "cannot reach" if isinstance(e, requests.ConnectionError) else
+                    "transport error on")
+            return _Retry(LlmError(f"{what} {self._url}: {_cause(e)}"))
+        finally:  # a cancel from now on must not shut a connection another call may be using
+            self._inflight.pop(threading.get_ident(), None)
 
     def _http_failure(self, resp: Any, body: dict[str, Any]) -> _Retry:
         """A non-200 answer: a _Retry when the status may pass, else raise LlmError at once."""
         status, text = resp.status_code, resp.text
-        excerpt = self._redact(" ".join(text.split())[:300])
-        where = f"{self.describe()} answered HTTP {status}"
-        rejected = [f for f in _OPTIONAL_FIELDS if f in body and f in text]
-        if status == 400 and rejected:
-            self._rejected.add(rejected[0])
-            body.pop(rejected[0])
-            log.warning("%s rejected %s; sending requests without it", self._url, rejected[0])
-            return _Retry(LlmError(f"{where}: {excerpt}", status, excerpt), 0.0, counted=False)
-        if status in RETRYABLE_STATUSES:
-            return _Retry(LlmError(f"{where}: {excerpt}", status, excerpt),
-                          _retry_after(resp.headers.get("Retry-After")))
+        hint = ""
         if status in (401, 403):
             fix = (f"check the key in {self._key_source}" if self._key_source
                    else "this server wants a key: set api_key_env")
-            where = f"{where} (the API key was refused: {fix})"
+            hint = f" (the API key was refused: {fix})"
         elif status == 400 and _CONTEXT_TOO_LONG.search(text):
-            where = (f"{where}: the conversation is too long for the model's context window "
-                     "(lower max_history_messages, or use a model with a longer context)")
+            hint = (" (the conversation is too long for the model's context window: lower "
+                    "max_history_messages, or use a model with a longer context)")
         elif status == 404:
-            where = f"{where} (check base_url and the model name {self.model!r})"
-        raise LlmError(f"{where}: {excerpt}", status, excerpt)
+            hint = f" (check base_url and the model name {self.model!r})"
+        error = self._error(status, f"answered HTTP {status}{hint}", text)
+        refused = [f for f in _OPTIONAL_FIELDS if f in body and f in text]
+        if status == 400 and refused:
+            self._rejected.add(refused[0])
+            body.pop(refused[0])
+            log.warning("%s rejected %s; sending requests without it", self._url, refused[0])
+            return _Retry(error, 0.0, counted=False)
+        if status in RETRYABLE_STATUSES:
+            return _Retry(error, _retry_after(resp.headers.get("Retry-After")))
+        raise error
 
-    def _pause(self, tries: int, retry: _Retry, deadline: float | None,
-               cancel: CancelToken) -> None:
-        """Back off before the next try; never past the deadline, never through a cancel."""
-        delay = retry.retry_after
-        if delay is None:
-            delay = self.backoff_base_s * 2 ** (tries - 1) * random.uniform(0.5, 1.0)
-        left = self.timeout_s if deadline is None else deadline - time.monotonic()
-        if delay >= left:
-            e = retry.error
-            raise LlmError(f"{e} (no time left to retry: the next try would start in "
-                           f"{delay:.2f} s)", e.status_code, e.body)
-        if cancel.wait(delay):
-            raise Cancelled("the LLM request was cancelled")
-
-    def _redact(self, text: str) -> str:
-        return text.replace(self._api_key, "***") if self._api_key else text
+    def _error(self, status: int, what: str, text: str | bytes) -> LlmError:
+        """LlmError "<endpoint> <what>: '<what the server sent>'", with the API key masked."""
+        if isinstance(text, bytes):
+            text = text.decode("utf-8", "replace")
+        text = " ".join(text.split())
+        excerpt = (text.replace(self._api_key, "***") if self._api_key else text)[:300]
+        return LlmError(f"{self.describe()} {what}: {excerpt!r}", status, excerpt)
 
     # -- wire format --
 
@@ -1874,71 +1849,47 @@ class OpenAICompatLlm:
         body: dict[str, Any] = {"model": self.model,
                                 "messages": [_message_to_wire(m) for m in req.messages]}
         if req.tools and req.response_format != "json":
-            body["tools"] = [_tool_to_wire(t) for t in req.tools]
-        if req.response_format == "json" and self.json_response_format:
-            body["response_format"] = {"type": "json_object"}
-        for key in ("temperature", "seed", "max_tokens"):
-            if getattr(self, key) is not None:
-                body[key] = getattr(self, key)
-        if self.stream:
-            body["stream"] = True
-            if self.stream_usage:
-                body["stream_options"] = {"include_usage": True}
-        for key in tuple(self._rejected):  # a copy: another turn's thread may add to it
-            body.pop(key, None)
+            for t in req.tools:
+                if not _TOOL_NAME.match(t.name):
+                    raise ConfigError(f"tool name {t.name!r} cannot be sent to the model: names "
+                                      f"must match {_TOOL_NAME.pattern} (letters, digits, _ and "
+                                      "-, at most 64)")
+            body["tools"] = [{"type": "function", "function": {
+                "name": t.name, "description": t.description, "parameters": t.input_schema}}
+                for t in req.tools]
+        json_mode = req.response_format == "json" and self.json_response_format
+        options = {"temperature": self.temperature, "seed": self.seed,
+                   "max_tokens": self.max_tokens, "stream": self.stream or None,
+                   "response_format": {"type": "json_object"} if json_mode else None,
+                   "stream_options": ({"include_usage": True}
+                                      if self.stream and self.stream_usage else None)}
+        body.update((k, v) for k, v in options.items()
+                    if v is not None and k not in self._rejected)
         return body
 
     def _from_wire(self, raw: bytes) -> LlmResponse:
         """A non-streamed completion body -> LlmResponse; LlmError quoting it if malformed."""
-        try:
-            data = json.loads(raw)
-        except ValueError:
-            data = None
+        data = _json(raw)
         choices = data.get("choices") if isinstance(data, dict) else None
         if not (isinstance(choices, list) and choices and isinstance(choices[0], dict)):
             what = "is not JSON" if data is None else "has no 'choices'"
-            excerpt = self._redact(raw[:300].decode("utf-8", "replace"))
-            raise LlmError(f"{self.describe()} answered HTTP 200 but the body {what}: "
-                           f"{excerpt!r}", 200, excerpt)
-        choice = choices[0]
-        msg = choice.get("message") or {}
+            raise self._error(200, f"answered HTTP 200 but the body {what}", raw)
+        msg = choices[0].get("message") or {}
         calls = tuple(_call_from_wire(c.get("id"), (c.get("function") or {}).get("name"),
                                       (c.get("function") or {}).get("arguments"))
                       for c in msg.get("tool_calls") or ())
         return LlmResponse(_text(msg.get("content")), calls, _usage(data.get("usage")),
-                           choice.get("finish_reason"))
+                           choices[0].get("finish_reason"))
 
-    # -- streaming --
-
-    def _read_stream(self, resp: Any, deadline: float | None, cancel: CancelToken,
-                     on_delta: Callable[[str], None] | None) -> LlmResponse | _Retry:
-        """Read Server-Sent Events to [DONE]; a stream cut before it finished is an LlmError."""
-        acc, done = _StreamAccumulator(on_delta), False
-        try:
-            for payload in _sse_data(resp):  # read on after [DONE], so the connection is reused
-                if done or payload == "[DONE]":
-                    done = True
-                    continue
-                acc.add(self._sse_json(payload))
-                if deadline is not None and time.monotonic() > deadline:
-                    raise LlmError(f"the stream from {self._url} ran past the turn deadline")
-        except self._transport_errors as e:
-            if cancel.cancelled:
-                raise Cancelled("the LLM request was cancelled") from None
-            if not (done or acc.started):  # nothing shown yet: safe to try again
-                return _Retry(LlmError(f"stream from {self._url} failed: {_cause(e)}"))
-        if not done and acc.finish_reason is None:
-            raise LlmError(f"the stream from {self._url} was cut before it finished "
-                           f"({len(''.join(acc.text))} chars received)")
-        return acc.response()
-
-    def _sse_json(self, payload: str) -> dict[str, Any]:
-        try:
-            chunk = json.loads(payload)
-        except ValueError:
-            chunk = None
-        if not isinstance(chunk, dict) or "error" in chunk:
-            excerpt = self._redact(payload[:300])
-            raise LlmError(f"{self.describe()} sent a bad stream event: {excerpt!r}", 200,
-                           excerpt)
-        return chunk
+    def _read_stream(self, resp: Any, acc: _Stream, deadline: float | None) -> None:
+        """Fold Server-Sent Events into `acc`; read on after [DONE], so the connection is reused."""
+        for payload in _sse_data(resp):
+            if acc.done or payload == "[DONE]":
+                acc.done = True
+                continue
+            chunk = _json(payload)
+            if not isinstance(chunk, dict) or "error" in chunk:
+                raise self._error(200, "sent a bad stream event", payload)
+            acc.add(chunk)
+            if deadline is not None and time.monotonic() > deadline:
+                raise LlmError(f"the stream from {self._url} ran past the turn deadline")
