@@ -7,11 +7,11 @@
     python bob_cli.py --session work --trace run.jsonl -v
 
 Exit codes: 0 ok, 1 runtime error, 2 usage or config error (a missing API key included),
-3 a guard trip or a cancel ended a one-shot or piped turn.
+3 a guard trip or a cancel ended a one-shot or piped turn, 128+N killed by signal N.
 
 Sections:
     1. Configuration: agent.toml -> Config      4. Shell: MCP tools, turns, commands
-    2. Demo tools and script                    5. Modes: piped, REPL, demo
+    2. Demo: tools, script, event printer       5. Modes: piped, REPL, demo
     3. Terminal sinks: status line, streaming   6. main
 
 Needs bob.py beside it; bob_mcp.py and the `mcp` package only when agent.toml lists MCP servers.
@@ -20,10 +20,9 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import concurrent.futures
 import contextlib
-import dataclasses
 import difflib
-import fnmatch
 import json
 import logging
 import os
@@ -33,10 +32,11 @@ import sys
 import threading
 import time
 import tomllib
+import typing
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, Callable, Iterable, Literal, NoReturn, TextIO
+from typing import Any, Callable, Iterable, Literal, TextIO
 
 import bob
 
@@ -58,7 +58,7 @@ _KINDS: dict[str, Callable[[Any], bool]] = {
     "an array of tables": lambda v: isinstance(v, list) and all(isinstance(x, dict) for x in v),
     "a table": lambda v: isinstance(v, dict),
 }
-_POLICY_KEYS = [f.name for f in dataclasses.fields(bob.TurnPolicy)]
+_POLICY_KEYS = [f.name for f in fields(bob.TurnPolicy)]
 _SCHEMA: dict[str, dict[str, str]] = {
     "top level": dict.fromkeys(("runtime", "llm", "store", "policy", "mcp"), "a table"),
     "runtime": {"default_model": "a string", "action_mode": "a string",
@@ -113,26 +113,24 @@ def _checked(values: Any, label: str, where: str, schema: str) -> dict[str, Any]
 
 def _expand(value: Any, where: str, environ: dict[str, str]) -> Any:
     """${VAR} replaced from `environ` in a string, list or table; unset is a ConfigError."""
-    if isinstance(value, list):
-        return tuple(_expand(v, where, environ) for v in value)
     if isinstance(value, dict):
         return {k: _expand(v, f"{where}.{k}", environ) for k, v in value.items()}
-
-    def lookup(m: re.Match[str]) -> str:
-        if m.group(1) not in environ:
-            raise bob.ConfigError(f"{where}: environment variable {m.group(1)} is not set; "
+    if isinstance(value, list):
+        return tuple(_expand(v, where, environ) for v in value)
+    for name in _VAR.findall(value):
+        if name not in environ:
+            raise bob.ConfigError(f"{where}: environment variable {name} is not set; "
                                   "export it or change the value")
-        return environ[m.group(1)]
-    return _VAR.sub(lookup, value)
+    return _VAR.sub(lambda m: environ[m.group(1)], value)
 
 
 def _mcp_server(raw: Any, n: int, where: str, base: Path,
                 environ: dict[str, str]) -> dict[str, Any]:
     """One [[mcp.servers]] entry: keys checked, required keys present, ${VAR}s expanded."""
     server = dict(_checked(raw, f"[[mcp.servers]] #{n}", where, "mcp.servers"))
-    here = f"{where}: [[mcp.servers]] #{n}"
-    if not server.get("id"):
-        raise bob.ConfigError(f"{here} is missing the required key 'id'")
+    if not re.fullmatch(r"[A-Za-z0-9_-]{1,64}", server.get("id", "")):  # as bob_mcp requires
+        raise bob.ConfigError(f"{where}: [[mcp.servers]] #{n} needs the required key 'id': "
+                              "1-64 letters, digits, '_' or '-' (tools become <id>__<tool>)")
     here = f"{where}: [[mcp.servers]] id={server['id']!r}"
     transport = server.get("transport", "stdio")
     if transport not in _NEEDS:
@@ -143,6 +141,16 @@ def _mcp_server(raw: Any, n: int, where: str, base: Path,
     for key in ("args", "env", "headers", "url"):
         if key in server:
             server[key] = _expand(server[key], f"{here} {key}", environ)
+    for key in ("tool_timeout_ms", "startup_timeout_ms"):
+        if server.get(key, 1) < 1:
+            raise bob.ConfigError(f"{here} {key} must be at least 1")
+    if transport == "streamable_http" and not server["url"].startswith(("http://", "https://")):
+        raise bob.ConfigError(f"{here} url must start with http:// or https://")
+    for table in ("env", "headers"):   # e.g. a stray CR from a ${VAR}; the value stays unsaid
+        for name, value in server.get(table, {}).items():
+            if not value.isprintable() or (table == "headers" and not value.isascii()):
+                raise bob.ConfigError(f"{here} {table}.{name} holds a control character "
+                                      "(a stray CR or LF?); fix the value")
     if "cwd" in server:  # like [store] path: relative to the config file
         server["cwd"] = str(base / Path(server["cwd"]).expanduser())
     return server
@@ -178,8 +186,7 @@ def load_config(path: str | os.PathLike[str], environ: dict[str, str] | None = N
     ids = [s["id"] for s in servers]
     if len(set(ids)) != len(ids):
         raise bob.ConfigError(f"{where}: [[mcp.servers]] ids must be unique, got {ids}")
-    store = t["store"].get("path")
-    rt = t["runtime"]
+    rt, store = t["runtime"], t["store"].get("path")
     if rt.get("action_mode", "json") not in ("json", "native"):
         raise bob.ConfigError(f'{where}: [runtime] action_mode must be "json" or "native"')
     try:  # TurnPolicy checks its own values
@@ -192,7 +199,7 @@ def load_config(path: str | os.PathLike[str], environ: dict[str, str] | None = N
                   mcp_servers=servers)
 
 
-# ---- 2. Demo tools and script -------------------------------------------------------------------
+# ---- 2. Demo: tools, script, event printer ------------------------------------------------------
 # --demo needs no key and no config: ScriptedLlm plays the model; these functions are real tools.
 
 def word_count(text: str) -> int:
@@ -210,69 +217,59 @@ def current_time() -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%S")
 
 
-def _demo_final(req: bob.LlmRequest, cancel: bob.CancelToken) -> str:
-    """The scripted model's last reply, quoting the time that current_time returned."""
-    found = re.search(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d", req.messages[-1].content)
-    return json.dumps({"type": "final", "content": "The text has 5 words; 5 + 37 = 42; the time "
-                       f"is {found.group(0) if found else 'unknown'}."})
-
-
 _DEMO_PROMPT = "How many words are in 'the quick brown fox jumps', plus 37? And what time is it?"
 _DEMO_REPLIES = (
     ('{"type": "tool_call", "name": "word_count", "arguments": {"text": '
      '"the quick brown fox jumps"}}'),
     '{"type": "tool_call", "name": "add", "arguments": {"a": 5, "b": 37}}',
     '{"type": "tool_call", "name": "current_time", "arguments": {}}',
-    _demo_final,
+    lambda req, cancel: json.dumps({   # quotes the time: the last word of the tool result
+        "type": "final", "content": "The text has 5 words; 5 + 37 = 42; the time is "
+        f"{req.messages[-1].content.split()[-1]}."}),
 )
 
 
 class EventPrinter:
-    """An EventSink printing each event as one readable line (--demo uses it)."""
-
-    def __init__(self, out: TextIO):
-        self.out = out
+    """An EventSink printing each event on stdout as one line, `[step] kind  summary` (--demo)."""
 
     def emit(self, event: bob.AgentEvent) -> None:
-        """`[step] kind  summary`; state transitions as `from -> to`, other data as short JSON."""
+        """State transitions as `from -> to`, other data as JSON cut to 90 characters."""
         d = event.data
         text = (f"{d['from']} -> {d['to']}" if event.kind == "state"
                 else json.dumps(d, default=str, ensure_ascii=False))
         text = text if len(text) <= 90 else text[:87] + "..."
-        print(f"  [{event.step}] {event.kind:<20} {text}", file=self.out, flush=True)
+        print(f"  [{event.step}] {event.kind:<20} {text}", flush=True)
 
 
 # ---- 3. Terminal sinks: status line, streaming --------------------------------------------------
 
 class StatusLine:
-    """An EventSink keeping one stderr line current: state, step n/max, tools running, elapsed.
-
-    Used only when stderr is a terminal. The CLI calls `begin()` as a turn starts, `tick()`
-    while it waits, `clear()` before it prints the answer; streamed text also clears it.
-    """
+    """An EventSink keeping one stderr line current while a turn runs: state, step n/max, tools
+    running, elapsed. The Shell calls begin(), then tick() every 100 ms, then clear(); streamed
+    answer text clears it too. Only used when stderr is a terminal."""
 
     def __init__(self, out: TextIO, max_steps: int):
         self.out, self.max_steps, self._lock = out, max_steps, threading.Lock()
-        self._t0: float | None = None          # None: nothing to draw until the next turn
+        self._t0: float | None = None          # None: nothing to draw until begin()
         self._state, self._step = "start", 0
         self._tools: list[str] = []
-
-    def emit(self, event: bob.AgentEvent) -> None:
-        """Update what the event changes, then redraw."""
-        kind, d = event.kind, event.data
-        if kind == "text_delta":
-            return self.clear()
-        self._state = d["to"] if kind == "state" else self._state
-        if kind == "tool_call_started":
-            self._tools.append(d["name"])
-        elif kind == "tool_call_completed" and d["name"] in self._tools:
-            self._tools.remove(d["name"])
-        self._step = event.step
-        self.tick()
 
     def begin(self) -> None:
         """A turn starts (loading the session and, at first, waiting for MCP servers)."""
         self._t0, self._state, self._step, self._tools = time.monotonic(), "start", 0, []
+
+    def emit(self, event: bob.AgentEvent) -> None:
+        """Note what the event changes; the next tick() draws it."""
+        kind, d = event.kind, event.data
+        if kind == "text_delta":
+            return self.clear()
+        self._step = event.step
+        if kind == "state":
+            self._state = d["to"]
+        elif kind == "tool_call_started":
+            self._tools.append(d["name"])
+        elif kind == "tool_call_completed" and d["name"] in self._tools:
+            self._tools.remove(d["name"])
 
     def tick(self) -> None:
         """Redraw: the elapsed time moves on."""
@@ -284,7 +281,7 @@ class StatusLine:
                 self.out.flush()
 
     def clear(self) -> None:
-        """Erase the line; nothing is drawn until the next turn starts."""
+        """Erase the line; nothing is drawn until the next begin()."""
         with self._lock:
             if self._t0 is not None:
                 self.out.write("\r\x1b[K")
@@ -294,6 +291,17 @@ class StatusLine:
 
 _FINAL_HEAD = re.compile(r'\s*(```(json)?\s*)?\{\s*"type"\s*:\s*"final"\s*,\s*"content"\s*:\s*"')
 _WHOLE_CHARS = re.compile(r'(?:[^"\\]|\\["\\/bfnrt]|\\u[0-9a-fA-F]{4})*')  # no half escape
+
+
+def _final_so_far(raw: str) -> str:
+    """The content of a json-mode `final` action that is still streaming in, decoded so far.
+    It only grows as `raw` does: a half escape or half a surrogate pair waits for the rest."""
+    head = _FINAL_HEAD.match(raw)
+    if not head:
+        return ""
+    whole = _WHOLE_CHARS.match(raw, head.end())  # it always matches, perhaps nothing
+    text = json.loads(f'"{whole.group(0) if whole else ""}"', strict=False)
+    return text[:-1] if text and "\ud800" <= text[-1] <= "\udbff" else text
 
 
 class StreamPrinter:
@@ -314,33 +322,24 @@ class StreamPrinter:
             self.raw = self.shown = ""
         elif event.kind == "text_delta":
             self.raw += event.data["text"]
-            text = self._final_so_far() if self.json_mode else self.raw
-            if len(text) > len(self.shown) and text.startswith(self.shown):
+            text = _final_so_far(self.raw) if self.json_mode else self.raw
+            if len(text) > len(self.shown):
                 self.out.write(text[len(self.shown):])
                 self.out.flush()
                 self.shown = text
-
-    def _final_so_far(self) -> str:
-        head = _FINAL_HEAD.match(self.raw)
-        chars = _WHOLE_CHARS.match(self.raw, head.end()) if head else None
-        try:
-            return json.loads(f'"{chars.group(0)}"') if chars else ""
-        except ValueError:
-            return ""
 
 
 # ---- 4. Shell: MCP tools, turns, commands -------------------------------------------------------
 
 class McpTools:
     """The MCP servers as a ToolPort, set up on a background thread: importing bob_mcp loads the
-    mcp SDK (about a second), and the prompt should not wait for it. The first list_tools or
-    call_tool waits for the import, then McpToolPort.start(wait=False) waits for the servers."""
+    mcp SDK (about a second), and the prompt should not wait for it. list_tools and call_tool
+    wait for the import; McpToolPort.start(wait=False) then makes them wait for the servers."""
 
-    def __init__(self, servers: Iterable[dict[str, Any]], import_timeout_s: float = 60.0):
-        self._lock, self._ready = threading.Lock(), threading.Event()
-        self._port: Any = None
-        self._error: BaseException | None = None
-        self._closed, self._timeout = False, import_timeout_s
+    def __init__(self, servers: Iterable[dict[str, Any]]):
+        self._port: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        self._lock, self._closed = threading.Lock(), False
+        self._started: Any = None   # the started McpToolPort, once there is one
         threading.Thread(target=self._start, args=(list(servers),), name="bob-mcp-start",
                          daemon=True).start()
 
@@ -349,23 +348,18 @@ class McpTools:
             import bob_mcp
             port = bob_mcp.McpToolPort([bob_mcp.McpServerConfig(**s) for s in servers])
             with self._lock:   # a close() that came first wins: then nothing is started
-                if not self._closed:
-                    port.start(wait=False)
-                    self._port = port
-        except ImportError as e:
-            self._error = bob.ConfigError(f"MCP servers are configured but {e}")
-        except BaseException as e:  # handed to whoever uses the tools
-            self._error = e
-        finally:
-            self._ready.set()
+                self._started = None if self._closed else port.start(wait=False)
+            self._port.set_result(port)
+        except BaseException as e:  # raised to whoever uses the tools
+            self._port.set_exception(bob.ConfigError(f"MCP servers are configured but {e}")
+                                     if isinstance(e, ImportError) else e)
 
-    def port(self) -> Any:
-        """The started McpToolPort; raises what setting it up raised."""
-        if not self._ready.wait(self._timeout):
-            raise bob.AgentError(f"loading the mcp SDK took over {self._timeout:.0f} s")
-        if self._error is not None:
-            raise self._error
-        return self._port
+    def port(self, timeout_s: float = 60.0) -> Any:
+        """The McpToolPort; raises what setting it up raised."""
+        try:
+            return self._port.result(timeout_s)
+        except concurrent.futures.TimeoutError:
+            raise bob.AgentError(f"loading the mcp SDK took over {timeout_s:.0f} s") from None
 
     def list_tools(self) -> list[bob.ToolDescriptor]:
         """Every server's tools, named <server_id>__<tool>."""
@@ -375,14 +369,10 @@ class McpTools:
         """Route the call to its server."""
         return self.port().call_tool(call, timeout_s)
 
-    def tool_sources(self) -> dict[str, str]:
-        """Exposed tool name -> server id."""
-        return self.port().tool_sources()
-
     def close(self) -> None:
         """Stop every server process; idempotent."""
         with self._lock:
-            self._closed, port = True, self._port
+            self._closed, port = True, self._started
         if port is not None:
             port.close()
 
@@ -400,6 +390,11 @@ def _one_line(e: BaseException) -> str:
     return " ".join(str(e).split()) or type(e).__name__
 
 
+def _note(text: str) -> None:
+    """A line for the human on stderr (stdout carries only answers)."""
+    print(f"bob: {text}", file=sys.stderr, flush=True)
+
+
 def new_session_id() -> str:
     """A fresh session id, safe as a file name: cli-YYYYmmdd-HHMMSS-xxxxxx."""
     return f"cli-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
@@ -411,92 +406,87 @@ class Shell:
     runtime: bob.AgentRuntime
     session_id: str
     config_name: str = "agent.toml"
-    model: str = ""                    # for humans, e.g. "openai:gpt-4o-mini at https://..."
     mcp: McpTools | None = None
     status: StatusLine | None = None
     printer: StreamPrinter | None = None
-    out: TextIO = field(default_factory=lambda: sys.stdout)
-    err: TextIO = field(default_factory=lambda: sys.stderr)
     cancel: bob.CancelToken = field(default_factory=bob.CancelToken)
 
     def turn(self, text: str) -> bob.AgentRunResult:
         """Run one turn, print its answer (stdout) and any notice (stderr), return the result."""
-        try:
-            result = self._run(text)
-        finally:
-            if self.status:
-                self.status.clear()
+        result = self._run(text)
         shown, content = (self.printer.shown if self.printer else ""), result.content
-        print(content[len(shown):] if content.startswith(shown) else "\n" + content,
-              file=self.out, flush=True)
+        print(content[len(shown):] if content.startswith(shown) else "\n" + content, flush=True)
         if self.printer:
             self.printer.shown = ""
         if result.finish_reason is bob.FinishReason.CANCELLED:
-            print("bob: turn cancelled; the session is kept", file=self.err, flush=True)
+            _note("turn cancelled; the session is kept")
         elif result.guard_reason is not None:
-            key = _GUARD_KEYS.get(result.guard_reason.value, result.guard_reason.value)
-            print(f"bob: turn stopped by the {result.guard_reason.value} guard; raise {key} "
-                  f"under [runtime] in {self.config_name}", file=self.err, flush=True)
+            guard = result.guard_reason.value
+            _note(f"turn stopped by the {guard} guard; raise {_GUARD_KEYS.get(guard, guard)} "
+                  f"under [runtime] in {self.config_name}")
         return result
 
     def _run(self, text: str) -> bob.AgentRunResult:
         """runtime.run on a worker thread: SIGINT, which Python handles on the main thread, then
         only sets the cancel token, and the runtime returns within 100 ms of it."""
         cancel = self.cancel = bob.CancelToken()
-        box: dict[str, Any] = {}
-        done = threading.Event()
+        outcome: list[Any] = []
 
         def work() -> None:
             try:
-                box["result"] = self.runtime.run(bob.AgentRequest(text, self.session_id), cancel)
+                outcome.append(self.runtime.run(bob.AgentRequest(text, self.session_id), cancel))
             except BaseException as e:  # re-raised on the main thread below
-                box["error"] = e
-            finally:
-                done.set()
+                outcome.append(e)
+        worker = threading.Thread(target=work, name="bob-turn", daemon=True)
         previous = signal.signal(signal.SIGINT, lambda signum, frame: cancel.cancel())
-        if self.status:
-            self.status.begin()
         try:
-            threading.Thread(target=work, name="bob-turn", daemon=True).start()
-            while not done.wait(0.1):
+            if self.status:
+                self.status.begin()
+            worker.start()
+            while worker.is_alive():
+                worker.join(0.1)
                 if self.status:
                     self.status.tick()
         finally:
             signal.signal(signal.SIGINT, previous)
-        if "error" in box:
-            raise box["error"]
-        return box["result"]
+            if self.status:
+                self.status.clear()
+        if isinstance(outcome[0], BaseException):
+            raise outcome[0]
+        return outcome[0]
 
     def command(self, line: str) -> bool:
         """Run a /command; returns False when the user wants to quit."""
-        name = line.split()[0]
-        if name == "/help":
-            print(_HELP, file=self.out)
-        elif name == "/tools":
-            self._print_tools()
-        elif name == "/reset":
-            self.session_id = new_session_id()
-            print(f"new session {self.session_id}", file=self.out)
-        elif name == "/usage":
-            state = self.runtime.store.load(self.session_id)
-            u = state.usage if state else bob.Usage()
-            print(f"session {self.session_id}: {u.prompt_tokens} prompt + {u.completion_tokens} "
-                  f"completion = {u.total_tokens} tokens", file=self.out)
-        elif name not in ("/exit", "/quit"):
-            print(f"unknown command {name}; /help lists the commands", file=self.out)
-        return name not in ("/exit", "/quit")
+        match line.split()[0]:
+            case "/help":
+                print(_HELP)
+            case "/tools":
+                self._print_tools()
+            case "/reset":
+                self.session_id = new_session_id()
+                print(f"new session {self.session_id}")
+            case "/usage":
+                state = self.runtime.store.load(self.session_id)
+                u = state.usage if state else bob.Usage()
+                print(f"session {self.session_id}: {u.prompt_tokens} prompt + "
+                      f"{u.completion_tokens} completion = {u.total_tokens} tokens")
+            case "/exit" | "/quit":
+                return False
+            case name:
+                print(f"unknown command {name}; /help lists the commands")
+        return True
 
     def _print_tools(self) -> None:
-        tools = self.mcp.list_tools() if self.mcp else []
-        sources = self.mcp.tool_sources() if self.mcp else {}
+        port = self.mcp.port() if self.mcp else None
+        tools, sources = (port.list_tools(), port.tool_sources()) if port else ([], {})
         width = max((len(t.name) for t in tools), default=0)
         for t in tools:
-            denied = any(fnmatch.fnmatchcase(t.name, p) for p in self.runtime.deny_tools)
             about = (t.description.strip().splitlines() or [""])[0][:70]
+            denied = bob.is_denied(t.name, self.runtime.deny_tools)
             print(f"  {t.name:<{width}}  {sources.get(t.name, '?'):<12} {about}"
-                  + ("  (denied by [policy])" if denied else ""), file=self.out)
+                  + ("  (denied by [policy])" if denied else ""))
         if not tools:
-            print("no tools (MCP servers are listed under [[mcp.servers]])", file=self.out)
+            print("no tools (MCP servers are listed under [[mcp.servers]])")
 
     def close(self) -> None:
         """Cancel a running turn and stop every MCP server; idempotent."""
@@ -509,12 +499,12 @@ class Shell:
 
 def exit_code(result: bob.AgentRunResult) -> int:
     """3 when a guard or a cancel ended the turn, else 0."""
-    stopped = (bob.FinishReason.GUARD_EXCEEDED, bob.FinishReason.CANCELLED)
-    return 3 if result.finish_reason in stopped else 0
+    return 3 if result.finish_reason in (bob.FinishReason.GUARD_EXCEEDED,
+                                         bob.FinishReason.CANCELLED) else 0
 
 
 def run_piped(shell: Shell, lines: Iterable[str]) -> int:
-    """Each non-empty line is a turn of one session; a cancel stops reading."""
+    """Each non-empty line is a turn of one session (`/` lines too); a cancel stops reading."""
     code = 0
     for line in filter(str.strip, lines):
         result = shell.turn(line.strip())
@@ -525,27 +515,20 @@ def run_piped(shell: Shell, lines: Iterable[str]) -> int:
 
 
 def _save_history(readline: Any, path: str) -> None:
-    with contextlib.suppress(OSError):
+    with contextlib.suppress(OSError):  # e.g. a read-only HOME: not worth a traceback at exit
         readline.write_history_file(path)
-
-
-def _history() -> None:
-    """Line editing, and history kept in ~/.bob_history, where the readline module exists."""
-    try:
-        import readline
-    except ImportError:  # plain input() still works
-        return
-    path = os.path.expanduser("~/.bob_history")
-    with contextlib.suppress(OSError):
-        readline.read_history_file(path)
-    readline.set_history_length(1000)
-    atexit.register(_save_history, readline, path)
 
 
 def run_repl(shell: Shell, banner: str) -> int:
     """Read-eval-print until /exit or Ctrl-D; a failed turn is reported and the REPL goes on."""
-    _history()
-    print(banner, file=shell.err, flush=True)
+    with contextlib.suppress(ImportError):  # without readline, plain input() still works
+        import readline
+        path = os.path.expanduser("~/.bob_history")
+        with contextlib.suppress(OSError):
+            readline.read_history_file(path)
+        readline.set_history_length(1000)
+        atexit.register(_save_history, readline, path)
+    print(banner, file=sys.stderr, flush=True)
     prompt = "bob> "
     while True:
         try:
@@ -556,25 +539,24 @@ def run_repl(shell: Shell, banner: str) -> int:
                 asked = shell.turn(line).finish_reason is bob.FinishReason.ASK_USER
                 prompt = "answer> " if asked else "bob> "  # the next line answers the question
         except KeyboardInterrupt:   # Ctrl-C at the prompt drops the line (in a turn: cancels)
-            print(file=shell.out)
+            print()
         except EOFError:
-            print(file=shell.out)
+            print()
             return 0
         except bob.BobError as e:
-            print(f"bob: error: {_one_line(e)}", file=shell.err, flush=True)
+            _note(f"error: {_one_line(e)}")
 
 
 def run_demo(sinks: list[Any]) -> int:
     """A scripted model (bob.ScriptedLlm) drives real tools through the real loop, shown live."""
-    out = sys.stdout
     runtime = bob.AgentRuntime(bob.ScriptedLlm(_DEMO_REPLIES),
                                bob.FunctionTools([word_count, add, current_time]),
-                               events=[EventPrinter(out), *sinks])
+                               events=[EventPrinter(), *sinks])
     print("bob --demo: bob.ScriptedLlm plays the model (no key needed); the tools and the turn "
-          f"loop are real, and every event is shown.\nuser> {_DEMO_PROMPT}", file=out, flush=True)
+          f"loop are real, and every event is shown.\nuser> {_DEMO_PROMPT}", flush=True)
     result = runtime.run(bob.AgentRequest(_DEMO_PROMPT, session_id="demo"))
     print(f"answer> {result.content}\n({result.finish_reason.value}: {result.steps} LLM calls, "
-          f"{result.tool_calls} tool calls)", file=out, flush=True)
+          f"{result.tool_calls} tool calls)", flush=True)
     return exit_code(result)
 
 
@@ -613,8 +595,8 @@ def _sinks(args: argparse.Namespace) -> list[Any]:
 
 def build_shell(cfg: Config, args: argparse.Namespace) -> Shell:
     """Wire what the config names: the LLM (its key checked now), store, sinks, MCP servers."""
-    stream = cfg.llm.get("stream_default", False)
-    options = {k: v for k, v in cfg.llm.items() if k != "stream_default"}
+    options = dict(cfg.llm)
+    stream = options.pop("stream_default", False)
     try:
         llm = bob.OpenAICompatLlm(args.model or cfg.default_model, stream=stream, **options)
     except bob.ConfigError as e:
@@ -635,8 +617,7 @@ def build_shell(cfg: Config, args: argparse.Namespace) -> Shell:
                                events=[s for s in (status, printer) if s] + _sinks(args),
                                system_prompt=cfg.system_prompt, action_mode=cfg.action_mode,
                                deny_tools=cfg.deny_tools)
-    name = cfg.path.name if cfg.path else "agent.toml"
-    return Shell(runtime, session_id, name, llm.describe(), mcp, status, printer)
+    return Shell(runtime, session_id, Path(cfg.path or "agent.toml").name, mcp, status, printer)
 
 
 def _fail(e: BaseException, code: int, verbose: bool) -> int:
@@ -644,19 +625,15 @@ def _fail(e: BaseException, code: int, verbose: bool) -> int:
     if verbose:
         logging.getLogger("bob").error("the traceback:", exc_info=e)
     internal = "" if isinstance(e, bob.BobError) else f"internal error: {type(e).__name__}: "
-    print(f"bob: error: {internal}{_one_line(e)}", file=sys.stderr, flush=True)
+    _note(f"error: {internal}{_one_line(e)}")
     return code
-
-
-def _terminate(signum: int, frame: Any) -> NoReturn:
-    raise SystemExit(128 + signum)   # unwinds through main's finally, which stops MCP servers
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run the CLI on `argv` (default sys.argv[1:]); returns the exit code."""
     args = _parser().parse_args(argv)
-    for signum in (signal.SIGTERM, signal.SIGHUP):   # a closed terminal sends SIGHUP
-        signal.signal(signum, _terminate)
+    for signum in (signal.SIGTERM, signal.SIGHUP):   # a closed terminal sends SIGHUP; the
+        signal.signal(signum, lambda n, frame: sys.exit(128 + n))  # exit stops MCP servers
     shell: Shell | None = None
     try:
         if args.demo:
@@ -668,7 +645,8 @@ def main(argv: list[str] | None = None) -> int:
         if not sys.stdin.isatty():
             return run_piped(shell, sys.stdin)
         servers = f"; {len(cfg.mcp_servers)} MCP server(s) starting" if cfg.mcp_servers else ""
-        return run_repl(shell, f"bob: {shell.model}, session "
+        llm = typing.cast(bob.OpenAICompatLlm, shell.runtime.llm)
+        return run_repl(shell, f"bob: {llm.describe()}, session "
                         f"{shell.session_id}{servers}. /help lists commands, Ctrl-D quits.")
     except bob.ConfigError as e:
         return _fail(e, 2, args.verbose)
@@ -677,8 +655,14 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         return 130
     finally:
-        if shell is not None:
-            shell.close()
+        if shell is not None:  # close() is bounded: a second Ctrl-C must not cut it short
+            held = {s: signal.signal(s, signal.SIG_IGN)
+                    for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+            try:
+                shell.close()
+            finally:
+                for signum, handler in held.items():
+                    signal.signal(signum, handler)
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ import fcntl
 import json
 import os
 import pty
+import re
 import select
 import signal
 import struct
@@ -184,8 +185,13 @@ def test_load_config_of_an_empty_file_gives_the_defaults(tmp_path):
     ("[llm]\ntemperature = 9\n", ["[llm] temperature", "between 0 and 2"]),
     ('[runtime]\naction_mode = "xml"\n', ["action_mode", '"json" or "native"']),
     ("[[mcp.servers]]\ncommand = 'x'\n", ["[[mcp.servers]] #1", "required key 'id'"]),
+    ("[[mcp.servers]]\nid = 'a b'\ncommand = 'x'\n", ["#1", "'id'", "letters, digits"]),
     ("[[mcp.servers]]\nid = 'a'\nenv = { K = 5 }\n", ["env must be a table of strings"]),
     ("[[mcp.servers]]\nid = 'a'\nwhat = 1\n", ["unknown key 'what'", "valid keys: id,"]),
+    ("[[mcp.servers]]\nid = 'a'\ncommand = 'x'\ntool_timeout_ms = 0\n",
+     ["id='a'", "tool_timeout_ms must be at least 1"]),
+    ("[[mcp.servers]]\nid = 'a'\ntransport = 'streamable_http'\nurl = 'ftp://x'\n",
+     ["id='a'", "url must start with http"]),
 ])
 def test_config_errors_name_file_table_and_key(tmp_path, text, words):
     (tmp_path / "agent.toml").write_text(text)
@@ -221,6 +227,14 @@ def test_piped_lines_are_turns_of_one_session(tmp_path, srv):
     assert (r.returncode, r.stdout) == (0, "First answer 1111.\nSecond answer 2222.\n")
     assert len(srv.requests) == 2
     assert "First answer 1111." in messages_of(srv.requests[1])
+
+
+def test_piped_lines_starting_with_a_slash_are_prompts(tmp_path, srv):
+    srv.push(final("not a command"))
+    write_config(tmp_path, srv)
+    r = run_cli(tmp_path, stdin="/exit\n")
+    assert (r.returncode, r.stdout) == (0, "not a command\n")
+    assert "/exit" in messages_of(srv.requests[0])
 
 
 def test_session_is_resumed_by_a_second_process(tmp_path, srv):
@@ -275,11 +289,12 @@ def test_llm_error_is_one_line_and_exits_1(tmp_path, srv):
 
 
 def test_streamed_json_answer_is_printed_once_as_plain_text(tmp_path, srv):
-    pieces = ['{"type": "fin', 'al", "content": "Hel', 'lo \\"wor', 'ld\\" \\u00e9', '"}']
+    pieces = ['{"type": "fin', 'al", "content": "Hel', 'lo \\"wor', 'ld\\" \\u00e9 \\ud83d',
+              '\\ude00"}']                                    # an emoji split in two
     srv.push(stream_reply(pieces))
     write_config(tmp_path, srv, extra="stream_default = true\n")
     r = run_cli(tmp_path, "-p", "hi")
-    assert (r.returncode, r.stdout) == (0, 'Hello "world" \u00e9\n')
+    assert (r.returncode, r.stdout, r.stderr) == (0, 'Hello "world" \u00e9 \U0001f600\n', "")
     assert srv.requests[0]["body"]["stream"] is True
 
 
@@ -297,6 +312,23 @@ def test_sigint_cancels_a_one_shot_turn_with_exit_3(tmp_path, srv):
     finally:
         if proc.poll() is None:
             proc.kill()
+        srv.release()
+
+
+def test_sighup_ends_a_turn_with_exit_129(tmp_path, srv):
+    srv.push(FakeOpenAI.HANG)
+    write_config(tmp_path, srv)
+    proc = subprocess.Popen([sys.executable, str(CLI), "-p", "hang"], cwd=tmp_path,
+                            env=child_env(tmp_path), stdin=subprocess.DEVNULL,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        assert srv.wait_for_requests(1, timeout=5)
+        proc.send_signal(signal.SIGHUP)          # what a closed terminal sends
+        assert proc.wait(5) == 128 + signal.SIGHUP
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.communicate(timeout=5)
         srv.release()
 
 
@@ -368,6 +400,15 @@ def test_unset_variable_in_mcp_entry_is_named(tmp_path):
     assert r.returncode == 2 and "BOB_UNSET_VAR_42" in r.stderr and "is not set" in r.stderr
 
 
+def test_a_control_character_in_a_secret_is_refused_without_showing_it(tmp_path):
+    write_config(tmp_path, None, extra='[[mcp.servers]]\nid = "h"\n'
+                 'transport = "streamable_http"\nurl = "http://127.0.0.1:9/mcp"\n'
+                 'headers = { Authorization = "Bearer ${BOB_TOK}" }\n')
+    r = run_cli(tmp_path, "-p", "hi", env={**child_env(tmp_path), "BOB_TOK": "TOPSECRET-123\r"})
+    assert r.returncode == 2 and "headers.Authorization holds a control character" in r.stderr
+    assert "TOPSECRET" not in r.stderr + r.stdout
+
+
 def test_usage_error_exits_2(tmp_path):
     assert run_cli(tmp_path, "--no-such-flag").returncode == 2
 
@@ -384,6 +425,7 @@ def test_repl_answers_cancels_on_ctrl_c_and_quits_on_ctrl_d(tmp_path, srv):
         assert b"first-reply" in term.expect(b"bob> ")
         term.send(b"wait for me\r")
         assert srv.wait_for_requests(2)
+        term.expect(b"llm_infer  step 1/12")           # the status line on stderr (a tty)
         term.send(b"\x03")                           # Ctrl-C while the model hangs
         assert b"cancelled" in term.expect(b"bob> ")
         srv.release()
@@ -438,28 +480,36 @@ def processes_with(marker: str) -> list[int]:
     return pids
 
 
-def test_sigterm_during_a_turn_leaves_no_mcp_process(tmp_path, srv):
+def test_mcp_tools_in_the_repl_and_no_server_outlives_sigterm(tmp_path, srv):
     marker = f"bob-test-{uuid.uuid4().hex}"
-    srv.push(FakeOpenAI.HANG)
+    srv.push(json.dumps({"type": "tool_call", "name": "t__echo", "arguments": {"text": "ping-77"}}),
+             final("echoed"), FakeOpenAI.HANG)
     write_config(tmp_path, srv, extra=(
+        '[policy]\ndeny_tools = ["t__die"]\n'
         f'[[mcp.servers]]\nid = "t"\ncommand = "{sys.executable}"\n'
         f'args = ["{MCP_SERVER}", "--child", "--marker", "{marker}"]\n'))
-    proc = subprocess.Popen([sys.executable, str(CLI), "-p", "hang"], cwd=tmp_path,
-                            env=child_env(tmp_path), stdin=subprocess.DEVNULL,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    term = Terminal(tmp_path)
     try:
-        assert srv.wait_for_requests(1, timeout=10), "the turn never reached the model"
+        term.expect(b"bob> ")
+        term.send(b"/tools\r")                     # waits for the server, started in background
+        listing = term.expect(b"bob> ", timeout=10).decode()
+        assert re.search(r"t__echo +t ", listing) and not re.search(r"t__echo .*denied", listing)
+        assert re.search(r"t__die .*\(denied by \[policy\]\)", listing)
+        term.send(b"echo please\r")
+        assert b"echoed" in term.expect(b"bob> ")
+        assert "ping-77" in messages_of(srv.requests[1])   # the tool's result reached the model
+        assert "t__die" not in json.dumps(srv.requests[0]["body"])   # denied: never offered
+        term.send(b"hang now\r")
+        assert srv.wait_for_requests(3), "the turn never reached the model"
         assert processes_with(marker), "the MCP server should be running during the turn"
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(5) != 0
+        term.proc.send_signal(signal.SIGTERM)
+        assert term.proc.wait(5) == 128 + signal.SIGTERM
         deadline = time.monotonic() + 3
         while processes_with(marker) and time.monotonic() < deadline:
             time.sleep(0.05)
         assert processes_with(marker) == []
     finally:
-        if proc.poll() is None:
-            proc.kill()
-        proc.communicate(timeout=5)
+        term.close()
         srv.release()
 
 

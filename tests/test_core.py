@@ -349,9 +349,22 @@ def test_cancel_while_a_tool_blocks_forever(hang):
 
 
 def test_cancel_mid_batch_keeps_finished_results_and_interrupts_the_rest(hang):
-    entered, release = threading.Event(), hang()
+    entered, release, quick_done = threading.Event(), hang(), threading.Event()
+
+    def quick() -> str:
+        """Returns at once."""
+        quick_done.set()
+        return "quick result"
+
+    def stuck() -> str:
+        """Hangs until released; says it is in only once quick has returned."""
+        quick_done.wait(5)
+        entered.set()
+        release.wait(10)
+        return "too late"
+
     rt = agent([batch(("c1", "quick", {}), ("c2", "stuck", {})), "never"], mode="native",
-               tools=blocking_tools(entered, release))
+               tools=FunctionTools([quick, stuck]))
     r, latency = run_and_cancel(rt, entered)
     assert r.finish_reason is FinishReason.CANCELLED and latency < 0.1
     assert_well_formed(r.history)
