@@ -73,7 +73,7 @@ _SCHEMA: dict[str, dict[str, str]] = {
                     "args": "a list of strings", "env": "a table of strings", "cwd": "a string",
                     "url": "a string", "headers": "a table of strings",
                     "tool_timeout_ms": "an integer", "startup_timeout_ms": "an integer",
-                    "required": "a boolean"},
+                    "required": "a boolean", "roots": "a list of strings"},
 }
 _RANGES = {"retry_max": (0, 10), "max_tokens": (1, 10**7), "temperature": (0, 2)}  # [llm]
 _VAR = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
@@ -153,6 +153,8 @@ def _mcp_server(raw: Any, n: int, where: str, base: Path,
                                       "(a stray CR or LF?); fix the value")
     if "cwd" in server:  # like [store] path: relative to the config file
         server["cwd"] = str(base / Path(server["cwd"]).expanduser())
+    if "roots" in server:
+        server["roots"] = tuple(str(base / Path(r).expanduser()) for r in server["roots"])
     return server
 
 

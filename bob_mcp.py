@@ -45,6 +45,7 @@ from bob import BobError, ConfigError, ToolCall, ToolDescriptor, ToolResult
 
 try:
     import anyio
+    from anyio.abc import Process
     from mcp import ClientSession, MCPError, StdioServerParameters, stdio_client
     from mcp import types as mcp_types
     from mcp.client.streamable_http import create_mcp_http_client, streamable_http_client
@@ -67,6 +68,11 @@ class McpError(BobError):
     """An MCP server could not be started or reached; the message names the server and the cause."""
 
 
+def _is_strings(table: Any) -> bool:
+    return table is None or isinstance(table, dict) and all(
+        isinstance(k, str) and isinstance(v, str) for k, v in table.items())
+
+
 @dataclass(frozen=True)
 class McpServerConfig:
     """One `[[mcp.servers]]` entry. env and header values never appear in repr, logs or errors."""
@@ -81,33 +87,33 @@ class McpServerConfig:
     tool_timeout_ms: int = 15_000             # per call; the runtime's limit may be shorter
     startup_timeout_ms: int = 10_000          # spawn + handshake + first tools/list
     required: bool = True                     # False: a server that fails to start is skipped
-    roots: tuple[str, ...] | None = None      # answered to roots/list; default: bob's cwd
+    roots: tuple[str, ...] = ()               # answered to roots/list; () means bob's cwd
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "args", tuple(self.args))
-        if self.roots is not None:
-            object.__setattr__(self, "roots", tuple(self.roots))
-        where = f"MCP server {self.id!r}"
-        if not isinstance(self.id, str) or not re.fullmatch(r"[A-Za-z0-9_-]{1,64}", self.id):
-            raise ConfigError(f"{where}: id must be 1-64 letters, digits, '_' or '-'")
-        if self.transport not in ("stdio", "streamable_http"):
-            raise ConfigError(f"{where}: transport must be 'stdio' or 'streamable_http', "
-                              f"got {self.transport!r}")
-        if self.transport == "stdio" and not self.command:
-            raise ConfigError(f"{where}: transport 'stdio' needs command = \"...\"")
-        if self.transport == "streamable_http" and not str(self.url or "").startswith("http"):
-            raise ConfigError(f"{where}: transport 'streamable_http' needs url = \"http...\"")
-        if not all(isinstance(a, str) for a in self.args):
-            raise ConfigError(f"{where}: args must be a list of strings")
-        for name in ("env", "headers"):       # checked here: the SDK's errors would echo values
-            value = getattr(self, name)
-            if value is not None and not (isinstance(value, dict) and all(
-                    isinstance(k, str) and isinstance(v, str) for k, v in value.items())):
-                raise ConfigError(f"{where}: {name} must be a table of strings")
-        for name in ("tool_timeout_ms", "startup_timeout_ms"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ConfigError(f"{where}: {name} must be a positive integer, got {value!r}")
+        object.__setattr__(self, "roots", tuple(self.roots))
+        stdio, http = self.transport == "stdio", self.transport == "streamable_http"
+        for ok, problem in [  # env and headers are checked here: the SDK's errors echo values
+            (isinstance(self.id, str) and re.fullmatch(r"[A-Za-z0-9_-]{1,64}", self.id),
+             "id must be 1-64 letters, digits, '_' or '-'"),
+            (stdio or http, f"transport must be 'stdio' or 'streamable_http', "
+                            f"got {self.transport!r}"),
+            (not stdio or self.command, "transport 'stdio' needs command = \"...\""),
+            (not http or str(self.url or "").startswith("http"),
+             "transport 'streamable_http' needs url = \"http...\""),
+            (all(isinstance(a, str) for a in self.args), "args must be a list of strings"),
+            (_is_strings(self.env), "env must be a table of strings"),
+            (_is_strings(self.headers), "headers must be a table of strings"),
+            (all(v.isprintable() and v.isascii() for v in (self.headers or {}).values()),
+             "a headers value holds a control or non-ASCII character (a stray CR or LF?)"),
+            (all(isinstance(r, str) for r in self.roots), "roots must be a list of paths"),
+            (type(self.tool_timeout_ms) is int and self.tool_timeout_ms > 0,   # bool is no int
+             f"tool_timeout_ms must be a positive integer, got {self.tool_timeout_ms!r}"),
+            (type(self.startup_timeout_ms) is int and self.startup_timeout_ms > 0,
+             f"startup_timeout_ms must be a positive integer, got {self.startup_timeout_ms!r}"),
+        ]:
+            if not ok:
+                raise ConfigError(f"MCP server {self.id!r}: {problem}")
 
 
 # ---- 2. Names and results -----------------------------------------------------------------------
@@ -163,45 +169,58 @@ def _kill_group(pgid: int | None) -> None:
 
 async def _list_all(session: Any) -> list[Any]:
     """Every tool of a session, following tools/list pagination."""
-    tools, cursor = [], None
-    while True:
+    page = await session.list_tools()
+    tools = list(page.tools)
+    while page.next_cursor:
         page = await session.list_tools(
-            params=mcp_types.PaginatedRequestParams(cursor=cursor) if cursor else None)
-        tools, cursor = tools + page.tools, page.next_cursor
-        if not cursor:
-            return tools
+            params=mcp_types.PaginatedRequestParams(cursor=page.next_cursor))
+        tools += page.tools
+    return tools
 
 
 class _Server:
-    """One MCP server; everything here runs on the port's loop thread."""
+    """One run of one MCP server, owned by the task running _own(); made on the loop thread.
+    A restart is a new _Server."""
 
-    def __init__(self, cfg: McpServerConfig, roots: tuple[str, ...]):
-        self.cfg, self.roots = cfg, roots
-        self.tools: list[Any] = []          # mcp Tool objects of the current session
+    def __init__(self, cfg: McpServerConfig):
+        self.cfg = cfg
+        self.tools: list[Any] = []          # mcp Tool objects of the session
+        self.session: Any = None            # set while the server takes calls
+        self.dead: str | None = None        # why it stopped by itself; restarted next turn
+        self.list_changed = False           # tools/list_changed came: re-list next turn
+        self.closing = False                # stop() was called: ending now is not a death
         self.pgid: int | None = None        # a plain int, so close() may use it from any thread
-        self.failed = False                 # a restart failed: its tools are gone for good
-        self.closing = False                # stop() was called: exiting is not a death
         self.tail: collections.deque[str] = collections.deque(maxlen=_TAIL_LINES)
-        self.session = self.task = self._scope = self.dead = None
-        self.list_changed = False
+        self.task: asyncio.Task | None = None
+        self._process = self._lost = self._stderr = None
+        self._partial = b""                 # the start of a stderr line still being written
+        # stop() cancels this scope: the startup while starting, then the wait for the end.
+        deadline = anyio.current_time() + cfg.startup_timeout_ms / 1000
+        self._scope = anyio.CancelScope(deadline=deadline)
+        self._ready = asyncio.get_running_loop().create_future()
 
     async def start(self) -> None:
-        """Start (or restart) the owner task; return once it is ready, or raise McpError."""
-        self.session = self._process = self._scope = self._broken = self.dead = None
-        self.pgid = None
-        self.list_changed = False
-        self.tail.clear()
-        self._stop, self._ready = asyncio.Event(), asyncio.get_running_loop().create_future()
+        """Start the owner task; return once it is ready, or raise McpError."""
         self.task = asyncio.create_task(self._own(), name=f"mcp-{self.cfg.id}")
         await self._ready
 
     async def _own(self) -> None:
-        error, self._stderr = None, None
+        error = None
         try:
-            deadline = anyio.current_time() + self.cfg.startup_timeout_ms / 1000
-            with anyio.CancelScope(deadline=deadline) as self._scope:
-                if not self.closing:
-                    await self._session_lifetime()
+            async with contextlib.AsyncExitStack() as stack:
+                stack.enter_context(self._scope)
+                read, write = await self._connect(stack)
+                # Sampling and elicitation: the SDK's default callbacks decline them.
+                session = await stack.enter_async_context(ClientSession(
+                    read, write, list_roots_callback=self._roots, message_handler=self._on_message,
+                    client_info=mcp_types.Implementation(name="bob", version="1")))
+                await session.initialize()
+                self.tools = await _list_all(session)
+                self.session, self._scope.deadline = session, math.inf
+                self._ready.set_result(None)
+                with anyio.CancelScope() as self._scope:  # cancelled: leave the SDK's managers
+                    while getattr(self._process, "returncode", None) is None:   # it may exit
+                        await anyio.sleep(_POLL_S)
         except Exception as e:
             error = e
         finally:
@@ -210,24 +229,10 @@ class _Server:
             # are orphans, e.g. the node process of an npx that died: kill them too.
             _kill_group(self.pgid)
             if self._stderr is not None:
-                self._drain(self._stderr, final=True)
+                self._read_stderr(final=True)
             self._finish(error)
 
-    async def _session_lifetime(self) -> None:
-        async with contextlib.AsyncExitStack() as stack:
-            read, write = await self._open_transport(stack)
-            session = await stack.enter_async_context(ClientSession(
-                read, write, list_roots_callback=self._roots, message_handler=self._on_message,
-                client_info=mcp_types.Implementation(name="bob", version="1")))
-            await session.initialize()
-            self.tools = await _list_all(session)
-            self.session, self._scope.deadline = session, math.inf
-            self._ready.set_result(None)
-            while not self._stop.is_set() and getattr(self._process, "returncode", None) is None:
-                with anyio.move_on_after(_POLL_S):    # a stdio server may also just exit
-                    await self._stop.wait()
-
-    async def _open_transport(self, stack: contextlib.AsyncExitStack) -> Any:
+    async def _connect(self, stack: contextlib.AsyncExitStack) -> Any:
         cfg = self.cfg
         if cfg.transport == "streamable_http":
             client = await stack.enter_async_context(create_mcp_http_client(headers=cfg.headers))
@@ -235,80 +240,82 @@ class _Server:
                 streamable_http_client(cfg.url, http_client=client))
         self._stderr, write_fd = os.pipe()   # the server's stderr: to the log, never the terminal
         os.set_blocking(self._stderr, False)
-        asyncio.get_running_loop().add_reader(self._stderr, self._drain, self._stderr)
-        self._partial = b""
+        asyncio.get_running_loop().add_reader(self._stderr, self._read_stderr)
         with os.fdopen(write_fd, "w") as errlog:     # closed here once the child holds a copy
             cm = stdio_client(StdioServerParameters(
                 command=cfg.command, args=list(cfg.args), env=cfg.env, cwd=cfg.cwd), errlog)
             streams = await stack.enter_async_context(cm)
-        # The SDK keeps the Process in a local of stdio_client and exposes it nowhere. We read it
-        # (never write) for its exit code and its pid, which is its process group (new session).
-        frame = getattr(getattr(cm, "gen", None), "ag_frame", None)
-        self._process = frame.f_locals.get("process") if frame is not None else None
-        self.pgid = getattr(self._process, "pid", None)
+        # The SDK keeps the Process in a local of stdio_client and exposes it nowhere (no hook
+        # either). We only read it: its returncode, and its pid, which is its process group.
+        process = cm.gen.ag_frame.f_locals.get("process")
+        if isinstance(process, Process):
+            self._process, self.pgid = process, process.pid
         return streams
 
-    def _finish(self, error: BaseException | None) -> None:
+    def _finish(self, error: Exception | None) -> None:
+        """Say why the owner ended: to start() while starting, else in `dead` for the calls."""
+        error, code = error or self._lost, getattr(self._process, "returncode", None)
+        ready = self._ready.done()
+        if not ready and self.closing:
+            cause = "stopped while starting"
+        elif not ready and self._scope.cancelled_caught:
+            cause = f"no answer to the MCP handshake within {self.cfg.startup_timeout_ms} ms"
+        elif code is not None or error is None:
+            cause = "closed the connection" if code is None else f"exited (code {code})"
+        else:
+            leaf = _leaf(error)
+            hint = " (is it installed and on PATH?)" if isinstance(leaf, FileNotFoundError) else ""
+            cause = ("failed: " if ready else "") + f"{type(leaf).__name__}: {leaf}{hint}"
         tail = "; stderr:\n  " + "\n  ".join(self.tail) if self.tail else ""
-        if not self._ready.done():
+        if not ready:
             self._ready.set_exception(McpError(
-                f"MCP server {self.cfg.id!r} failed to start: {self._cause(error)}{tail}"))
+                self._scrub(f"MCP server {self.cfg.id!r} failed to start: {cause}{tail}")))
         elif not self.closing:
-            cause = self._cause(error)
-            verb = "" if cause.startswith(("exited", "closed")) else "failed: "
-            self.dead = f"server {self.cfg.id} {verb}{cause}{tail}"
+            self.dead = self._scrub(f"server {self.cfg.id} {cause}{tail}")
             log.warning("MCP %s\nbob will try to restart it on the next turn", self.dead)
 
-    def _cause(self, error: BaseException | None) -> str:
-        error, code = error or self._broken, getattr(self._process, "returncode", None)
-        if self.closing and not self._ready.done():
-            return "stopped while starting"
-        if not self._ready.done() and self._scope is not None and self._scope.cancelled_caught:
-            return f"no answer to the MCP handshake within {self.cfg.startup_timeout_ms} ms"
-        if code is not None or error is None:
-            return "closed the connection" if code is None else f"exited (code {code})"
-        leaf = _leaf(error)
-        hint = " (is it installed and on PATH?)" if isinstance(leaf, FileNotFoundError) else ""
-        return f"{type(leaf).__name__}: {leaf}{hint}"
+    def _scrub(self, text: str) -> str:
+        """The text with env and header values masked: SDK and HTTP errors may quote them."""
+        for value in {**(self.cfg.env or {}), **(self.cfg.headers or {})}.values():
+            if len(value.strip()) >= 4:   # shorter ones would mask ordinary words
+                text = text.replace(value.strip(), "***")
+        return text
 
-    def _drain(self, fd: int, final: bool = False) -> None:
-        """Move the server's stderr into the log (INFO), keeping the last lines for errors."""
-        data = None
+    def _read_stderr(self, final: bool = False) -> None:
+        """Log the server's stderr line by line (INFO), keeping the last lines for errors.
+        The loop calls it while the pipe is readable; the owner once more (final) at its end."""
+        data, eof = b"", False
         with contextlib.suppress(BlockingIOError):
-            while data := os.read(fd, 65536):
-                *lines, self._partial = (self._partial + data).split(b"\n")
-                for line in lines:
-                    self._keep(line)
-                if not final:                 # the loop calls again while there is more
-                    return
-        if final or data == b"":              # EOF, or the owner is done with the server
-            if self._partial:
-                self._keep(self._partial)
-            self._partial = b""
-            asyncio.get_running_loop().remove_reader(fd)
+            while chunk := os.read(self._stderr, 65536):
+                data += chunk
+                if not final:                     # one read per call, the loop calls again
+                    break
+            else:
+                eof = True                        # every holder of the write end closed it
+        lines = (self._partial + data).split(b"\n")
+        self._partial = b"" if eof or final else lines.pop()
+        if eof or final:
+            asyncio.get_running_loop().remove_reader(self._stderr)
+        for line in filter(None, lines):
+            self.tail.append(line.decode("utf-8", "replace").rstrip())
+            log.info("[%s] %s", self.cfg.id, self.tail[-1])
         if final:
-            os.close(fd)
-
-    def _keep(self, line: bytes) -> None:
-        self.tail.append(line.decode("utf-8", "replace").rstrip())
-        log.info("[%s] %s", self.cfg.id, self.tail[-1])
+            os.close(self._stderr)
 
     async def _roots(self, context: Any) -> Any:
+        paths = [Path(p).resolve() for p in self.cfg.roots or (os.getcwd(),)]
         return mcp_types.ListRootsResult(roots=[
-            mcp_types.Root(uri=Path(p).resolve().as_uri(), name=Path(p).name) for p in self.roots])
+            mcp_types.Root(uri=p.as_uri(), name=p.name) for p in paths])
 
     async def _on_message(self, message: Any) -> None:
         if isinstance(message, mcp_types.ToolListChangedNotification):
             self.list_changed = True          # acted on before the next turn
-        elif isinstance(message, Exception):
-            log.debug("MCP server %r transport error: %r", self.cfg.id, message)
 
     async def call(self, tool: str, arguments: dict[str, Any], timeout_s: float
                    ) -> tuple[str, bool]:
         """(text, is_error) of one tool call; a server that is gone becomes error text too."""
-        if self.dead or self.session is None:
-            why = self.dead or f"server {self.cfg.id} is not running"
-            return f"executor unavailable: {why}", True
+        if self.session is None:
+            return f"executor unavailable: {self.dead or f'server {self.cfg.id} stopped'}", True
         try:
             result = await self.session.call_tool(tool, arguments, read_timeout_seconds=timeout_s)
             return _result_text(result), bool(result.is_error)
@@ -320,26 +327,17 @@ class _Server:
         except (RuntimeError, ValueError) as e:   # it answered, but not with a valid result
             return f"invalid result from server {self.cfg.id}: {e}", True
         except Exception as e:                    # the transport failed (e.g. HTTP refused)
-            self._broken = e
-        self._stop.set()                          # let the owner exit and say why
+            self._lost = e
+        self._scope.cancel()                      # let the owner exit and say why
         await asyncio.wait({self.task}, timeout=_GRACE_S)
         return f"executor unavailable: {self.dead or f'server {self.cfg.id} stopped'}", True
 
-    async def refresh(self) -> None:
-        """Re-list the tools after notifications/tools/list_changed."""
-        self.list_changed = False
-        with anyio.fail_after(self.cfg.startup_timeout_ms / 1000):
-            self.tools = await _list_all(self.session)
-
     async def stop(self, timeout_s: float) -> None:
-        """Stop the server (the SDK closes stdin, then terminates and kills the group), bounded."""
+        """Stop the server, bounded: the SDK closes stdin, terminates, kills; then its group."""
         self.closing = True
-        if self.task is None:                     # start() has not run yet; it will see closing
+        self._scope.cancel()                      # before start() too: the owner ends at once
+        if self.task is None:
             return
-        if self.session is not None:
-            self._stop.set()                      # the owner exits its context managers itself
-        elif self._scope is not None:
-            self._scope.cancel()                  # still starting
         if not (await asyncio.wait({self.task}, timeout=max(timeout_s, 0.05)))[0]:
             _kill_group(self.pgid)
             self.task.cancel()
@@ -353,8 +351,9 @@ class McpToolPort:
 
     def __init__(self, servers: Sequence[McpServerConfig]):
         ids = [s.id for s in servers]
-        for dup in sorted({i for i in ids if ids.count(i) > 1}):
-            raise ConfigError(f"MCP server id {dup!r} is used twice; ids must be unique")
+        dups = sorted({i for i in ids if ids.count(i) > 1})
+        if dups:
+            raise ConfigError(f"MCP server id {dups[0]!r} is used twice; ids must be unique")
         self._configs = tuple(servers)
         self._servers: list[_Server] = []                  # running ones, in config order
         self._names: dict[str, tuple[_Server, str]] = {}   # exposed name -> (server, MCP name)
@@ -362,8 +361,7 @@ class McpToolPort:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._started: concurrent.futures.Future | None = None
         self._lock, self._closed = threading.Lock(), False
-        startup_ms = max((s.startup_timeout_ms for s in servers), default=0)
-        self._startup_s = startup_ms / 1000 + _GRACE_S
+        self._startup_s = max([s.startup_timeout_ms / 1000 for s in servers], default=0) + _GRACE_S
 
     def __enter__(self) -> McpToolPort:
         return self.start()
@@ -388,34 +386,30 @@ class McpToolPort:
         return self
 
     def _run_loop(self) -> None:
-        asyncio.set_event_loop(self._loop)
-        try:
-            self._loop.run_forever()
-        finally:
-            self._loop.run_until_complete(self._loop.shutdown_default_executor())
-            self._loop.close()
+        self._loop.run_forever()                  # until close() stops it
+        self._loop.run_until_complete(self._loop.shutdown_default_executor())
+        self._loop.close()
 
     async def _start_all(self) -> None:
-        servers = self._servers = [_Server(c, c.roots or (os.getcwd(),)) for c in self._configs]
+        servers = self._servers = [_Server(c) for c in self._configs]
         results = await asyncio.gather(*(s.start() for s in servers), return_exceptions=True)
-        failed = [r for s, r in zip(servers, results) if r is not None and s.cfg.required]
-        for s, r in zip(servers, results):
-            if r is not None and not s.cfg.required:
-                log.warning("%s\nSkipping it (required = false); the other servers run.", r)
-        self._servers = [s for s, r in zip(servers, results) if r is None]
-        try:
-            if failed:
-                raise failed[0] if len(failed) == 1 else McpError("\n".join(map(str, failed)))
-            self._publish()
-        except BaseException:
-            await self._stop_all(_CLOSE_S)
-            raise
+        self._servers, failed = [], []
+        for server, error in zip(servers, results, strict=True):
+            if error is None:
+                self._servers.append(server)
+            elif server.cfg.required:
+                failed.append(error)
+            else:
+                log.warning("%s\nSkipping it (required = false); the other servers run.", error)
+        if failed:   # _wait_started() closes the port, which stops the servers that did start
+            raise failed[0] if len(failed) == 1 else McpError("\n".join(map(str, failed)))
+        self._publish()
 
     def _publish(self) -> None:
         """Rebuild the name map and the descriptors from the servers' tool lists."""
         names: dict[str, tuple[_Server, str]] = {}
         tools = []
-        for server in (s for s in self._servers if not s.failed):
+        for server in self._servers:
             for tool in server.tools:
                 name = exposed_name(server.cfg.id, tool.name)
                 if name in names:
@@ -434,7 +428,7 @@ class McpToolPort:
         try:
             self._started.result(self._startup_s)
         except concurrent.futures.TimeoutError:
-            raise McpError(f"MCP servers did not finish starting in {self._startup_s:.0f} s")
+            raise McpError(f"MCP servers did not start in {self._startup_s:.0f} s") from None
         except Exception:
             self.close()                  # a failed start leaves nothing running
             raise
@@ -443,22 +437,11 @@ class McpToolPort:
 
     def _run(self, coro: Any, timeout_s: float) -> Any:
         """Run a coroutine on the loop and wait at most timeout_s; on timeout cancel it there."""
-        # Leaner than run_coroutine_threadsafe: the result is handed over the moment the
-        # coroutine returns, not one loop iteration later (measured in bench/mcp_overhead.py).
-        future: concurrent.futures.Future = concurrent.futures.Future()
-        tasks: list[asyncio.Task] = []
-
-        async def bridge() -> None:
-            try:
-                future.set_result(await coro)
-            except BaseException as e:  # handed to the waiting thread, never lost
-                future.set_exception(e)
-
-        self._loop.call_soon_threadsafe(lambda: tasks.append(self._loop.create_task(bridge())))
+        future = asyncio.run_coroutine_threadsafe(coro, self._loop)
         try:
             return future.result(timeout_s)
-        except concurrent.futures.TimeoutError:   # scheduled after the append above: FIFO
-            self._loop.call_soon_threadsafe(lambda: tasks[0].cancel())
+        except concurrent.futures.TimeoutError:
+            future.cancel()
             raise
 
     def list_tools(self) -> list[ToolDescriptor]:
@@ -468,16 +451,24 @@ class McpToolPort:
         try:
             self._run(self._before_turn(), self._startup_s)
         except concurrent.futures.TimeoutError:
-            raise McpError(f"restarting or re-listing MCP servers took over {self._startup_s} s")
+            raise McpError(f"restarting or re-listing MCP servers took over "
+                           f"{self._startup_s:.0f} s") from None
         return list(self._tools)
 
     async def _before_turn(self) -> None:
-        todo = [s for s in self._servers if (s.dead and not s.failed) or s.list_changed]
+        todo = [s for s in self._servers if s.dead or s.list_changed]
         for server in todo:
             try:
-                await (server.start() if server.dead else server.refresh())
-            except McpError as e:
-                server.failed = True
+                if server.dead:                   # restart it: a new _Server in its place
+                    fresh = _Server(server.cfg)
+                    self._servers = [fresh if s is server else s for s in self._servers]
+                    await fresh.start()
+                else:
+                    server.list_changed = False
+                    with anyio.fail_after(server.cfg.startup_timeout_ms / 1000):
+                        server.tools = await _list_all(server.session)
+            except McpError as e:                 # the restart failed: drop it for good
+                self._servers = [s for s in self._servers if s.cfg is not server.cfg]
                 log.warning("%s\nIts tools are unavailable until bob restarts.", e)
             except Exception as e:
                 log.warning("MCP server %r: listing tools failed: %r", server.cfg.id, e)
@@ -526,9 +517,11 @@ class McpToolPort:
         try:
             self._run(self._stop_all(_CLOSE_S), _CLOSE_S + 2.0)
             concurrent.futures.wait([self._started], timeout=1.0)   # let a startup finish
-        except Exception as e:  # the loop is stuck: kill the servers from this thread
+        except BaseException as e:  # the loop is stuck, or Ctrl-C: kill them from this thread
             log.warning("MCP servers did not stop in time (%r); killing them", e)
             for server in self._servers:
                 _kill_group(server.pgid)
+            if not isinstance(e, Exception):
+                raise
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=2.0)

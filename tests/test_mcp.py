@@ -29,6 +29,7 @@ from bob_mcp import McpError, McpServerConfig, McpToolPort, exposed_name
 SERVER = str(Path(__file__).with_name("mcp_server.py"))
 MARKER = f"bob-mcp-test-{uuid.uuid4().hex[:8]}"
 LONG = "t" * 70                                  # a tool name too long to expose as is
+ROOTS = (str(Path(__file__).parent), str(Path(__file__).parent.parent))  # server b's roots
 
 
 def stdio(server_id: str, *flags: str, marker: str = MARKER, **kw) -> McpServerConfig:
@@ -50,8 +51,6 @@ def marked_pids(marker: str) -> list[int]:
     return pids
 
 
-
-
 def call(port: McpToolPort, tool: str, timeout_s: float = 5.0, **arguments) -> bob.ToolResult:
     return port.call_tool(ToolCall("c1", tool, arguments), timeout_s)
 
@@ -70,7 +69,11 @@ def http_url():
     port = free_port()
     proc = subprocess.Popen([sys.executable, SERVER, "--http", str(port), "--marker", MARKER],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    ready = lambda: proc.poll() is None and socket.socket().connect_ex(("127.0.0.1", port)) == 0
+
+    def ready() -> bool:
+        with socket.socket() as s:
+            return proc.poll() is None and s.connect_ex(("127.0.0.1", port)) == 0
+
     assert wait_until(ready, timeout=15), "the HTTP MCP server did not come up"
     yield f"http://127.0.0.1:{port}/mcp"
     proc.terminate()
@@ -81,7 +84,7 @@ def http_url():
 def port(http_url):
     """Servers a and b (stdio, same tools) and h (HTTP), started once for the module."""
     servers = [stdio("a", "--extra", "odd.name/with space", "--extra", LONG, tool_timeout_ms=300),
-               stdio("b", env={"BOB_TEST_VAR": "from config"}),
+               stdio("b", env={"BOB_TEST_VAR": "from config"}, roots=ROOTS),
                McpServerConfig("h", "streamable_http", url=http_url, headers={"X-Key": "s3cret"})]
     with McpToolPort(servers) as p:
         yield p
@@ -199,6 +202,17 @@ def test_roots_are_answered_and_sampling_declined(port, server_id):
     assert not r.is_error and r.content.startswith("declined")
 
 
+def test_configured_roots_are_answered(port):
+    assert call(port, "b__roots").content == "\n".join(Path(r).as_uri() for r in ROOTS)
+
+
+def test_a_control_character_in_a_header_is_refused_without_showing_it():
+    with pytest.raises(ConfigError, match="control or non-ASCII character") as err:
+        McpServerConfig("h", "streamable_http", url="http://x/mcp",
+                        headers={"Authorization": "Bearer TOPSECRET-123\r"})
+    assert "TOPSECRET" not in str(err.value)
+
+
 def test_list_changed_refreshes_tools_before_the_next_turn(port):
     name = f"new_{uuid.uuid4().hex[:6]}"
     assert call(port, "a__grow", name=name).content == "added"
@@ -295,7 +309,8 @@ def test_lifecycle_optional_skip_death_restart_and_clean_close(caplog, capfd):
 def test_servers_die_with_bob_after_ctrl_c():
     marker = MARKER + "-exit"
     script = textwrap.dedent(f"""
-        import sys, time
+        import signal, sys, time
+        signal.signal(signal.SIGINT, signal.default_int_handler)   # even if started ignoring it
         sys.path.insert(0, {str(Path(__file__).parents[1])!r})
         from bob_mcp import McpServerConfig, McpToolPort
         cfg = McpServerConfig("s", command=sys.executable,
