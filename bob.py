@@ -24,6 +24,7 @@ only when an OpenAICompatLlm is created. Nothing happens at import time.
 from __future__ import annotations
 
 import collections.abc
+import contextlib
 import dataclasses
 import email.utils
 import enum
@@ -959,7 +960,7 @@ def redact(data: Any) -> Any:
 
 # ---- 8. Workers: threads with deadlines and cancel ----------------------------------------------
 # A port may block forever. Each LLM or tool call runs on a daemon pool thread; the loop waits on a
-# wake-up event with the remaining time, so cancel and deadlines hold while the port is stuck.
+# wake-up queue with the remaining time, so cancel and deadlines hold while the port is stuck.
 # A worker given up on keeps running until its port returns: it is counted, and past
 # _MAX_ABANDONED live ones new tool calls are refused rather than leaking threads without bound.
 
@@ -1003,7 +1004,7 @@ def _submit(job: Callable[[], None]) -> None:
 class _Worker:
     """One call on a pool thread; `done` turns True when it returns or raises."""
 
-    def __init__(self, fn: Callable[[], Any], wake: threading.Event):
+    def __init__(self, fn: Callable[[], Any], wake: queue.SimpleQueue[None]):
         self.fn, self.wake = fn, wake
         self.value: Any = None
         self.error: BaseException | None = None
@@ -1021,7 +1022,7 @@ class _Worker:
             self.done = True
             if self._given_up:
                 _abandoned -= 1
-        self.wake.set()
+        self.wake.put(None)
 
     def give_up(self) -> None:
         """Stop caring about the result; the thread is counted until it ends."""
@@ -1032,19 +1033,20 @@ class _Worker:
                 _abandoned += 1
 
 
-def _wait_all(workers: Sequence[_Worker], deadlines: Sequence[float], wake: threading.Event,
-              cancel: CancelToken) -> None:
+def _wait_all(workers: Sequence[_Worker], deadlines: Sequence[float],
+              wake: queue.SimpleQueue[None], cancel: CancelToken) -> None:
     """Wait until each worker is done or past its deadline, or until cancel; give up the rest.
 
-    Workers set `wake` when they end; the caller has `cancel` set it too (once per turn)."""
+    Workers put a token in `wake` when they end, and the caller has `cancel` put one too (once
+    per turn). A token left from an earlier wait only costs one more look."""
     try:
         while not cancel.cancelled:
-            wake.clear()
             now = time.monotonic()
             pending = [d for w, d in zip(workers, deadlines) if not w.done and d > now]
             if not pending:
                 break
-            wake.wait(min(pending) - now)
+            with contextlib.suppress(queue.Empty):
+                wake.get(timeout=min(pending) - now)
     finally:
         for w in workers:
             w.give_up()
@@ -1088,7 +1090,7 @@ class _Turn:
     system: Message | None = None
     wire: dict[int, Message] = field(default_factory=dict)  # rendered messages, by index
     grouping: _Grouping = field(default_factory=_Grouping)  # of session.messages
-    wake: threading.Event = field(default_factory=threading.Event)  # set by finishing workers
+    wake: queue.SimpleQueue[None] = field(default_factory=queue.SimpleQueue)  # see _wait_all
     prompt: LlmRequest | None = None
     reply: LlmResponse | None = None
     action: AgentAction | None = None
@@ -1130,7 +1132,7 @@ class AgentRuntime:
         caller = cancel or CancelToken()
         turn = _Turn(request, policy, caller, CancelToken(), LoopGuard(
             policy, time.monotonic() + policy.turn_timeout_ms / 1000))
-        turn.cancel.on_cancel(turn.wake.set)  # a cancel wakes whatever the turn waits for
+        turn.cancel.on_cancel(lambda: turn.wake.put(None))  # wakes whatever the turn waits for
         unlink = caller.on_cancel(turn.cancel.cancel)
         state = State.START
         try:
