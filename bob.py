@@ -1729,7 +1729,8 @@ class OpenAICompatLlm:
                   f"the environment variable {env}" if env else "")
         if not key and env:
             raise ConfigError(f"no API key for {model!r}: set the environment variable {env} "
-                              "(or pass api_key / api_key_env)")
+                              "(or name another one with api_key_env, in agent.toml under "
+                              "[llm]; local servers such as ollama:... need none)")
         if key and (not key.isascii() or any(c.isspace() for c in key)):  # a pasted newline
             raise ConfigError(f"the API key for {model!r} in {source} contains spaces or "
                               "non-ASCII characters; set it again")

@@ -27,6 +27,7 @@ import json
 import logging
 import os
 import re
+import shutil
 import signal
 import sys
 import threading
@@ -483,10 +484,11 @@ class Shell:
         tools, sources = (port.list_tools(), port.tool_sources()) if port else ([], {})
         width = max((len(t.name) for t in tools), default=0)
         for t in tools:
-            about = (t.description.strip().splitlines() or [""])[0][:70]
             denied = bob.is_denied(t.name, self.runtime.deny_tools)
-            print(f"  {t.name:<{width}}  {sources.get(t.name, '?'):<12} {about}"
-                  + ("  (denied by [policy])" if denied else ""))
+            mark = "  (denied by [policy])" if denied else ""
+            room = max(20, shutil.get_terminal_size().columns - width - 18 - len(mark))
+            about = (t.description.strip().splitlines() or [""])[0][:room]
+            print(f"  {t.name:<{width}}  {sources.get(t.name, '?'):<12} {about}{mark}")
         if not tools:
             print("no tools (MCP servers are listed under [[mcp.servers]])")
 
