@@ -1809,7 +1809,9 @@ class OpenAICompatLlm:
                     "no answer in time from" if isinstance(e, requests.Timeout) else
                     "cannot reach" if isinstance(e, requests.ConnectionError) else
                     "transport error on")
-            return _Retry(LlmError(f"{what} {self._url}: {_cause(e)}"))
+            hint = (" (is the server running? check base_url)"
+                    if isinstance(e, requests.ConnectionError) else "")
+            return _Retry(LlmError(f"{what} {self._url}: {_cause(e)}{hint}"))
         finally:  # a cancel from now on must not shut a connection another call may be using
             self._inflight.pop(threading.get_ident(), None)
 
