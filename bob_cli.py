@@ -154,6 +154,8 @@ def _mcp_server(raw: Any, n: int, where: str, base: Path,
                                       "(a stray CR or LF?); fix the value")
     if "cwd" in server:  # like [store] path: relative to the config file
         server["cwd"] = str(base / Path(server["cwd"]).expanduser())
+        if not Path(server["cwd"]).is_dir():
+            raise bob.ConfigError(f"{here} cwd {server['cwd']} is not a directory")
     if "roots" in server:
         server["roots"] = tuple(str(base / Path(r).expanduser()) for r in server["roots"])
     return server
@@ -364,6 +366,12 @@ class McpTools:
         except concurrent.futures.TimeoutError:
             raise bob.AgentError(f"loading the mcp SDK took over {timeout_s:.0f} s") from None
 
+    def startup_error(self) -> BaseException | None:
+        """Why the MCP servers did not start, once that is known; else None."""
+        if not self._port.done():
+            return None
+        return self._port.exception() or self._port.result().startup_error()
+
     def list_tools(self) -> list[bob.ToolDescriptor]:
         """Every server's tools, named <server_id>__<tool>."""
         return self.port().list_tools()
@@ -549,6 +557,8 @@ def run_repl(shell: Shell, banner: str) -> int:
             return 0
         except bob.BobError as e:
             _note(f"error: {_one_line(e)}")
+            if shell.mcp is not None and shell.mcp.startup_error() is not None:
+                return 1    # a required MCP server did not start: stop, as -p does
 
 
 def run_demo(sinks: list[Any]) -> int:
@@ -593,6 +603,10 @@ def _sinks(args: argparse.Namespace) -> list[Any]:
                             format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         sinks.append(bob.LoggingEventSink())
     if args.trace:
+        try:  # the sink opens it at the first event: find a bad path now, not once per event
+            open(args.trace, "a", encoding="utf-8").close()
+        except OSError as e:
+            raise bob.ConfigError(f"--trace {args.trace}: cannot write it ({e.strerror})") from None
         sinks.append(bob.JsonlEventSink(args.trace))
     return sinks
 
@@ -604,7 +618,7 @@ def build_shell(cfg: Config, args: argparse.Namespace) -> Shell:
     try:
         llm = bob.OpenAICompatLlm(args.model or cfg.default_model, stream=stream, **options)
     except bob.ConfigError as e:
-        raise bob.ConfigError(f"{cfg.path}: {e}") from None
+        raise bob.ConfigError(f"{'--model' if args.model else cfg.path}: {e}") from None
     session_id = args.session or new_session_id()
     store: Any = bob.InMemorySessionStore()
     if cfg.store_path is not None:
@@ -654,6 +668,9 @@ def main(argv: list[str] | None = None) -> int:
                         f"{shell.session_id}{servers}. /help lists commands, Ctrl-D quits.")
     except bob.ConfigError as e:
         return _fail(e, 2, args.verbose)
+    except BrokenPipeError:  # e.g. `bob -p ... | head -1`: the reader left; say nothing more
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
     except Exception as e:  # BobError (LlmError, AgentError, StoreError...) or a bug
         return _fail(e, 1, args.verbose)
     except KeyboardInterrupt:

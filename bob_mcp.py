@@ -275,10 +275,12 @@ class _Server:
             log.warning("MCP %s\nbob will try to restart it on the next turn", self.dead)
 
     def _scrub(self, text: str) -> str:
-        """The text with env and header values masked: SDK and HTTP errors may quote them."""
+        """The text with env and header values masked, whole or by their long words (the token
+        of "Bearer <token>"): server output and SDK or HTTP errors may quote them."""
         for value in {**(self.cfg.env or {}), **(self.cfg.headers or {})}.values():
-            if len(value.strip()) >= 4:   # shorter ones would mask ordinary words
-                text = text.replace(value.strip(), "***")
+            for secret in sorted({value.strip(), *value.split()}, key=len, reverse=True):
+                if len(secret) >= 8:      # shorter ones would mask ordinary words
+                    text = text.replace(secret, "***")
         return text
 
     def _read_stderr(self, final: bool = False) -> None:
@@ -293,11 +295,11 @@ class _Server:
             else:
                 eof = True                        # every holder of the write end closed it
         lines = (self._partial + data).split(b"\n")
-        self._partial = b"" if eof or final else lines.pop()
+        self._partial = b"" if eof or final else lines.pop()[-65536:]  # a line without end
         if eof or final:
             asyncio.get_running_loop().remove_reader(self._stderr)
         for line in filter(None, lines):
-            self.tail.append(line.decode("utf-8", "replace").rstrip())
+            self.tail.append(self._scrub(line.decode("utf-8", "replace").rstrip()))
             log.info("[%s] %s", self.cfg.id, self.tail[-1])
         if final:
             os.close(self._stderr)
@@ -314,16 +316,23 @@ class _Server:
     async def call(self, tool: str, arguments: dict[str, Any], timeout_s: float
                    ) -> tuple[str, bool]:
         """(text, is_error) of one tool call; a server that is gone becomes error text too."""
+        text, is_error = await self._call(tool, arguments, timeout_s)
+        return self._scrub(text), is_error
+
+    async def _call(self, tool: str, arguments: dict[str, Any], timeout_s: float
+                    ) -> tuple[str, bool]:
         if self.session is None:
             return f"executor unavailable: {self.dead or f'server {self.cfg.id} stopped'}", True
         try:
             result = await self.session.call_tool(tool, arguments, read_timeout_seconds=timeout_s)
             return _result_text(result), bool(result.is_error)
-        except MCPError as e:
-            if e.error.code == mcp_types.REQUEST_TIMEOUT:
+        except MCPError as e:   # a server may send the codes the SDK uses for its own errors
+            err = e.error
+            if err.code == mcp_types.REQUEST_TIMEOUT and err.message.startswith("Request "):
                 return f"tool {tool} timed out after {round(timeout_s * 1000)} ms", True
-            if e.error.code != mcp_types.CONNECTION_CLOSED:
-                return f"MCP error from server {self.cfg.id}: {e.error.message}", True
+            if (err.code, err.message, err.data) != (mcp_types.CONNECTION_CLOSED,
+                                                     "Connection closed", None):
+                return f"MCP error from server {self.cfg.id}: {err.message}", True
         except (RuntimeError, ValueError) as e:   # it answered, but not with a valid result
             return f"invalid result from server {self.cfg.id}: {e}", True
         except Exception as e:                    # the transport failed (e.g. HTTP refused)
@@ -361,6 +370,7 @@ class McpToolPort:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._started: concurrent.futures.Future | None = None
         self._lock, self._closed = threading.Lock(), False
+        self._close_done = threading.Event()    # set when the first close() has finished
         self._startup_s = max([s.startup_timeout_ms / 1000 for s in servers], default=0) + _GRACE_S
 
     def __enter__(self) -> McpToolPort:
@@ -429,8 +439,8 @@ class McpToolPort:
             self._started.result(self._startup_s)
         except concurrent.futures.TimeoutError:
             raise McpError(f"MCP servers did not start in {self._startup_s:.0f} s") from None
-        except Exception:
-            self.close()                  # a failed start leaves nothing running
+        except Exception:  # a failed start leaves nothing running; the error goes up at once
+            threading.Thread(target=self.close, name="bob-mcp-close", daemon=True).start()
             raise
         if self._closed:
             raise McpError("this McpToolPort is closed; create a new one")
@@ -471,7 +481,8 @@ class McpToolPort:
                 self._servers = [s for s in self._servers if s.cfg is not server.cfg]
                 log.warning("%s\nIts tools are unavailable until bob restarts.", e)
             except Exception as e:
-                log.warning("MCP server %r: listing tools failed: %r", server.cfg.id, e)
+                log.warning("MCP server %r: listing tools failed: %s", server.cfg.id,
+                            server._scrub(repr(e)))
         if todo:
             try:
                 self._publish()
@@ -495,6 +506,11 @@ class McpToolPort:
                 text, is_error = f"tool {tool} timed out after {round(limit * 1000)} ms", True
         return ToolResult(call.id, call.name, text, is_error, (time.monotonic() - start) * 1000)
 
+    def startup_error(self) -> BaseException | None:
+        """Why start() failed, once it has (the port is then closed for good); else None."""
+        started = self._started
+        return started.exception() if started is not None and started.done() else None
+
     def tool_sources(self) -> dict[str, str]:
         """Exposed tool name -> id of the server providing it (for listings such as /tools)."""
         return {name: server.cfg.id for name, (server, _) in self._names.items()}
@@ -508,10 +524,17 @@ class McpToolPort:
         """Stop every server in reverse order, then the loop thread. Bounded in time,
         idempotent, and registered with atexit by start(), so no server outlives bob."""
         with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-        atexit.unregister(self.close)
+            first, self._closed = not self._closed, True
+        if not first:   # another thread is closing: return once it is done (bounded)
+            self._close_done.wait(_CLOSE_S + 5.0)
+            return
+        try:
+            self._stop()
+        finally:
+            self._close_done.set()
+            atexit.unregister(self.close)   # only now: an exit meanwhile still waits for it
+
+    def _stop(self) -> None:
         if self._loop is None:
             return
         try:

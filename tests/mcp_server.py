@@ -100,6 +100,18 @@ def _build_server(extra_tools: list[str]):  # noqa: C901 - one flat list of tool
         raise ToolError(message)
 
     @server.tool()
+    def shout(text: str) -> str:
+        """Write the text on stderr."""
+        print(text, file=sys.stderr, flush=True)
+        return "ok"
+
+    @server.tool()
+    def rpc_error(code: int) -> str:
+        """Answer with a JSON-RPC error of this code (-32000 is a server's generic one)."""
+        from mcp import MCPError
+        raise MCPError(code, f"server-side problem (code {code})")
+
+    @server.tool()
     async def slow(seconds: float) -> str:
         """Sleep, then answer."""
         await anyio.sleep(seconds)

@@ -20,6 +20,7 @@ import select
 import signal
 import struct
 import subprocess
+import threading
 import sys
 import termios
 import time
@@ -409,6 +410,29 @@ def test_a_control_character_in_a_secret_is_refused_without_showing_it(tmp_path)
     assert "TOPSECRET" not in r.stderr + r.stdout
 
 
+def test_an_unwritable_trace_file_is_a_usage_error(tmp_path, srv):
+    write_config(tmp_path, srv)
+    r = run_cli(tmp_path, "--trace", str(tmp_path / "no" / "such" / "dir.jsonl"), "-p", "hi")
+    assert r.returncode == 2 and "--trace" in r.stderr and "cannot write it" in r.stderr
+    assert "Traceback" not in r.stderr and srv.requests == []
+
+
+def test_a_reader_that_leaves_early_ends_bob_quietly(tmp_path, srv):
+    reader_gone = threading.Event()
+    srv.push(final("first"), lambda body: (reader_gone.wait(5), final("second"))[1])
+    write_config(tmp_path, srv)
+    proc = subprocess.Popen([sys.executable, str(CLI)], cwd=tmp_path, env=child_env(tmp_path),
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    proc.stdin.write("one\ntwo\n")
+    proc.stdin.close()
+    assert proc.stdout.readline() == "first\n"
+    proc.stdout.close()                 # like `| head -1`
+    reader_gone.set()
+    assert proc.wait(10) == 141
+    assert proc.stderr.read() == ""
+
+
 def test_usage_error_exits_2(tmp_path):
     assert run_cli(tmp_path, "--no-such-flag").returncode == 2
 
@@ -533,3 +557,19 @@ def test_ctrl_c_while_mcp_servers_start_brings_the_prompt_back(tmp_path, srv):
     finally:
         term.close()
     assert not srv.requests and processes_with(marker) == []
+
+
+def test_a_required_mcp_server_that_fails_stops_the_repl_with_exit_1(tmp_path, srv):
+    write_config(tmp_path, srv, extra=(
+        f'[[mcp.servers]]\nid = "bad"\ncommand = "{sys.executable}"\n'
+        f'args = ["{MCP_SERVER}", "--fail"]\n'))
+    term = Terminal(tmp_path)
+    try:
+        term.expect(b"bob> ")
+        term.send(b"hello\r")
+        said = term.expect(b"cannot open database", timeout=8)
+        assert b"MCP server 'bad' failed to start" in said
+        assert term.proc.wait(10) == 1
+    finally:
+        term.close()
+    assert srv.requests == []

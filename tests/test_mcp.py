@@ -85,7 +85,7 @@ def port(http_url):
     """Servers a and b (stdio, same tools) and h (HTTP), started once for the module."""
     servers = [stdio("a", "--extra", "odd.name/with space", "--extra", LONG, tool_timeout_ms=300),
                stdio("b", env={"BOB_TEST_VAR": "from config"}, roots=ROOTS),
-               McpServerConfig("h", "streamable_http", url=http_url, headers={"X-Key": "s3cret"})]
+               McpServerConfig("h", "streamable_http", url=http_url, headers={"X-Key": "s3cret-header-value"})]
     with McpToolPort(servers) as p:
         yield p
 
@@ -166,10 +166,28 @@ def test_call_over_stdio_and_http(port, server_id):
     assert r.is_error and "no such file" in r.content
 
 
-def test_env_and_headers_reach_the_servers(port):
-    assert call(port, "b__env", name="BOB_TEST_VAR").content == "from config"
+def test_env_and_headers_reach_the_servers_and_come_back_masked(port):
+    # The servers echo the exact values; they are secrets, so the model sees them masked.
+    assert call(port, "b__env", name="BOB_TEST_VAR").content == "***"
     assert call(port, "b__env", name="PATH").content != "(unset)"   # the SDK's safe base env
-    assert call(port, "h__header", name="X-Key").content == "s3cret"
+    assert call(port, "h__header", name="X-Key").content == "***"
+    assert call(port, "a__env", name="BOB_TEST_VAR").content == "(unset)"  # b's env only
+
+
+@pytest.mark.parametrize("code", [-32000, -32001, -32002])
+def test_a_server_error_code_the_sdk_also_uses_is_just_an_error_result(port, code):
+    r = call(port, "a__rpc_error", code=code)
+    assert r.is_error and f"server-side problem (code {code})" in r.content
+    assert call(port, "a__echo", text="still up").content == "still up"
+
+
+def test_secrets_quoted_in_errors_and_stderr_are_masked(port, caplog):
+    r = call(port, "b__fail", message="upstream refused token from config")
+    assert r.is_error and "from config" not in r.content and "***" in r.content
+    with caplog.at_level(logging.INFO, logger="bob.mcp"):
+        assert call(port, "b__shout", text="using token from config").content == "ok"
+        assert wait_until(lambda: "[b] using token ***" in caplog.text)
+    assert "from config" not in caplog.text
 
 
 def test_odd_and_long_tool_names_map_back_exactly(port):
@@ -330,3 +348,25 @@ def test_servers_die_with_bob_after_ctrl_c():
         assert wait_until(lambda: not marked_pids(marker)), marked_pids(marker)
     finally:
         bob_proc.kill()
+
+
+def test_a_second_close_waits_until_the_servers_are_gone():
+    marker = MARKER + "-close2"
+    port = McpToolPort([stdio("c", "--child", marker=marker)]).start()
+    assert len(marked_pids(marker)) == 2
+    both = threading.Barrier(2)
+    other = threading.Thread(target=lambda: (both.wait(), port.close()))
+    other.start()
+    both.wait()
+    port.close()           # first or second: either way it returns with the servers gone
+    assert marked_pids(marker) == []
+    other.join(10)
+
+
+def test_a_failed_start_raises_at_once_and_leaves_nothing():
+    marker = MARKER + "-failstart"
+    port = McpToolPort([stdio("ok", "--child", marker=marker), stdio("bad", "--fail")])
+    with pytest.raises(McpError, match="(?s)'bad' failed to start.*cannot open database"):
+        port.start()
+    port.close()           # waits for the close that the failure started in the background
+    assert marked_pids(marker) == []
