@@ -149,6 +149,7 @@ def test_repository_agent_toml_is_a_working_example():
 
 
 def test_load_config_reads_every_table(tmp_path):
+    (tmp_path / "work").mkdir()
     (tmp_path / "agent.toml").write_text(
         '[runtime]\ndefault_model = "openai:m"\naction_mode = "native"\nmax_steps = 4\n'
         'max_tool_output_chars = 500\nsystem_prompt = "Be brief."\n'
@@ -193,6 +194,8 @@ def test_load_config_of_an_empty_file_gives_the_defaults(tmp_path):
      ["id='a'", "tool_timeout_ms must be at least 1"]),
     ("[[mcp.servers]]\nid = 'a'\ntransport = 'streamable_http'\nurl = 'ftp://x'\n",
      ["id='a'", "url must start with http"]),
+    ("[[mcp.servers]]\nid = 'a'\ncommand = 'x'\ncwd = 'nowhere'\n",
+     ["id='a'", "nowhere is not a directory"]),
 ])
 def test_config_errors_name_file_table_and_key(tmp_path, text, words):
     (tmp_path / "agent.toml").write_text(text)

@@ -29,7 +29,7 @@ from bob_mcp import McpError, McpServerConfig, McpToolPort, exposed_name
 SERVER = str(Path(__file__).with_name("mcp_server.py"))
 MARKER = f"bob-mcp-test-{uuid.uuid4().hex[:8]}"
 LONG = "t" * 70                                  # a tool name too long to expose as is
-ROOTS = (str(Path(__file__).parent), str(Path(__file__).parent.parent))  # server b's roots
+ROOTS = (str(Path(__file__).parent), str(Path(__file__).parent.parent))  # b's roots
 
 
 def stdio(server_id: str, *flags: str, marker: str = MARKER, **kw) -> McpServerConfig:
@@ -85,7 +85,8 @@ def port(http_url):
     """Servers a and b (stdio, same tools) and h (HTTP), started once for the module."""
     servers = [stdio("a", "--extra", "odd.name/with space", "--extra", LONG, tool_timeout_ms=300),
                stdio("b", env={"BOB_TEST_VAR": "from config"}, roots=ROOTS),
-               McpServerConfig("h", "streamable_http", url=http_url, headers={"X-Key": "s3cret-header-value"})]
+               McpServerConfig("h", "streamable_http", url=http_url,
+                               headers={"X-Key": "s3cret-header-value"})]
     with McpToolPort(servers) as p:
         yield p
 
