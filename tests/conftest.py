@@ -7,12 +7,16 @@
 """
 from __future__ import annotations
 
+import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
-import bob
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # bob.py etc., uninstalled too
+
+import bob  # noqa: E402
 
 
 def wait_until(predicate, timeout: float = 3.0) -> bool:

@@ -20,23 +20,20 @@ import select
 import signal
 import struct
 import subprocess
-import threading
 import sys
 import termios
+import threading
 import time
 import uuid
 from pathlib import Path
 
 import pytest
-
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-
 from fake_openai import FakeOpenAI, stream_reply
 
 import bob
 import bob_cli
 
+REPO = Path(__file__).resolve().parent.parent
 CLI = REPO / "bob_cli.py"
 MCP_SERVER = REPO / "tests" / "mcp_server.py"
 KEY = "sk-test-" + "s3cret" * 3

@@ -13,22 +13,19 @@ Sections:
 from __future__ import annotations
 
 import socket
-import sys
 import threading
 import time
 from email.utils import formatdate
 from pathlib import Path
 
 import pytest
+from fake_openai import FakeOpenAI, chunk, completion, stream_reply, tool_calls_reply
+
+from bob import (PROVIDERS, AgentRequest, AgentRuntime, CancelToken, Cancelled, ConfigError,
+                 FinishReason, FunctionTools, JsonlEventSink, LlmError, LlmRequest, Message,
+                 OpenAICompatLlm, ToolCall, ToolDescriptor, Usage)
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-
-from bob import (AgentRequest, AgentRuntime, CancelToken, Cancelled, ConfigError,  # noqa: E402
-                 FinishReason, FunctionTools, JsonlEventSink, LlmError, LlmRequest, Message,
-                 ToolCall, ToolDescriptor, Usage)
-from bob import PROVIDERS, OpenAICompatLlm  # noqa: E402
-from fake_openai import FakeOpenAI, chunk, completion, stream_reply, tool_calls_reply  # noqa: E402
 
 KEY = "sk-test-" + "s3cret" * 3
 
