@@ -16,7 +16,6 @@ import socket
 import threading
 import time
 from email.utils import formatdate
-from pathlib import Path
 
 import pytest
 from fake_openai import FakeOpenAI, chunk, completion, stream_reply, tool_calls_reply
@@ -25,7 +24,6 @@ from bob import (PROVIDERS, AgentRequest, AgentRuntime, CancelToken, Cancelled, 
                  FinishReason, FunctionTools, JsonlEventSink, LlmError, LlmRequest, Message,
                  OpenAICompatLlm, ToolCall, ToolDescriptor, Usage)
 
-REPO = Path(__file__).resolve().parent.parent
 
 KEY = "sk-test-" + "s3cret" * 3
 
