@@ -1121,6 +1121,7 @@ class AgentRuntime:
         self.policy = policy or TurnPolicy()
         self.system_prompt = system_prompt
         self.deny_tools = tuple(deny_tools)
+        self._failing: set[int] = set()   # ids of sinks that raised (logged once each)
         self._states: dict[State, Callable[[_Turn], State]] = {
             State.START: self._start, State.BUILD_PROMPT: self._build_prompt,
             State.LLM_INFER: self._llm_infer, State.PARSE_ACTION: self._parse_action,
@@ -1390,7 +1391,10 @@ class AgentRuntime:
         if worker.error is not None:
             e = worker.error
             return _error(call, f"executor unavailable: {type(e).__name__}: {e}")
-        r: ToolResult = worker.value
+        r = worker.value
+        if not isinstance(r, ToolResult):
+            return _error(call, f"executor unavailable: the tool port returned "
+                                f"{type(r).__name__}, not a ToolResult")
         content = cut_output(r.content, t.policy.max_tool_output_chars)
         return ToolResult(call.id, call.name, content, r.is_error, r.duration_ms)
 
@@ -1425,8 +1429,11 @@ class AgentRuntime:
         for sink in self.sinks:
             try:
                 sink.emit(event)
-            except Exception:
-                log.warning("event sink %r failed on %s; ignored", sink, kind, exc_info=True)
+            except Exception:  # the first failure of a sink in full, later ones quietly
+                first = id(sink) not in self._failing
+                self._failing.add(id(sink))
+                log.log(logging.WARNING if first else logging.DEBUG, "event sink %r failed on "
+                        "%s; ignored", sink, kind, exc_info=first)
 
 
 def _error(call: ToolCall, text: str) -> ToolResult:

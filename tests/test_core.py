@@ -852,3 +852,16 @@ def test_port_calls_that_ignore_cancel_are_capped(hang):
     with pytest.raises(AgentError, match="earlier port calls are still hung"):
         rt.run(AgentRequest("one more", session_id="c"))
     assert rt.store.load("c").messages[-1].content == "one more"
+
+
+def test_a_tool_port_returning_something_else_is_an_error_result():
+    class Sloppy:
+        def list_tools(self):
+            return [bob.ToolDescriptor("t", "t", {"type": "object"})]
+
+        def call_tool(self, call, timeout_s):
+            return "not a ToolResult"
+
+    r = agent([tc("t"), final("ok")], tools=Sloppy()).run(AgentRequest("go"))
+    assert r.finish_reason is FinishReason.FINAL
+    assert r.history[2].is_error and "returned str, not a ToolResult" in r.history[2].content
