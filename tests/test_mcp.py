@@ -354,13 +354,13 @@ def test_servers_die_with_bob_after_ctrl_c():
 def test_a_second_close_waits_until_the_servers_are_gone():
     marker = MARKER + "-close2"
     port = McpToolPort([stdio("c", "--child", marker=marker)]).start()
-    assert len(marked_pids(marker)) == 2
-    both = threading.Barrier(2)
-    other = threading.Thread(target=lambda: (both.wait(), port.close()))
+    server_pid = int(call(port, "c__pid").content)
+    other = threading.Thread(target=port.close)       # the first close() ...
     other.start()
-    both.wait()
-    port.close()           # first or second: either way it returns with the servers gone
-    assert marked_pids(marker) == []
+    assert wait_until(lambda: port._closed)          # ... is under way (a peek, to sync only)
+    port.close()           # the second returns only once the first has stopped the server
+    assert not Path(f"/proc/{server_pid}").exists()          # stopped and reaped
+    assert wait_until(lambda: marked_pids(marker) == [])     # its killed grandchild too
     other.join(10)
 
 
@@ -370,4 +370,4 @@ def test_a_failed_start_raises_at_once_and_leaves_nothing():
     with pytest.raises(McpError, match="(?s)'bad' failed to start.*cannot open database"):
         port.start()
     port.close()           # waits for the close that the failure started in the background
-    assert marked_pids(marker) == []
+    assert wait_until(lambda: marked_pids(marker) == [])
