@@ -329,6 +329,27 @@ def test_cancel_aborts_a_hanging_request_and_the_adapter_still_works():
         assert first["client_port"] != second["client_port"]  # the hung connection was closed
 
 
+def test_a_cancel_before_the_connection_is_taken_still_aborts_it():
+    token = CancelToken()
+
+    class CancelsWhileEncoded(dict):
+        def items(self):   # json.dumps calls this while the body is built: before any socket
+            token.cancel()
+            return super().items()
+
+    tool = ToolDescriptor("t", "t", CancelsWhileEncoded(type="object"))
+    for warm in (False, True):   # a new connection, and one kept alive from an earlier call
+        with FakeOpenAI(["warm"] * warm + [FakeOpenAI.HANG]) as srv:
+            llm = make_llm(srv)
+            if warm:
+                assert llm.complete(ask(), CancelToken()).content == "warm"
+            t0 = time.monotonic()
+            with pytest.raises(Cancelled):
+                llm.complete(ask(tools=[tool], mode="native", within=5), token)
+            assert time.monotonic() - t0 < 0.5   # not the 5 s the hanging server would take
+            token = CancelToken()
+
+
 def test_cancel_aborts_a_slow_stream():
     slow = stream_reply([f"w{i} " for i in range(50)], delay_s=0.2)
     with FakeOpenAI([slow, stream_reply(["next"])]) as srv:
