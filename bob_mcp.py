@@ -37,6 +37,7 @@ import re
 import signal
 import threading
 import time
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
@@ -130,6 +131,7 @@ def exposed_name(server_id: str, tool: str) -> str:
 def _block_text(block: Any) -> tuple[str, bool]:
     """(text, is_text) of one content block: text as it is, anything else summarised."""
     kind, res = getattr(block, "type", "unknown"), getattr(block, "resource", None)
+    res = typing.cast(Any, res)
     if kind == "text" or hasattr(res, "text"):
         return (block.text if kind == "text" else res.text), True
     if kind in ("image", "audio"):
@@ -191,8 +193,10 @@ class _Server:
         self.closing = False                # stop() was called: ending now is not a death
         self.pgid: int | None = None        # a plain int, so close() may use it from any thread
         self.tail: collections.deque[str] = collections.deque(maxlen=_TAIL_LINES)
-        self.task: asyncio.Task | None = None
-        self._process = self._lost = self._stderr = None
+        self.task: asyncio.Task[None] | None = None
+        self._process: Any = None           # the stdio server's Process, when we can see it
+        self._lost: Exception | None = None  # why the transport failed under a call
+        self._stderr = -1                   # our end of the stderr pipe (stdio), once open
         self._partial = b""                 # the start of a stderr line still being written
         # stop() cancels this scope: the startup while starting, then the wait for the end.
         deadline = anyio.current_time() + cfg.startup_timeout_ms / 1000
@@ -228,7 +232,7 @@ class _Server:
             # The SDK stopped the server (stdin, SIGTERM, SIGKILL); what is left in its group
             # are orphans, e.g. the node process of an npx that died: kill them too.
             _kill_group(self.pgid)
-            if self._stderr is not None:
+            if self._stderr >= 0:
                 self._read_stderr(final=True)
             self._finish(error)
 
@@ -237,17 +241,18 @@ class _Server:
         if cfg.transport == "streamable_http":
             client = await stack.enter_async_context(create_mcp_http_client(headers=cfg.headers))
             return await stack.enter_async_context(
-                streamable_http_client(cfg.url, http_client=client))
+                streamable_http_client(cfg.url or "", http_client=client))  # url: checked
         self._stderr, write_fd = os.pipe()   # the server's stderr: to the log, never the terminal
         os.set_blocking(self._stderr, False)
         asyncio.get_running_loop().add_reader(self._stderr, self._read_stderr)
         with os.fdopen(write_fd, "w") as errlog:     # closed here once the child holds a copy
             cm = stdio_client(StdioServerParameters(
-                command=cfg.command, args=list(cfg.args), env=cfg.env, cwd=cfg.cwd), errlog)
+                command=cfg.command or "", args=list(cfg.args), env=cfg.env, cwd=cfg.cwd),
+                errlog)
             streams = await stack.enter_async_context(cm)
         # The SDK keeps the Process in a local of stdio_client and exposes it nowhere (no hook
         # either). We only read it: its returncode, and its pid, which is its process group.
-        process = cm.gen.ag_frame.f_locals.get("process")
+        process = typing.cast(Any, cm.gen).ag_frame.f_locals.get("process")
         if isinstance(process, Process):
             self._process, self.pgid = process, process.pid
         return streams
@@ -307,7 +312,7 @@ class _Server:
     async def _roots(self, context: Any) -> Any:
         paths = [Path(p).resolve() for p in self.cfg.roots or (os.getcwd(),)]
         return mcp_types.ListRootsResult(roots=[
-            mcp_types.Root(uri=p.as_uri(), name=p.name) for p in paths])
+            mcp_types.Root(uri=typing.cast(Any, p.as_uri()), name=p.name) for p in paths])
 
     async def _on_message(self, message: Any) -> None:
         if isinstance(message, mcp_types.ToolListChangedNotification):
@@ -338,7 +343,8 @@ class _Server:
         except Exception as e:                    # the transport failed (e.g. HTTP refused)
             self._lost = e
         self._scope.cancel()                      # let the owner exit and say why
-        await asyncio.wait({self.task}, timeout=_GRACE_S)
+        if self.task is not None:
+            await asyncio.wait({self.task}, timeout=_GRACE_S)
         return f"executor unavailable: {self.dead or f'server {self.cfg.id} stopped'}", True
 
     async def stop(self, timeout_s: float) -> None:
@@ -367,8 +373,8 @@ class McpToolPort:
         self._servers: list[_Server] = []                  # running ones, in config order
         self._names: dict[str, tuple[_Server, str]] = {}   # exposed name -> (server, MCP name)
         self._tools: list[ToolDescriptor] = []
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._started: concurrent.futures.Future | None = None
+        self._loop: Any = None       # the port's event loop, made by start()
+        self._started: concurrent.futures.Future[None] | None = None
         self._lock, self._closed = threading.Lock(), False
         self._close_done = threading.Event()    # set when the first close() has finished
         self._startup_s = max([s.startup_timeout_ms / 1000 for s in servers], default=0) + _GRACE_S
@@ -539,7 +545,8 @@ class McpToolPort:
             return
         try:
             self._run(self._stop_all(_CLOSE_S), _CLOSE_S + 2.0)
-            concurrent.futures.wait([self._started], timeout=1.0)   # let a startup finish
+            if self._started is not None:
+                concurrent.futures.wait([self._started], timeout=1.0)  # let a startup finish
         except BaseException as e:  # the loop is stuck, or Ctrl-C: kill them from this thread
             log.warning("MCP servers did not stop in time (%r); killing them", e)
             for server in self._servers:
