@@ -208,6 +208,10 @@ class TurnPolicy:
                 raise ConfigError(f"TurnPolicy.{f.name} must be an integer, got {value!r}")
             if value < 1:
                 raise ConfigError(f"TurnPolicy.{f.name} must be at least 1, got {value}")
+        for name in ("turn_timeout_ms", "tool_timeout_ms"):
+            if getattr(self, name) > 86_400_000:   # past a day, thread waits overflow
+                raise ConfigError(f"TurnPolicy.{name} must be at most 86400000 (a day), "
+                                  f"got {getattr(self, name)}")
         if self.max_tool_output_chars < 200:
             raise ConfigError("TurnPolicy.max_tool_output_chars must be at least 200, "
                               f"got {self.max_tool_output_chars}")
@@ -748,10 +752,10 @@ class FunctionTools:
             if problem:
                 return ToolResult(call.id, call.name, problem, True, _ms_since(t0))
             value = f.fn(**call.arguments)
+            text = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False,
+                                                                   default=str)
         except Exception as e:
             return ToolResult(call.id, call.name, f"{type(e).__name__}: {e}", True, _ms_since(t0))
-        text = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False,
-                                                               default=str)
         return ToolResult(call.id, call.name, text, False, _ms_since(t0))
 
     @staticmethod
@@ -874,13 +878,13 @@ class JsonFileSessionStore:
         """The saved state, None if there is no file; StoreError for an unreadable file."""
         path = self.path_for(session_id)
         try:
-            raw = path.read_text(encoding="utf-8")
+            raw = path.read_bytes()
         except FileNotFoundError:
             return None
         except OSError as e:
             raise StoreError(f"cannot read session file {path}: {e}") from e
         try:
-            return SessionState.from_dict(json.loads(raw))
+            return SessionState.from_dict(json.loads(raw))  # bad UTF-8 is a ValueError too
         except (ValueError, KeyError, TypeError, AttributeError) as e:
             raise StoreError(f"session file {path} is corrupt ({type(e).__name__}: {e}); "
                              "move it away to start that session afresh") from e
@@ -888,7 +892,8 @@ class JsonFileSessionStore:
     def save(self, session_id: str, state: SessionState) -> None:
         """Write the whole state to a temp file, fsync it, then atomically replace the old file."""
         path = self.path_for(session_id)
-        data = json.dumps(state.to_dict(), ensure_ascii=False, indent=1)
+        # ASCII with escapes: any str round-trips, even a lone surrogate from a cut emoji
+        data = json.dumps(state.to_dict(), ensure_ascii=True, indent=1)
         with self._lock:
             tmp = None
             try:
@@ -1155,16 +1160,22 @@ class AgentRuntime:
             turn.cancel.cancel()  # tells any port still running for this turn to stop
         return self._done(turn)
 
-    def health(self) -> dict[str, Any]:
-        """A quick self-check: tool listing and hung worker threads."""
-        report: dict[str, Any] = {"ok": True, "action_mode": self.action_mode,
+    def health(self, timeout_s: float = 5.0) -> dict[str, Any]:
+        """A quick self-check: the tool listing (bounded by timeout_s) and hung workers."""
+        report: dict[str, Any] = {"ok": abandoned_workers() < _MAX_ABANDONED, "tools": 0,
+                                  "action_mode": self.action_mode,
                                   "abandoned_workers": abandoned_workers()}
-        try:
-            report["tools"] = len(self.tools.list_tools()) if self.tools else 0
-        except Exception as e:
-            report.update(ok=False, tools_error=f"{type(e).__name__}: {e}")
-        if report["abandoned_workers"] >= _MAX_ABANDONED:
-            report["ok"] = False
+        if self.tools is not None:
+            wake: queue.SimpleQueue[None] = queue.SimpleQueue()
+            worker = _Worker(self.tools.list_tools, wake)
+            _wait_all([worker], [time.monotonic() + timeout_s], wake, CancelToken())
+            if not worker.done:
+                report.update(ok=False, tools_error=f"list_tools did not answer in {timeout_s} s")
+            elif worker.error is not None:
+                e = worker.error
+                report.update(ok=False, tools_error=f"{type(e).__name__}: {e}")
+            else:
+                report["tools"] = len(worker.value)
         return report
 
     # -- the states, in the order a turn visits them --
@@ -1300,8 +1311,8 @@ class AgentRuntime:
         if t.error is not None:
             self._emit(t, "error", {"error": f"{type(t.error).__name__}: {t.error}",
                                     "where": "turn"})
-        self._emit(t, "turn_completed", {
-            "finish_reason": t.finish.value, "usage": dict(vars(t.usage)),
+        self._emit(t, "turn_completed", {  # a turn that raises has no finish reason
+            "finish_reason": None if t.error else t.finish.value, "usage": dict(vars(t.usage)),
             "guard_reason": t.guard_reason.value if t.guard_reason else None,
             "steps": t.guard.steps, "tool_calls": t.guard.tool_calls})
         t.closed = True
@@ -1720,6 +1731,8 @@ class OpenAICompatLlm:
         self.timeout_s, self.backoff_base_s = timeout_s, backoff_base_s
         self._api_key, self._key_source = self._find_key(model, api_key)
         self._url = self.base_url + "/chat/completions"
+        # For messages, repr and describe(): user:password@ in a URL is a secret too.
+        self._shown = re.sub(r"//[^/@]*@", "//***@", self._url)
         self._headers = {"Content-Type": "application/json"}
         if self._api_key:
             self._headers["Authorization"] = f"Bearer {self._api_key}"
@@ -1744,11 +1757,12 @@ class OpenAICompatLlm:
         return key or None, source
 
     def __repr__(self) -> str:
-        return f"OpenAICompatLlm({self.provider + ':' + self.model!r}, base_url={self.base_url!r})"
+        shown = self._shown.removesuffix("/chat/completions")
+        return f"OpenAICompatLlm({self.provider + ':' + self.model!r}, base_url={shown!r})"
 
     def describe(self) -> str:
         """One line for humans, e.g. "openai:gpt-4o-mini at https://api.openai.com/v1"."""
-        return f"{self.provider}:{self.model} at {self.base_url}"
+        return f"{self.provider}:{self.model} at {self._shown.removesuffix('/chat/completions')}"
 
     def close(self) -> None:
         """Close the pooled connections (the adapter still works: it reconnects)."""
@@ -1791,7 +1805,7 @@ class OpenAICompatLlm:
         """Send once. Returns the reply or a _Retry; raises LlmError when retrying is useless."""
         timeout = self.timeout_s if deadline is None else deadline - time.monotonic()
         if timeout <= 0:
-            raise LlmError(f"no time left in the turn for a request to {self._url}")
+            raise LlmError(f"no time left in the turn for a request to {self._shown}")
         data = json.dumps(body, separators=(",", ":")).encode()
         acc = _Stream(on_delta)
         try:
@@ -1803,14 +1817,17 @@ class OpenAICompatLlm:
                 if "text/event-stream" not in resp.headers.get("Content-Type", ""):
                     return self._from_wire(resp.content)  # also when a server ignores stream
                 self._read_stream(resp, acc, deadline)
-                return acc.response(self._url)
+                if not (acc.done or acc.finish_reason or acc.text or acc.calls):
+                    return _Retry(LlmError(f"the stream from {self._shown} ended before any "
+                                           "data"))  # nothing shown yet: safe to try again
+                return acc.response(self._shown)
             finally:
                 resp.close()
         except self._transport_errors as e:
             if cancel.cancelled:
                 raise Cancelled("the LLM request was cancelled") from None
             if acc.text or acc.calls or acc.done:  # the user saw part of it: do not try again
-                return acc.response(self._url)
+                return acc.response(self._shown)
             import requests  # already loaded by _tracking_session
             what = ("timed out connecting to" if isinstance(e, requests.ConnectTimeout) else
                     "no answer in time from" if isinstance(e, requests.Timeout) else
@@ -1818,7 +1835,7 @@ class OpenAICompatLlm:
                     "transport error on")
             hint = (" (is the server running? check base_url)"
                     if isinstance(e, requests.ConnectionError) else "")
-            return _Retry(LlmError(f"{what} {self._url}: {_cause(e)}{hint}"))
+            return _Retry(LlmError(f"{what} {self._shown}: {_cause(e)}{hint}"))
         finally:  # a cancel from now on must not shut a connection another call may be using
             self._inflight.pop(threading.get_ident(), None)
 
@@ -1840,7 +1857,7 @@ class OpenAICompatLlm:
         if status == 400 and refused:
             self._rejected.add(refused[0])
             body.pop(refused[0])
-            log.warning("%s rejected %s; sending requests without it", self._url, refused[0])
+            log.warning("%s rejected %s; sending requests without it", self._shown, refused[0])
             return _Retry(error, 0.0, counted=False)
         if status in RETRYABLE_STATUSES:
             return _Retry(error, _retry_after(resp.headers.get("Retry-After")))
@@ -1904,4 +1921,4 @@ class OpenAICompatLlm:
                 raise self._error(200, "sent a bad stream event", payload)
             acc.add(chunk)
             if deadline is not None and time.monotonic() > deadline:
-                raise LlmError(f"the stream from {self._url} ran past the turn deadline")
+                raise LlmError(f"the stream from {self._shown} ran past the turn deadline")

@@ -865,3 +865,21 @@ def test_a_tool_port_returning_something_else_is_an_error_result():
     r = agent([tc("t"), final("ok")], tools=Sloppy()).run(AgentRequest("go"))
     assert r.finish_reason is FinishReason.FINAL
     assert r.history[2].is_error and "returned str, not a ToolResult" in r.history[2].content
+
+
+def test_health_reports_a_hung_tool_listing_in_time(hang):
+    entered, release = threading.Event(), hang()
+    t0 = time.monotonic()
+    report = agent([], tools=HungListing(entered, release)).health(timeout_s=0.2)
+    assert time.monotonic() - t0 < 1.0
+    assert report["ok"] is False and "did not answer in 0.2 s" in report["tools_error"]
+    assert agent([]).health() == {"ok": True, "tools": 0, "action_mode": "json",
+                                  "abandoned_workers": bob.abandoned_workers()}
+
+
+def test_a_turn_that_raises_completes_without_a_finish_reason():
+    sink = ListSink()
+    with pytest.raises(LlmError):
+        agent([LlmError("down")], events=sink).run(AgentRequest("go"))
+    done = [e for e in sink.events if e.kind == "turn_completed"]
+    assert len(done) == 1 and done[0].data["finish_reason"] is None

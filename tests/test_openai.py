@@ -537,3 +537,18 @@ def test_an_llm_error_reaches_the_caller_without_the_key(tmp_path):
         sink.close()
     assert KEY not in str(e.value) and KEY not in trace.read_text()
     assert "error" in trace.read_text()
+
+
+def test_a_stream_that_closes_before_any_data_is_retried():
+    with FakeOpenAI([{"stream": [], "done": False}, "after"]) as srv:
+        r = make_llm(srv, stream=True).complete(ask(), CancelToken())
+        assert r.content == "after" and len(srv.requests) == 2
+
+
+def test_credentials_in_base_url_stay_out_of_errors_repr_and_describe():
+    llm = OpenAICompatLlm("test:x", base_url="http://user:s3cr3tpass@127.0.0.1:9/v1",
+                          retry_max=0)
+    with pytest.raises(LlmError) as err:
+        llm.complete(ask(within=5), CancelToken())
+    for text in (str(err.value), repr(llm), llm.describe()):
+        assert "s3cr3tpass" not in text and "//***@127.0.0.1:9" in text

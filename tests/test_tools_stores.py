@@ -559,3 +559,30 @@ def test_a_function_whose_hints_cannot_be_read_is_a_config_error():
 
     with pytest.raises(ConfigError, match="cannot read the signature of broken"):
         FunctionTools([broken])
+
+
+def test_json_store_keeps_any_text_and_calls_bad_utf8_corrupt(tmp_path):
+    store = JsonFileSessionStore(tmp_path)
+    odd = "half an emoji: \ud83d, and ünïcödé"     # a lone surrogate, e.g. from a cut stream
+    store.save("s", bob.SessionState([bob.Message("assistant", odd)]))
+    assert store.load("s").messages[0].content == odd
+    (tmp_path / "bad.json").write_bytes(b'{"messages": ["\xff\xfe"]}')
+    with pytest.raises(bob.StoreError, match="bad.json is corrupt"):
+        store.load("bad")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.json", "s.json"]  # no temp file
+
+
+def test_a_return_value_json_cannot_encode_is_the_tools_error():
+    def loop() -> dict:
+        """Returns a dict that contains itself."""
+        d: dict = {}
+        d["d"] = d
+        return d
+
+    r = FunctionTools([loop]).call_tool(ToolCall("c", "loop", {}), 1.0)
+    assert r.is_error and r.content == "ValueError: Circular reference detected"
+
+
+def test_timeouts_past_a_day_are_config_errors():
+    with pytest.raises(ConfigError, match="turn_timeout_ms must be at most 86400000"):
+        bob.TurnPolicy(turn_timeout_ms=10**12)
