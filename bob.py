@@ -1057,6 +1057,14 @@ def _wait_all(workers: Sequence[_Worker], deadlines: Sequence[float],
             w.give_up()
 
 
+def _call(fn: Callable[[], Any], deadline: float, wake: queue.SimpleQueue[None],
+          cancel: CancelToken) -> _Worker:
+    """Run one port call on a worker; wait until it ends, the deadline, or a cancel."""
+    worker = _Worker(fn, wake)
+    _wait_all([worker], [deadline], wake, cancel)
+    return worker
+
+
 # ---- 9. The scheduler (AgentRuntime) ------------------------------------------------------------
 # A turn is a walk through six explicit states. Each state is one method that does its work and
 # returns the next state; `run` checks every transition against TRANSITIONS and emits it.
@@ -1166,9 +1174,8 @@ class AgentRuntime:
                                   "action_mode": self.action_mode,
                                   "abandoned_workers": abandoned_workers()}
         if self.tools is not None:
-            wake: queue.SimpleQueue[None] = queue.SimpleQueue()
-            worker = _Worker(self.tools.list_tools, wake)
-            _wait_all([worker], [time.monotonic() + timeout_s], wake, CancelToken())
+            worker = _call(self.tools.list_tools, time.monotonic() + timeout_s,
+                           queue.SimpleQueue(), CancelToken())
             if not worker.done:
                 report.update(ok=False, tools_error=f"list_tools did not answer in {timeout_s} s")
             elif worker.error is not None:
@@ -1328,9 +1335,7 @@ class AgentRuntime:
         if abandoned_workers() >= _MAX_ABANDONED:  # a port that ignores cancel: stop leaking
             raise AgentError(f"{_MAX_ABANDONED} earlier port calls are still hung (a port that "
                              "ignores cancel and deadlines); restart the program")
-        worker = _Worker(fn, t.wake)
-        _wait_all([worker], [t.guard.deadline], t.wake, t.cancel)
-        return worker
+        return _call(fn, t.guard.deadline, t.wake, t.cancel)
 
     def _stopped(self, t: _Turn, worker: _Worker, what: str) -> State | None:
         """DONE if the port call was cancelled, timed out or raised; None if it gave a value."""

@@ -323,17 +323,6 @@ def test_a_list_tools_that_hangs_past_the_deadline_is_a_turn_timeout(hang):
     assert "listing the tools" in r.content and "turn_timeout_ms=150" in r.content
 
 
-def test_a_list_tools_that_raises_is_an_agent_error_after_saving():
-    class Broken:
-        def list_tools(self):
-            raise RuntimeError("tool server gone")
-
-    rt = agent(["never"], tools=Broken())
-    with pytest.raises(AgentError, match="listing the tools failed: RuntimeError: tool server"):
-        rt.run(AgentRequest("keep me", session_id="s"))
-    assert rt.store.load("s").messages[-1].content == "keep me"
-
-
 def test_cancel_while_a_tool_blocks_forever(hang):
     entered, release = threading.Event(), hang()
     before = bob.abandoned_workers()
@@ -804,16 +793,30 @@ def test_a_tool_call_with_no_tool_port_is_an_unknown_tool_result():
     assert "unknown tool 'ls'; available tools: none" in r.history[2].content
 
 
-def test_an_unexpected_error_inside_a_state_is_an_agent_error_after_saving():
-    class OddTools:  # a schema json cannot encode: building the prompt fails
-        def list_tools(self):
-            return [bob.ToolDescriptor("odd", "odd", {"type": "object", "x": object()})]
+class RaisingListing:
+    """A ToolPort whose list_tools raises, like a tool server that is gone."""
 
-        def call_tool(self, call, timeout_s):
-            raise AssertionError("never called")
+    def list_tools(self):
+        raise RuntimeError("tool server gone")
 
-    rt = agent(["never"], tools=OddTools())
-    with pytest.raises(AgentError, match="internal error in build_prompt: TypeError"):
+    def call_tool(self, call, timeout_s):
+        raise AssertionError("never called")
+
+
+class OddSchema(RaisingListing):
+    """A schema json cannot encode: building the prompt fails (a bug-like error in a state)."""
+
+    def list_tools(self):
+        return [bob.ToolDescriptor("odd", "odd", {"type": "object", "x": object()})]
+
+
+@pytest.mark.parametrize("tools, message", [
+    (RaisingListing(), "listing the tools failed: RuntimeError: tool server"),
+    (OddSchema(), "internal error in build_prompt: TypeError"),
+])
+def test_an_error_inside_a_turn_is_an_agent_error_after_saving(tools, message):
+    rt = agent(["never"], tools=tools)
+    with pytest.raises(AgentError, match=message):
         rt.run(AgentRequest("keep me", session_id="s"))
     assert rt.store.load("s").messages[-1].content == "keep me"
 
