@@ -488,58 +488,53 @@ def build_system_prompt(instructions: str, tools: Sequence[ToolDescriptor], mode
     return "\n".join(parts)
 
 
-class _Grouping:
-    """History grouped into units: an assistant tool-call message with its results, or any other
-    message alone. It is extended as a turn appends messages, so each step pays only for what is
-    new; tool results whose call is not right before them are orphans and never sent."""
+def _units(messages: Sequence[Message]) -> list[list[int]]:
+    """Indices of the non-system messages, grouped: an assistant tool call with the results
+    right after it, or one other message. A tool result whose call is not right before it is
+    an orphan (its call was cut off) and belongs to no unit."""
+    units: list[list[int]] = []
+    open_ids: set[str | None] = set()        # calls of the last unit still without a result
+    for i, m in enumerate(messages):
+        if m.role == "tool":
+            if m.tool_call_id in open_ids:
+                units[-1].append(i)
+                open_ids.discard(m.tool_call_id)
+        elif m.role != "system":
+            units.append([i])
+            open_ids = {c.id for c in m.tool_calls}
+        else:
+            open_ids = set()
+    return units
 
-    def __init__(self) -> None:
-        self.units: list[list[int]] = []   # non-system units, oldest first
-        self.systems: list[int] = []       # system messages: always kept, never counted
-        self._open: set[str] = set()       # call ids of the last unit still without a result
-        self._seen = 0
 
-    def update(self, messages: Sequence[Message]) -> _Grouping:
-        """Group the messages appended since the last update."""
-        for i in range(self._seen, len(messages)):
-            m = messages[i]
-            if m.role == "tool":
-                if m.tool_call_id in self._open:
-                    self.units[-1].append(i)
-                    self._open.discard(m.tool_call_id)
-                continue
-            self._open = {c.id for c in m.tool_calls} if m.role == "assistant" else set()
-            if m.role == "system":
-                self.systems.append(i)
-            else:
-                self.units.append([i])
-        self._seen = len(messages)
-        return self
-
-    def kept(self, limit: int, keep_from: int | None) -> list[int]:
-        """The newest units that fit in `limit`; the newest one and those from `keep_from` on
-        are kept even past it. Walks back from the end, so it costs O(what is kept)."""
-        tail: list[list[int]] = []
-        count = 0
-        for u in reversed(self.units):
-            forced = not tail or (keep_from is not None and u[-1] >= keep_from)
-            if not forced and count + len(u) > limit:
+def _kept(messages: Sequence[Message], limit: int, keep: int | None) -> list[int]:
+    """Indices of what `truncate_history` sends, in order."""
+    units = _units(messages)
+    forced = next((u for u in units if keep in u), [])
+    room, tail = limit - len(forced), []
+    for u in reversed(units):                 # newest first; the first unit that does not fit
+        if u is not forced:                   # ends the walk, so only the oldest are dropped
+            if len(u) > room:
                 break
-            tail.append(u)
-            count += len(u)
-        kept = [i for u in reversed(tail) for i in u]
-        return sorted(self.systems + kept) if self.systems else kept
+            room -= len(u)
+            tail += u
+    sent = set(tail + forced)
+    return [i for i, m in enumerate(messages) if m.role == "system" or i in sent]
 
 
-def truncate_history(messages: Sequence[Message], limit: int, keep_from: int | None = None
+def truncate_history(messages: Sequence[Message], limit: int, keep: int | None = None
                      ) -> list[Message]:
-    """Drop the oldest non-system messages until at most `limit` remain.
+    """At most `limit` non-system messages: the newest whole units (an assistant tool call with
+    its results, or one other message), oldest dropped first, plus the unit holding index `keep`
+    (the current question), which is always sent. System messages are always sent and not
+    counted; a tool result whose call is not right before it is never sent."""
+    return [messages[i] for i in _kept(messages, limit, keep)]
 
-    Never splits an assistant tool call from its results; tool results whose call is gone are
-    dropped too. The unit holding index `keep_from` (the current user input) and everything after
-    it are always kept, even past the limit, so the model never loses the question it is answering.
-    """
-    return [messages[i] for i in _Grouping().update(messages).kept(limit, keep_from)]
+
+# An endpoint's words for "the request is too long for the model's context" (OpenAI, vLLM,
+# llama.cpp): the adapter names the fix, the scheduler retries the step with half the history.
+_CONTEXT_TOO_LONG = re.compile(r"context.length|context.window|maximum context|too many tokens|"
+                               r"prompt is too long|input is too long|reduce the length", re.I)
 
 
 def render_for_wire(m: Message, mode: str) -> Message:
@@ -656,10 +651,6 @@ class LoopGuard:
         self.tool_calls += ran
         for r in results:
             self.consecutive_errors = self.consecutive_errors + 1 if r.is_error else 0
-
-    def counts(self) -> dict[str, Any]:
-        """What the turn has counted, as JSON: a paused turn carries it over to its resume."""
-        return {k: v for k, v in vars(self).items() if k not in ("policy", "deadline")}
 
     def record_refusal(self) -> None:
         """A refused batch (too many calls at once) counts as one error, not one per call."""
@@ -1120,7 +1111,6 @@ class _Turn:
     input_index: int = 0                    # where this turn's user message sits in history
     system: Message | None = None
     wire: dict[int, Message] = field(default_factory=dict)  # rendered messages, by index
-    grouping: _Grouping = field(default_factory=_Grouping)  # of session.messages
     wake: queue.SimpleQueue[None] = field(default_factory=queue.SimpleQueue)  # see _wait_all
     prompt: LlmRequest | None = None
     reply: LlmResponse | None = None
@@ -1233,15 +1223,7 @@ class AgentRuntime:
             instructions = t.request.system_prompt or self.system_prompt or DEFAULT_INSTRUCTIONS
             t.system = Message("system", build_system_prompt(instructions, t.tools,
                                                              self.action_mode))
-        messages = t.session.messages  # only grows during a turn: render each message once
-        kept = t.grouping.update(messages).kept(t.policy.max_history_messages, t.input_index)
-        for i in kept:
-            if i not in t.wire:
-                t.wire[i] = render_for_wire(messages[i], self.action_mode)
-        json_mode = self.action_mode == "json"
-        t.prompt = LlmRequest([t.system, *(t.wire[i] for i in kept)],
-                              [] if json_mode else t.tools, "json" if json_mode else None,
-                              t.guard.deadline)
+        t.prompt = self._prompt(t, t.policy.max_history_messages)
         return State.LLM_INFER
 
     def _llm_infer(self, t: _Turn) -> State:
@@ -1255,8 +1237,12 @@ class AgentRuntime:
         prompt = t.prompt
         self._emit(t, "llm_call_started", {"messages": len(prompt.messages)})
         t0 = time.perf_counter()
-        worker = self._call_port(t, lambda: self.llm.complete(
-            prompt, t.cancel, functools.partial(self._delta, t)))
+        worker = self._complete(t, prompt)
+        if _too_long(worker.error) and len(prompt.messages) > 2:  # once, with half the history
+            sent = len(prompt.messages) - 1
+            t.prompt = prompt = self._prompt(t, sent // 2)
+            self._emit(t, "history_truncated", {"from": sent, "to": len(prompt.messages) - 1})
+            worker = self._complete(t, prompt)
         stop = self._stopped(t, worker, "the model")
         if stop:
             return stop
@@ -1310,11 +1296,17 @@ class AgentRuntime:
         if t.caller_cancel.cancelled:  # cancelled while the model answered: start nothing
             return self._interrupted(t, "before this call started")
         if not t.resumed:  # a resumed batch passed these two before it paused
+            n = t.policy.max_parallel_tools
+            if len(calls) > n:  # first: refusing costs O(1) per call, hashing would not
+                self._append_results(t, [_error(c, f"not run: this batch has {len(calls)} calls "
+                                                f"and at most max_parallel_tools={n} may run at "
+                                                f"once; call at most {n} tools at a time")
+                                         for c in calls])
+                t.guard.record_refusal()
+                return State.BUILD_PROMPT
             trip = t.guard.check_loop(calls)
             if trip:
                 return self._not_run(t, trip)
-            if len(calls) > t.policy.max_parallel_tools:
-                return self._refuse_batch(t, calls)
         refusals = [self._refusal(t, c) for c in calls]
         decided = self._decide(t, refusals)
         if isinstance(decided, State):
@@ -1352,12 +1344,28 @@ class AgentRuntime:
 
     # -- helpers of the states --
 
+    def _prompt(self, t: _Turn, limit: int) -> LlmRequest:
+        """The system message and the history cut to `limit`, in the mode's wire shape. A turn
+        only appends to history (an edit comes before rendering), so each message renders once."""
+        messages = t.session.messages
+        kept = _kept(messages, limit, t.input_index)
+        for i in kept:
+            if i not in t.wire:
+                t.wire[i] = render_for_wire(messages[i], self.action_mode)
+        json_mode = self.action_mode == "json"
+        return LlmRequest([typing.cast(Message, t.system), *(t.wire[i] for i in kept)],
+                          [] if json_mode else t.tools, "json" if json_mode else None,
+                          t.guard.deadline)
+
+    def _complete(self, t: _Turn, prompt: LlmRequest) -> _Worker:
+        return self._call_port(t, lambda: self.llm.complete(
+            prompt, t.cancel, functools.partial(self._delta, t)))
+
     def _take_up(self, t: _Turn) -> bool:
         """Append the user's message; or, for `input=None`, take up the batch a paused turn left
         waiting, with its counts and decisions (True). New input answers waiting calls "not run"."""
-        paused, t.session.paused = t.session.paused, None
-        last = t.session.messages[-1] if t.session.messages else None
-        waiting = last.tool_calls if paused and last and last.role == "assistant" else ()
+        paused, t.session.paused = t.session.paused, None  # (a given history has no pause)
+        waiting = t.session.messages[-1].tool_calls if paused and t.request.history is None else ()
         if t.request.input is None:
             if not waiting:
                 raise AgentError(f"session {t.request.session_id!r} has no tool calls waiting "
@@ -1379,21 +1387,24 @@ class AgentRuntime:
         return False
 
     def _decide(self, t: _Turn, refusals: list[ToolResult | None]) -> State | list[ToolCall]:
-        """The batch as it will run: each call matching ask_tools (and not refused: deny wins)
-        needs a decision; a declined call gets an error result in `refusals`, an allowed one
-        perhaps new arguments. Undecided calls with no approver pause the turn."""
+        """The batch as it will run. Each call matching ask_tools and not refused (deny wins)
+        needs a decision: a declined call gets its error result in `refusals`, an allowed one
+        maybe new arguments. Without an approver, undecided calls pause the turn."""
         assert isinstance(t.action, CallTools)
         calls, waiting = list(t.action.calls), []
         for i, call in enumerate(calls):
             if refusals[i] is not None or not is_denied(call.name, self.ask_tools):
                 continue
-            if call.id not in t.approvals and self.approver is None:
-                waiting.append(call)
-                continue
             if call.id not in t.approvals:
-                stop = self._ask(t, call)
-                if stop:
-                    return stop
+                self._emit(t, "approval_requested", {"call_id": call.id, "name": call.name,
+                                                     "arguments": redact(call.arguments)})
+                if self.approver is None:
+                    waiting.append(call)
+                    continue
+                decision = self._ask(t, call)
+                if isinstance(decision, State):
+                    return decision
+                self._decided(t, call, decision)
             approval = t.approvals[call.id]
             if not approval.allow:
                 refusals[i] = _error(call, "the user declined this call" + (
@@ -1407,27 +1418,22 @@ class AgentRuntime:
                                                          tool_calls=tuple(calls))
         return calls
 
-    def _ask(self, t: _Turn, call: ToolCall) -> State | None:
-        """Ask the approver on a worker (its time counts against the deadline; cancel holds).
-        Cancelled from it ends the turn; any other exception is a decline with its text."""
-        self._emit(t, "approval_requested", {"call_id": call.id, "name": call.name,
-                                             "arguments": redact(call.arguments)})
-        approver = self.approver
-        assert approver is not None
+    def _ask(self, t: _Turn, call: ToolCall) -> Approval | State:
+        """The approver's decision, on a worker: its time counts against the deadline and cancel
+        holds. Cancelled from it ends the turn; any other exception declines with its text."""
+        approver = typing.cast(Callable[[ToolCall], Approval], self.approver)
         worker = self._call_port(t, lambda: approver(call))
         if t.caller_cancel.cancelled or isinstance(worker.error, Cancelled):
             return self._interrupted(t, "before this call started")
         if not worker.done:
             return self._not_run(t, Trip(GuardReason.TURN_TIMEOUT, "the approver did not answer "
                                          f"within turn_timeout_ms={t.policy.turn_timeout_ms}"))
-        value, e = worker.value, worker.error
+        e, value = worker.error, worker.value
         if e is not None:
-            value = Approval(False, f"the approver failed: {type(e).__name__}: {e}")
-        elif not isinstance(value, Approval):
-            value = Approval(False, f"the approver returned {type(value).__name__}, "
-                                    "not an Approval")
-        self._decided(t, call, value)
-        return None
+            return Approval(False, f"the approver failed: {type(e).__name__}: {e}")
+        if isinstance(value, Approval):
+            return value
+        return Approval(False, f"the approver returned {type(value).__name__}, not an Approval")
 
     def _decided(self, t: _Turn, call: ToolCall, approval: Approval) -> None:
         t.approvals[call.id] = approval
@@ -1436,26 +1442,13 @@ class AgentRuntime:
                                            "arguments_changed": changed})
 
     def _pause(self, t: _Turn, waiting: list[ToolCall]) -> State:
-        """No approver: end the turn NEEDS_APPROVAL with the batch unrun, saving what a resume
-        (in this process or another) needs: the guard's counts and the decisions so far."""
-        for call in waiting:
-            self._emit(t, "approval_requested", {"call_id": call.id, "name": call.name,
-                                                 "arguments": redact(call.arguments)})
-        t.session.paused = {"guard": t.guard.counts(), "input_index": t.input_index,
-                            "approvals": {k: dataclasses.asdict(a)
-                                          for k, a in t.approvals.items()}}
+        """End the turn NEEDS_APPROVAL with the batch unrun, saving what a resume needs."""
+        counts = {k: v for k, v in vars(t.guard).items() if k not in ("policy", "deadline")}
+        t.session.paused = {"guard": counts, "input_index": t.input_index, "approvals":
+                            {k: dataclasses.asdict(a) for k, a in t.approvals.items()}}
         t.pending, t.finish = tuple(waiting), FinishReason.NEEDS_APPROVAL
         t.content = "Waiting for approval: " + ", ".join(c.name for c in waiting) + "."
         return State.DONE
-
-    def _refuse_batch(self, t: _Turn, calls: Sequence[ToolCall]) -> State:
-        """An over-size batch runs not at all; it counts as one error and the loop goes on."""
-        n = t.policy.max_parallel_tools
-        self._append_results(t, [_error(c, f"not run: this batch has {len(calls)} calls and "
-                                        f"at most max_parallel_tools={n} may run at once; "
-                                        f"call at most {n} tools at a time") for c in calls])
-        t.guard.record_refusal()
-        return State.BUILD_PROMPT
 
     def _not_run(self, t: _Turn, trip: Trip) -> State:
         """A guard stopped the batch: every call gets a result, so history stays well-formed."""
@@ -1496,10 +1489,11 @@ class AgentRuntime:
         if self.action_mode == "json":
             return parse_action(reply.content, call_id)
         if reply.tool_calls:  # native: ids must be unique; some servers omit or repeat them
-            calls: list[ToolCall] = []
+            calls, seen = [], set()
             for i, c in enumerate(reply.tool_calls):
-                if not c.id or any(c.id == d.id for d in calls):
+                if not c.id or c.id in seen:
                     c = dataclasses.replace(c, id=f"{call_id}_{i}")
+                seen.add(c.id)
                 calls.append(c)
             return CallTools(tuple(calls))
         if not reply.content.strip():
@@ -1596,6 +1590,12 @@ def _error(call: ToolCall, text: str) -> ToolResult:
     return ToolResult(call.id, call.name, text, True)
 
 
+def _too_long(e: BaseException | None) -> bool:
+    """The endpoint refused the request as too long for the model's context."""
+    return (isinstance(e, LlmError) and e.status_code == 400
+            and bool(_CONTEXT_TOO_LONG.search(e.body)))
+
+
 # ---- 10. LLM adapters: ScriptedLlm, OpenAICompatLlm ---------------------------------------------
 
 class ScriptedLlm:
@@ -1646,8 +1646,6 @@ PROVIDERS: dict[str, tuple[str, str | None]] = {
 }
 RETRYABLE_STATUSES = frozenset({408, 409, 429, 500, 502, 503, 504})
 _TOOL_NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
-_CONTEXT_TOO_LONG = re.compile(r"context.length|context.window|maximum context|too many tokens|"
-                               r"prompt is too long|input is too long|reduce the length", re.I)
 _OPTIONAL_FIELDS = ("response_format", "stream_options")  # dropped if a server rejects them
 
 
