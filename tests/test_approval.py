@@ -11,12 +11,12 @@ from __future__ import annotations
 import threading
 import time
 
+import pytest
+
 import bob
 from bob import (AgentError, AgentRequest, AgentRuntime, Approval, Cancelled, CancelToken,
                  FinishReason, GuardReason, JsonFileSessionStore, ScriptedLlm, TurnPolicy)
-from test_core import ListSink, assert_well_formed, batch, final, tc
-
-import pytest
+from test_core import ListSink, assert_well_formed, batch, cancel_once_entered, final, tc
 
 
 # ---- 1. Helpers ---------------------------------------------------------------------------------
@@ -202,13 +202,7 @@ def test_cancel_during_a_slow_approver_returns_within_100_ms(hang):
     entered, tools, token = threading.Event(), Tools(), CancelToken()
     rt = runtime([tc("write", x=2), final("never")], tools,
                  approver=blocking_approver(entered, hang()))
-    stamp: dict[str, float] = {}
-
-    def fire() -> None:
-        if entered.wait(5):
-            stamp["t"] = time.monotonic()
-            token.cancel()
-    threading.Thread(target=fire, daemon=True).start()
+    stamp = cancel_once_entered(entered, token)
     r = rt.run(AgentRequest("go"), cancel=token)
     latency = time.monotonic() - stamp["t"]
     assert r.finish_reason is FinishReason.CANCELLED
