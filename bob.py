@@ -533,8 +533,9 @@ def truncate_history(messages: Sequence[Message], limit: int, keep: int | None =
 
 # An endpoint's words for "the request is too long for the model's context" (OpenAI, vLLM,
 # llama.cpp): the adapter names the fix, the scheduler retries the step with half the history.
-_CONTEXT_TOO_LONG = re.compile(r"context.length|context.window|maximum context|too many tokens|"
-                               r"prompt is too long|input is too long|reduce the length", re.I)
+_CONTEXT_TOO_LONG = re.compile(r"context.length|context.window|context.size|maximum context|"
+                               r"too many tokens|prompt is too long|input is too long|"
+                               r"reduce the length", re.I)
 
 
 def render_for_wire(m: Message, mode: str) -> Message:
@@ -1238,8 +1239,8 @@ class AgentRuntime:
         self._emit(t, "llm_call_started", {"messages": len(prompt.messages)})
         t0 = time.perf_counter()
         worker = self._complete(t, prompt)
-        if _too_long(worker.error) and len(prompt.messages) > 2:  # once, with half the history
-            sent = len(prompt.messages) - 1
+        if _too_long(worker.error) and len(prompt.messages) > 2 and not t.cancel.cancelled:
+            sent = len(prompt.messages) - 1  # once per step, with half the history
             t.prompt = prompt = self._prompt(t, sent // 2)
             self._emit(t, "history_truncated", {"from": sent, "to": len(prompt.messages) - 1})
             worker = self._complete(t, prompt)

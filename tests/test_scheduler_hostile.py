@@ -35,9 +35,15 @@ def long_history(n: int) -> list[Message]:
 
 # ---- 1. Context overflow ------------------------------------------------------------------------
 
-def test_context_overflow_is_retried_once_with_half_the_history():
+LLAMA_CPP_TOO_LONG = {"status": 400, "body": {"error": {
+    "code": 400, "message": "the request exceeds the available context size, try increasing it",
+    "type": "exceed_context_size_error"}}}
+
+
+@pytest.mark.parametrize("refusal", [TOO_LONG, LLAMA_CPP_TOO_LONG], ids=["openai", "llama.cpp"])
+def test_context_overflow_is_retried_once_with_half_the_history(refusal):
     sink = ListSink()
-    with FakeOpenAI([TOO_LONG, final("short enough")]) as srv:
+    with FakeOpenAI([refusal, final("short enough")]) as srv:
         llm = OpenAICompatLlm("test:gpt-x", base_url=srv.url, api_key="sk-test")
         rt = AgentRuntime(llm, events=sink, policy=TurnPolicy(max_history_messages=50))
         r = rt.run(AgentRequest("question", history=long_history(40)))
