@@ -1293,9 +1293,9 @@ class AgentRuntime:
     def _call_tool(self, t: _Turn) -> State:
         """Guard the batch, get the decisions it needs, run it, append results in call order."""
         assert isinstance(t.action, CallTools)
-        calls = t.action.calls
+        calls, t.session.paused = t.action.calls, None  # answered below, or paused afresh
         if t.caller_cancel.cancelled:  # cancelled while the model answered: start nothing
-            return self._interrupted(t, "before this call started")
+            return self._interrupted(t)
         if not t.resumed:  # a resumed batch passed these two before it paused
             n = t.policy.max_parallel_tools
             if len(calls) > n:  # first: refusing costs O(1) per call, hashing would not
@@ -1364,9 +1364,10 @@ class AgentRuntime:
 
     def _take_up(self, t: _Turn) -> bool:
         """Append the user's message; or, for `input=None`, take up the batch a paused turn left
-        waiting, with its counts and decisions (True). New input answers waiting calls "not run"."""
-        paused, t.session.paused = t.session.paused, None  # (a given history has no pause)
-        waiting = t.session.messages[-1].tool_calls if paused and t.request.history is None else ()
+        waiting, with its counts and decisions (True). The pause is kept until CallTool answers
+        the batch. New input answers waiting calls "not run" first."""
+        paused = t.session.paused if t.request.history is None else None
+        waiting = t.session.messages[-1].tool_calls if paused else ()
         if t.request.input is None:
             if not waiting:
                 raise AgentError(f"session {t.request.session_id!r} has no tool calls waiting "
@@ -1376,11 +1377,14 @@ class AgentRuntime:
             t.input_index = paused["input_index"]
             t.approvals = {k: Approval(**a) for k, a in paused["approvals"].items()}
             given = t.request.approvals or {}
-            for call in waiting:
-                if call.id in given:
-                    self._decided(t, call, given[call.id])
+            for call in (c for c in waiting if c.id in given):
+                if not isinstance(given[call.id], Approval):
+                    raise ConfigError(f"approvals[{call.id!r}] must be an Approval, "
+                                      f"got {given[call.id]!r}")
+                self._decided(t, call, given[call.id])
             t.action, t.resumed = CallTools(waiting), True
             return True
+        t.session.paused = None
         self._append_results(t, [_error(c, "not run: the user sent a new message instead of "
                                            "deciding on this call") for c in waiting])
         t.session.messages.append(Message("user", t.request.input))
@@ -1425,7 +1429,7 @@ class AgentRuntime:
         approver = typing.cast(Callable[[ToolCall], Approval], self.approver)
         worker = self._call_port(t, lambda: approver(call))
         if t.caller_cancel.cancelled or isinstance(worker.error, Cancelled):
-            return self._interrupted(t, "before this call started")
+            return self._interrupted(t)
         if not worker.done:
             return self._not_run(t, Trip(GuardReason.TURN_TIMEOUT, "the approver did not answer "
                                          f"within turn_timeout_ms={t.policy.turn_timeout_ms}"))
@@ -1457,11 +1461,11 @@ class AgentRuntime:
         self._append_results(t, [_error(c, f"not run: {trip.detail}") for c in t.action.calls])
         return self._trip(t, trip)
 
-    def _interrupted(self, t: _Turn, when: str) -> State:
+    def _interrupted(self, t: _Turn) -> State:
         """Cancelled with the batch unrun: each call gets an "interrupted" result."""
         assert isinstance(t.action, CallTools)
-        self._append_results(t, [_error(c, f"interrupted: the turn was cancelled {when}")
-                                 for c in t.action.calls])
+        self._append_results(t, [_error(c, "interrupted: the turn was cancelled before this call "
+                                           "started") for c in t.action.calls])
         return self._cancelled(t)
 
     def _call_port(self, t: _Turn, fn: Callable[[], Any]) -> _Worker:

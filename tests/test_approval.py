@@ -219,3 +219,20 @@ def test_approver_time_counts_against_the_turn_deadline(hang):
     assert r.guard_reason is GuardReason.TURN_TIMEOUT and "approver" in r.content
     assert tools.ran == []
     assert_well_formed(r.history)
+
+
+def test_a_resume_that_stops_before_calltool_keeps_the_pause(tmp_path):
+    store, tools = JsonFileSessionStore(tmp_path), Tools()
+    r = runtime([tc("write", x=2)], tools, store=store).run(AgentRequest("go"))
+    call_id = r.pending[0].id
+    with pytest.raises(bob.ConfigError, match="must be an Approval"):
+        runtime([], tools, store=store).run(AgentRequest(None, approvals={call_id: True}))
+    cancelled = CancelToken()
+    cancelled.cancel()
+    r2 = runtime([], tools, store=store).run(
+        AgentRequest(None, approvals={call_id: Approval(True)}), cancel=cancelled)
+    assert r2.finish_reason is FinishReason.CANCELLED and tools.ran == []
+    r3 = runtime([final("done")], tools, store=store).run(
+        AgentRequest(None, approvals={call_id: Approval(True)}))
+    assert r3.finish_reason is FinishReason.FINAL and tools.ran == [("write", 2)]
+    assert_well_formed(r3.history)
