@@ -533,9 +533,8 @@ def truncate_history(messages: Sequence[Message], limit: int, keep: int | None =
 
 # An endpoint's words for "the request is too long for the model's context" (OpenAI, vLLM,
 # llama.cpp): the adapter names the fix, the scheduler retries the step with half the history.
-_CONTEXT_TOO_LONG = re.compile(r"context.length|context.window|context.size|maximum context|"
-                               r"too many tokens|prompt is too long|input is too long|"
-                               r"reduce the length", re.I)
+_CONTEXT_TOO_LONG = re.compile(r"context.(length|window|size)|maximum context|too many tokens|"
+                               r"prompt is too long|input is too long|reduce the length", re.I)
 
 
 def render_for_wire(m: Message, mode: str) -> Message:
