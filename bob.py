@@ -46,7 +46,7 @@ import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Literal, Protocol, Sequence, Union
+from typing import Any, Callable, Iterable, Iterator, Literal, Protocol, Sequence, Union
 
 __all__ = [
     # errors
@@ -114,6 +114,7 @@ class ToolCall:
     id: str
     name: str
     arguments: dict[str, Any]
+    error: str | None = None  # why the model's arguments are unusable: not run, the model is told
 
 
 @dataclass(frozen=True)
@@ -148,7 +149,8 @@ class Message:
         """Plain JSON-ready dict; `Message.from_dict` reverses it exactly."""
         d: dict[str, Any] = {"role": self.role, "content": self.content}
         if self.tool_calls:
-            d["tool_calls"] = [dataclasses.asdict(c) for c in self.tool_calls]
+            d["tool_calls"] = [{k: v for k, v in dataclasses.asdict(c).items() if v is not None}
+                               for c in self.tool_calls]
         if self.tool_call_id is not None:
             d["tool_call_id"] = self.tool_call_id
         if self.name is not None:
@@ -160,7 +162,7 @@ class Message:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Message:
         """Build a Message from `to_dict` output."""
-        calls = tuple(ToolCall(c["id"], c["name"], dict(c["arguments"]))
+        calls = tuple(ToolCall(c["id"], c["name"], dict(c["arguments"]), c.get("error"))
                       for c in d.get("tool_calls", ()))
         return cls(d["role"], d["content"], calls, d.get("tool_call_id"), d.get("name"),
                    bool(d.get("is_error", False)))
@@ -1135,6 +1137,7 @@ class AgentRuntime:
         self.system_prompt = system_prompt
         self.deny_tools = tuple(deny_tools)
         self._failing: set[int] = set()   # ids of sinks that raised (logged once each)
+        self._probe: tuple[_Worker, float] | None = None  # health()'s list_tools call, and when
         self._states: dict[State, Callable[[_Turn], State]] = {
             State.START: self._start, State.BUILD_PROMPT: self._build_prompt,
             State.LLM_INFER: self._llm_infer, State.PARSE_ACTION: self._parse_action,
@@ -1174,10 +1177,16 @@ class AgentRuntime:
                                   "action_mode": self.action_mode,
                                   "abandoned_workers": abandoned_workers()}
         if self.tools is not None:
-            worker = _call(self.tools.list_tools, time.monotonic() + timeout_s,
-                           queue.SimpleQueue(), CancelToken())
+            # One probe at a time: while one hangs, later calls wait on it, not start another.
+            fresh = self._probe is None or self._probe[0].done
+            if fresh:
+                self._probe = (_Worker(self.tools.list_tools, queue.SimpleQueue()), time.time())
+            worker, since = typing.cast("tuple[_Worker, float]", self._probe)
+            _wait_all([worker], [time.monotonic() + timeout_s], worker.wake, CancelToken())
             if not worker.done:
-                report.update(ok=False, tools_error=f"list_tools did not answer in {timeout_s} s")
+                waited = (f"in {timeout_s} s" if fresh else f"for {time.time() - since:.1f} s "
+                          "(an earlier health() call asked; still waiting)")
+                report.update(ok=False, tools_error=f"list_tools did not answer {waited}")
             elif worker.error is not None:
                 e = worker.error
                 report.update(ok=False, tools_error=f"{type(e).__name__}: {e}")
@@ -1388,6 +1397,8 @@ class AgentRuntime:
 
     def _refusal(self, t: _Turn, call: ToolCall) -> ToolResult | None:
         """An error result for a call that must not run, or None."""
+        if call.error:
+            return _error(call, call.error)
         if is_denied(call.name, self.deny_tools):
             return _error(call, f"tool {call.name!r} is denied by policy (deny_tools)")
         if all(d.name != call.name for d in t.tools):
@@ -1509,26 +1520,48 @@ _TOOL_NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
 _CONTEXT_TOO_LONG = re.compile(r"context.length|context.window|maximum context|too many tokens|"
                                r"prompt is too long|input is too long|reduce the length", re.I)
 _OPTIONAL_FIELDS = ("response_format", "stream_options")  # dropped if a server rejects them
+_TOOL_CHOICES = ("auto", "required", "none")
 
 
 def _json(raw: str | bytes) -> Any:
-    """Parsed JSON, or None when it is not JSON."""
+    """Parsed JSON; raw newlines and tabs inside strings pass (models emit them). ValueError
+    when it is not JSON or nested too deeply to parse."""
     try:
-        return json.loads(raw)
-    except ValueError:
-        return None
+        return json.loads(raw, strict=False)
+    except RecursionError:
+        raise ValueError("nested too deeply") from None
+
+
+def _obj(value: Any, what: str) -> dict[str, Any]:
+    """`value` if it is a JSON object; else ValueError "<what> is not a JSON object"."""
+    if not isinstance(value, dict):
+        raise ValueError(f"{what} is not a JSON object")
+    return value
+
+
+def _items(value: Any, what: str) -> list[Any]:
+    """`value` if it is a JSON array ([] for null); else ValueError."""
+    if value is not None and not isinstance(value, list):
+        raise ValueError(f"{what} is not a list")
+    return value or []
 
 
 def _text(content: Any) -> str:
     """Message content as text: a string, null, or a list of {"type": "text"} parts."""
-    if isinstance(content, list):
-        return "".join(p.get("text") or "" for p in content if isinstance(p, dict))
-    return content if isinstance(content, str) else ""
+    if isinstance(content, list) and all(isinstance(p, dict) for p in content):
+        return "".join(p["text"] for p in content if isinstance(p.get("text"), str))
+    if content is not None and not isinstance(content, str):
+        raise ValueError("the content is neither text nor a list of parts")
+    return content or ""
 
 
 def _usage(u: Any) -> Usage:
-    u = u if isinstance(u, dict) else {}
-    return Usage(int(u.get("prompt_tokens") or 0), int(u.get("completion_tokens") or 0))
+    """Token counts; Usage() (unknown) when the server sent none or nonsense."""
+    counts = ([u.get("prompt_tokens") or 0, u.get("completion_tokens") or 0]
+              if isinstance(u, dict) else [])
+    if len(counts) == 2 and all(type(n) is int and n >= 0 for n in counts):
+        return Usage(*counts)
+    return Usage()
 
 
 def _message_to_wire(m: Message) -> dict[str, Any]:
@@ -1545,20 +1578,29 @@ def _message_to_wire(m: Message) -> dict[str, Any]:
 
 
 def _call_from_wire(call_id: Any, name: Any, arguments: Any) -> ToolCall:
-    """A ToolCall; arguments that are not a JSON object become {}, with a warning."""
-    # Why {}: inventing keys (e.g. {"_raw": ...}) could pass a lax schema and run the tool on
-    # garbage; with {} the tool's argument check tells the model what is missing. A missing id
-    # stays "": the runtime gives it a unique one.
-    args = arguments
+    """A ToolCall; arguments that are not a JSON object give one with `error` set (not run)."""
+    # Why not {}: the model must learn its arguments were lost, not see the tool complain of
+    # missing keys. A missing id stays "": the runtime gives it a unique one.
+    name, args, problem = str(name or ""), arguments, "are not a JSON object"
     if isinstance(args, str):
-        args = _json(args) if args.strip() else {}
+        try:
+            args = _json(args) if args.strip() else {}
+        except ValueError as e:
+            problem = f"are not valid JSON ({e})"
         if isinstance(args, str):  # some models double-encode
-            args = _json(args)
-    if not isinstance(args, dict):
-        log.warning("tool call %s: arguments are not a JSON object, using {}: %.200r",
-                    name, arguments)
-        args = {}
-    return ToolCall(str(call_id or ""), str(name or ""), args)
+            with contextlib.suppress(ValueError):
+                args = _json(args)
+    if isinstance(args, dict):
+        return ToolCall(str(call_id or ""), name, args)
+    shown = _excerpt(arguments if isinstance(arguments, str) else repr(arguments))
+    return ToolCall(str(call_id or ""), name, {}, f"the arguments of {name!r} {problem}: "
+                    f"{shown!r}; call it again with one JSON object that fits its schema")
+
+
+def _wire_call(c: Any) -> ToolCall:
+    """One tool call of a completion's message; ValueError when it is malformed."""
+    fn = _obj(_obj(c, "a tool call").get("function") or {}, "a tool call's function")
+    return _call_from_wire(c.get("id"), fn.get("name"), fn.get("arguments"))
 
 
 class _Stream:
@@ -1573,18 +1615,19 @@ class _Stream:
         self.done = False  # [DONE] was seen
 
     def add(self, chunk: dict[str, Any]) -> None:
-        """Fold one chat.completion.chunk in; text deltas go to on_delta."""
+        """Fold one chat.completion.chunk in; text deltas go to on_delta. ValueError or
+        TypeError when it is malformed."""
         if chunk.get("usage"):
             self.usage = _usage(chunk["usage"])
-        for choice in chunk.get("choices") or ():
-            delta = choice.get("delta") or {}
+        for choice in _items(chunk.get("choices"), "'choices'"):
+            delta = _obj(_obj(choice, "a choice").get("delta") or {}, "a delta")
             if piece := _text(delta.get("content")):
                 self.text.append(piece)
                 if self.on_delta:
                     self.on_delta(piece)
-            for i, tc in enumerate(delta.get("tool_calls") or ()):
-                slot = self.calls.setdefault(tc.get("index", i), ["", "", ""])
-                fn = tc.get("function") or {}
+            for i, tc in enumerate(_items(delta.get("tool_calls"), "tool_calls")):
+                slot = self.calls.setdefault(_obj(tc, "a tool call").get("index", i), ["", "", ""])
+                fn = _obj(tc.get("function") or {}, "a tool call's function")
                 slot[0] = tc.get("id") or slot[0]           # ids may repeat: keep one
                 if fn.get("name") and fn["name"] != slot[1]:  # names may repeat: keep one
                     slot[1] += fn["name"]
@@ -1600,14 +1643,15 @@ class _Stream:
         return LlmResponse("".join(self.text), calls, self.usage, self.finish_reason)
 
 
-def _sse_data(resp: Any) -> Any:
+def _sse_data(pieces: Iterable[bytes]) -> Any:
     """Yield the data field of each Server-Sent Event, as soon as its line arrives."""
-    read1 = getattr(resp.raw, "read1", None)  # what has arrived: no waiting for 512 bytes
-    pieces = (iter(lambda: read1(65536, decode_content=True), b"") if read1
-              else resp.iter_content(512))
-    buf = b""
+    pending: list[bytes] = []  # a line not ended yet, in pieces (joining each time is quadratic)
     for piece in pieces:
-        *lines, buf = (buf + piece).split(b"\n")
+        pending.append(piece)
+        if b"\n" not in piece:
+            continue
+        *lines, rest = b"".join(pending).split(b"\n")
+        pending = [rest]
         for line in lines:
             if line.startswith(b"data:"):
                 yield line[5:].strip().decode("utf-8", "replace")
@@ -1715,7 +1759,8 @@ class OpenAICompatLlm:
                  temperature: float | None = None, seed: int | None = None,
                  max_tokens: int | None = None, json_response_format: bool = True, *,
                  timeout_s: float = 120.0, backoff_base_s: float = 0.5,
-                 stream_usage: bool = True):
+                 stream_usage: bool = True, max_response_bytes: int = 16 * 1024 * 1024,
+                 tool_choice: str = "auto"):
         provider, _, name = model.partition(":")
         if not provider or not name:
             raise ConfigError(f"model {model!r} must be 'provider:model', e.g. "
@@ -1724,15 +1769,21 @@ class OpenAICompatLlm:
             raise ConfigError(f"unknown provider {provider!r} in model {model!r}: known "
                               f"providers are {', '.join(PROVIDERS)}; for another "
                               "OpenAI-compatible server give base_url")
-        if not isinstance(retry_max, int) or retry_max < 0:
-            raise ConfigError(f"retry_max must be an integer >= 0, got {retry_max!r}")
+        for key, value, low in (("retry_max", retry_max, 0), ("max_response_bytes",
+                                                               max_response_bytes, 1)):
+            if type(value) is not int or value < low:
+                raise ConfigError(f"{key} must be an integer >= {low}, got {value!r}")
+        if tool_choice not in _TOOL_CHOICES:
+            raise ConfigError(f"tool_choice must be one of {', '.join(_TOOL_CHOICES)}, "
+                              f"got {tool_choice!r}")
         default_url, default_env = PROVIDERS.get(provider, ("", None))
         self.provider, self.model = provider, name
         self.base_url = (base_url or default_url).rstrip("/")
         self.api_key_env = api_key_env or default_env
         self.retry_max, self.stream, self.stream_usage = retry_max, stream, stream_usage
         self.temperature, self.seed, self.max_tokens = temperature, seed, max_tokens
-        self.json_response_format = json_response_format
+        self.json_response_format, self.tool_choice = json_response_format, tool_choice
+        self.max_response_bytes = max_response_bytes
         self.timeout_s, self.backoff_base_s = timeout_s, backoff_base_s
         self._api_key, self._key_source = self._find_key(model, api_key)
         self._url = self.base_url + "/chat/completions"
@@ -1775,15 +1826,17 @@ class OpenAICompatLlm:
 
     def complete(self, req: LlmRequest, cancel: CancelToken,
                  on_delta: Callable[[str], None] | None = None) -> LlmResponse:
-        """One chat completion, with retries; LlmError after the last try, Cancelled on cancel."""
+        """One chat completion, with retries, all within timeout_s (or the request's deadline);
+        LlmError after the last try, Cancelled on cancel."""
         body = self._to_wire(req)
+        end = time.monotonic() + self.timeout_s if req.deadline is None else req.deadline
         me = threading.get_ident()
         self._cancels[me] = cancel
         unhook = cancel.on_cancel(lambda: _abort(self._inflight.pop(me, None)))
         try:
             tries = 0
             while not cancel.cancelled:
-                outcome = self._attempt(body, req.deadline, cancel, on_delta)
+                outcome = self._attempt(body, end, cancel, on_delta)
                 if isinstance(outcome, LlmResponse):
                     return outcome
                 e = outcome.error
@@ -1793,8 +1846,7 @@ class OpenAICompatLlm:
                 delay = outcome.retry_after  # else back off exponentially, with jitter
                 if delay is None:
                     delay = self.backoff_base_s * 2 ** (tries - 1) * random.uniform(0.5, 1.0)
-                left = self.timeout_s if req.deadline is None else req.deadline - time.monotonic()
-                if delay >= left:  # fail now rather than sleep into the deadline
+                if delay >= end - time.monotonic():  # fail now, not sleep into the deadline
                     raise LlmError(f"{e} (no time left to retry: the next try would start in "
                                    f"{delay:.2f} s)", e.status_code, e.body)
                 cancel.wait(delay)  # a cancel ends the wait at once
@@ -1805,23 +1857,23 @@ class OpenAICompatLlm:
 
     # -- one HTTP exchange --
 
-    def _attempt(self, body: dict[str, Any], deadline: float | None, cancel: CancelToken,
+    def _attempt(self, body: dict[str, Any], end: float, cancel: CancelToken,
                  on_delta: Callable[[str], None] | None) -> LlmResponse | _Retry:
-        """Send once. Returns the reply or a _Retry; raises LlmError when retrying is useless."""
-        timeout = self.timeout_s if deadline is None else deadline - time.monotonic()
+        """Send once, done by `end`. The reply or a _Retry; LlmError when retrying is useless."""
+        timeout = end - time.monotonic()
         if timeout <= 0:
-            raise LlmError(f"no time left in the turn for a request to {self._shown}")
+            raise LlmError(f"no time left for a request to {self._shown}")
         data = json.dumps(body, separators=(",", ":")).encode()
         acc = _Stream(on_delta)
         try:
             resp = self._session.post(self._url, data=data, headers=self._headers,
-                                      timeout=(timeout, timeout), stream=self.stream)
+                                      timeout=(timeout, timeout), stream=True)
             try:
                 if resp.status_code != 200:
-                    return self._http_failure(resp, body)
+                    return self._http_failure(resp, body, self._read(resp, end))
                 if "text/event-stream" not in resp.headers.get("Content-Type", ""):
-                    return self._from_wire(resp.content)  # also when a server ignores stream
-                self._read_stream(resp, acc, deadline)
+                    return self._from_wire(self._read(resp, end))  # a server may ignore stream
+                self._read_stream(resp, acc, end)
                 if not (acc.done or acc.finish_reason or acc.text or acc.calls):
                     return _Retry(LlmError(f"the stream from {self._shown} ended before any "
                                            "data"))  # nothing shown yet: safe to try again
@@ -1844,9 +1896,9 @@ class OpenAICompatLlm:
         finally:  # a cancel from now on must not shut a connection another call may be using
             self._inflight.pop(threading.get_ident(), None)
 
-    def _http_failure(self, resp: Any, body: dict[str, Any]) -> _Retry:
+    def _http_failure(self, resp: Any, body: dict[str, Any], raw: bytes) -> _Retry:
         """A non-200 answer: a _Retry when the status may pass, else raise LlmError at once."""
-        status, text = resp.status_code, resp.text
+        status, text = resp.status_code, raw.decode("utf-8", "replace")
         hint = ""
         if status in (401, 403):
             fix = (f"check the key in {self._key_source}" if self._key_source
@@ -1891,6 +1943,7 @@ class OpenAICompatLlm:
             body["tools"] = [{"type": "function", "function": {
                 "name": t.name, "description": t.description, "parameters": t.input_schema}}
                 for t in req.tools]
+            body["tool_choice"] = self.tool_choice  # llama.cpp calls no tool without it
         json_mode = req.response_format == "json" and self.json_response_format
         options = {"temperature": self.temperature, "seed": self.seed,
                    "max_tokens": self.max_tokens, "stream": self.stream or None,
@@ -1902,28 +1955,66 @@ class OpenAICompatLlm:
         return body
 
     def _from_wire(self, raw: bytes) -> LlmResponse:
-        """A non-streamed completion body -> LlmResponse; LlmError quoting it if malformed."""
-        data = _json(raw)
-        choices = data.get("choices") if isinstance(data, dict) else None
-        if not (isinstance(choices, list) and choices and isinstance(choices[0], dict)):
-            what = "is not JSON" if data is None else "has no 'choices'"
-            raise self._error(200, f"answered HTTP 200 but the body {what}", raw)
-        msg = choices[0].get("message") or {}
-        calls = tuple(_call_from_wire(c.get("id"), (c.get("function") or {}).get("name"),
-                                      (c.get("function") or {}).get("arguments"))
-                      for c in msg.get("tool_calls") or ())
-        return LlmResponse(_text(msg.get("content")), calls, _usage(data.get("usage")),
-                           choices[0].get("finish_reason"))
+        """A non-streamed completion body -> LlmResponse; LlmError saying what is malformed."""
+        try:
+            data = _obj(_json(raw), "the body")
+        except ValueError as e:
+            what = str(e) if "JSON object" in str(e) else "the body is not JSON"
+            raise self._error(200, f"answered HTTP 200 but {what}", raw) from None
+        try:
+            choices = data.get("choices")
+            if not (isinstance(choices, list) and choices):
+                raise ValueError("the body has no 'choices' list with a choice in it")
+            choice = _obj(choices[0], "the first choice")
+            msg = _obj(choice.get("message"), "the message")
+            calls = tuple(map(_wire_call, _items(msg.get("tool_calls"), "tool_calls")))
+            content = _text(msg.get("content"))
+        except ValueError as e:
+            raise self._error(200, f"answered HTTP 200 but {e}", raw) from None
+        finish = choice.get("finish_reason")
+        return LlmResponse(content, calls, _usage(data.get("usage")),
+                           finish if isinstance(finish, str) else None)
 
-    def _read_stream(self, resp: Any, acc: _Stream, deadline: float | None) -> None:
-        """Fold Server-Sent Events into `acc`; read on after [DONE], so the connection is reused."""
-        for payload in _sse_data(resp):
-            if acc.done or payload == "[DONE]":
+    def _read(self, resp: Any, end: float) -> bytes:
+        """The whole (decompressed) body; LlmError if it is too big or too slow."""
+        return b"".join(self._body(resp, end))
+
+    def _body(self, resp: Any, end: float) -> Iterator[bytes]:
+        """The decompressed body in pieces as they arrive; LlmError once it passes
+        max_response_bytes, or is still coming at `end` (checked after every piece)."""
+        sock, total = getattr(resp.raw.connection, "sock", None), 0
+        while True:
+            left = end - time.monotonic()
+            if left <= 0:
+                raise LlmError(f"{self._shown} was still sending its answer when the time ran "
+                               f"out ({total} bytes came; timeout_s={self.timeout_s}, or the "
+                               "turn deadline when there is one)")
+            if sock is not None:
+                sock.settimeout(left)  # a socket read waits no longer than the call may
+            piece = resp.raw.read1(65536, decode_content=True)  # what has come, inflated
+            total += len(piece)
+            if total > self.max_response_bytes:
+                raise LlmError(f"the answer from {self._shown} is larger than "
+                               f"max_response_bytes={self.max_response_bytes}; if that is "
+                               "expected, raise it (OpenAICompatLlm(max_response_bytes=...) or "
+                               "[llm] max_response_bytes in agent.toml)")
+            if not piece:
+                return
+            yield piece
+
+    def _read_stream(self, resp: Any, acc: _Stream, end: float) -> None:
+        """Fold Server-Sent Events into `acc` until [DONE] or the end of the body."""
+        for payload in _sse_data(self._body(resp, end)):
+            if payload == "[DONE]":  # the end, even if the server keeps the connection open
                 acc.done = True
-                continue
-            chunk = _json(payload)
-            if not isinstance(chunk, dict) or "error" in chunk:
-                raise self._error(200, "sent a bad stream event", payload)
-            acc.add(chunk)
-            if deadline is not None and time.monotonic() > deadline:
-                raise LlmError(f"the stream from {self._shown} ran past the turn deadline")
+                with contextlib.suppress(AttributeError, *self._transport_errors):  # keep-alive:
+                    resp.raw.connection.sock.settimeout(0.05)  # take the body's end if it is near
+                    resp.raw.read1(65536, decode_content=True)
+                return
+            try:
+                chunk = _obj(_json(payload), "the event")
+                if "error" in chunk:
+                    raise ValueError("it reports an error")
+                acc.add(chunk)
+            except (ValueError, TypeError) as e:
+                raise self._error(200, f"sent a bad stream event ({e})", payload) from None
