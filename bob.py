@@ -1177,16 +1177,15 @@ class AgentRuntime:
                                   "action_mode": self.action_mode,
                                   "abandoned_workers": abandoned_workers()}
         if self.tools is not None:
-            # One probe at a time: while one hangs, later calls wait on it, not start another.
-            fresh = self._probe is None or self._probe[0].done
-            if fresh:
-                self._probe = (_Worker(self.tools.list_tools, queue.SimpleQueue()), time.time())
-            worker, since = typing.cast("tuple[_Worker, float]", self._probe)
+            probe = self._probe  # one at a time: while it hangs, later calls wait on it
+            if probe is None or probe[0].done:
+                probe = self._probe = (_Worker(self.tools.list_tools, queue.SimpleQueue()),
+                                       time.monotonic())
+            worker, since = probe
             _wait_all([worker], [time.monotonic() + timeout_s], worker.wake, CancelToken())
             if not worker.done:
-                waited = (f"in {timeout_s} s" if fresh else f"for {time.time() - since:.1f} s "
-                          "(an earlier health() call asked; still waiting)")
-                report.update(ok=False, tools_error=f"list_tools did not answer {waited}")
+                report.update(ok=False, tools_error=f"list_tools did not answer in "
+                                                    f"{time.monotonic() - since:.1f} s")
             elif worker.error is not None:
                 e = worker.error
                 report.update(ok=False, tools_error=f"{type(e).__name__}: {e}")
@@ -1523,27 +1522,15 @@ _OPTIONAL_FIELDS = ("response_format", "stream_options")  # dropped if a server 
 _TOOL_CHOICES = ("auto", "required", "none")
 
 
-def _json(raw: str | bytes) -> Any:
-    """Parsed JSON; raw newlines and tabs inside strings pass (models emit them). ValueError
-    when it is not JSON or nested too deeply to parse."""
-    try:
-        return json.loads(raw, strict=False)
-    except RecursionError:
-        raise ValueError("nested too deeply") from None
+_json = functools.partial(json.loads, strict=False)  # raw newlines and tabs in strings pass
+_BAD_JSON = (ValueError, RecursionError)              # what _json raises on bad or too deep JSON
 
 
-def _obj(value: Any, what: str) -> dict[str, Any]:
-    """`value` if it is a JSON object; else ValueError "<what> is not a JSON object"."""
-    if not isinstance(value, dict):
-        raise ValueError(f"{what} is not a JSON object")
+def _want(value: Any, kind: type, what: str) -> Any:
+    """`value` if it is a `kind` (dict: a JSON object, list: an array), else ValueError."""
+    if not isinstance(value, kind):
+        raise ValueError(f"{what} is not a JSON {'object' if kind is dict else 'array'}")
     return value
-
-
-def _items(value: Any, what: str) -> list[Any]:
-    """`value` if it is a JSON array ([] for null); else ValueError."""
-    if value is not None and not isinstance(value, list):
-        raise ValueError(f"{what} is not a list")
-    return value or []
 
 
 def _text(content: Any) -> str:
@@ -1557,11 +1544,9 @@ def _text(content: Any) -> str:
 
 def _usage(u: Any) -> Usage:
     """Token counts; Usage() (unknown) when the server sent none or nonsense."""
-    counts = ([u.get("prompt_tokens") or 0, u.get("completion_tokens") or 0]
-              if isinstance(u, dict) else [])
-    if len(counts) == 2 and all(type(n) is int and n >= 0 for n in counts):
-        return Usage(*counts)
-    return Usage()
+    n = ([u.get("prompt_tokens") or 0, u.get("completion_tokens") or 0]
+         if isinstance(u, dict) else [-1])
+    return Usage(*n) if all(type(i) is int and i >= 0 for i in n) else Usage()
 
 
 def _message_to_wire(m: Message) -> dict[str, Any]:
@@ -1585,10 +1570,10 @@ def _call_from_wire(call_id: Any, name: Any, arguments: Any) -> ToolCall:
     if isinstance(args, str):
         try:
             args = _json(args) if args.strip() else {}
-        except ValueError as e:
+        except _BAD_JSON as e:
             problem = f"are not valid JSON ({e})"
         if isinstance(args, str):  # some models double-encode
-            with contextlib.suppress(ValueError):
+            with contextlib.suppress(*_BAD_JSON):
                 args = _json(args)
     if isinstance(args, dict):
         return ToolCall(str(call_id or ""), name, args)
@@ -1599,7 +1584,7 @@ def _call_from_wire(call_id: Any, name: Any, arguments: Any) -> ToolCall:
 
 def _wire_call(c: Any) -> ToolCall:
     """One tool call of a completion's message; ValueError when it is malformed."""
-    fn = _obj(_obj(c, "a tool call").get("function") or {}, "a tool call's function")
+    fn = _want(_want(c, dict, "a tool call").get("function") or {}, dict, "its function")
     return _call_from_wire(c.get("id"), fn.get("name"), fn.get("arguments"))
 
 
@@ -1619,15 +1604,16 @@ class _Stream:
         TypeError when it is malformed."""
         if chunk.get("usage"):
             self.usage = _usage(chunk["usage"])
-        for choice in _items(chunk.get("choices"), "'choices'"):
-            delta = _obj(_obj(choice, "a choice").get("delta") or {}, "a delta")
+        for choice in _want(chunk.get("choices") or [], list, "'choices'"):
+            delta = _want(_want(choice, dict, "a choice").get("delta") or {}, dict, "a delta")
             if piece := _text(delta.get("content")):
                 self.text.append(piece)
                 if self.on_delta:
                     self.on_delta(piece)
-            for i, tc in enumerate(_items(delta.get("tool_calls"), "tool_calls")):
-                slot = self.calls.setdefault(_obj(tc, "a tool call").get("index", i), ["", "", ""])
-                fn = _obj(tc.get("function") or {}, "a tool call's function")
+            for i, tc in enumerate(_want(delta.get("tool_calls") or [], list, "tool_calls")):
+                slot = self.calls.setdefault(_want(tc, dict, "a tool call").get("index", i),
+                                             ["", "", ""])
+                fn = _want(tc.get("function") or {}, dict, "its function")
                 slot[0] = tc.get("id") or slot[0]           # ids may repeat: keep one
                 if fn.get("name") and fn["name"] != slot[1]:  # names may repeat: keep one
                     slot[1] += fn["name"]
@@ -1659,16 +1645,11 @@ def _sse_data(pieces: Iterable[bytes]) -> Any:
 
 def _retry_after(value: str | None) -> float | None:
     """Retry-After in seconds: a number or an HTTP date; None when absent or unreadable."""
-    if not value:
-        return None
-    try:
-        return max(0.0, float(value))
-    except ValueError:
-        pass
-    try:
+    with contextlib.suppress(TypeError, ValueError):
+        return max(0.0, float(value or ""))
+    with contextlib.suppress(TypeError, ValueError):
         return max(0.0, email.utils.parsedate_to_datetime(value).timestamp() - time.time())
-    except (TypeError, ValueError):
-        return None
+    return None
 
 
 def _cause(e: BaseException) -> str:
@@ -1870,9 +1851,9 @@ class OpenAICompatLlm:
                                       timeout=(timeout, timeout), stream=True)
             try:
                 if resp.status_code != 200:
-                    return self._http_failure(resp, body, self._read(resp, end))
+                    return self._http_failure(resp, body, b"".join(self._body(resp, end)))
                 if "text/event-stream" not in resp.headers.get("Content-Type", ""):
-                    return self._from_wire(self._read(resp, end))  # a server may ignore stream
+                    return self._from_wire(b"".join(self._body(resp, end)))  # "stream" ignored
                 self._read_stream(resp, acc, end)
                 if not (acc.done or acc.finish_reason or acc.text or acc.calls):
                     return _Retry(LlmError(f"the stream from {self._shown} ended before any "
@@ -1957,27 +1938,20 @@ class OpenAICompatLlm:
     def _from_wire(self, raw: bytes) -> LlmResponse:
         """A non-streamed completion body -> LlmResponse; LlmError saying what is malformed."""
         try:
-            data = _obj(_json(raw), "the body")
-        except ValueError as e:
-            what = str(e) if "JSON object" in str(e) else "the body is not JSON"
-            raise self._error(200, f"answered HTTP 200 but {what}", raw) from None
-        try:
+            data = _want(_json(raw), dict, "the body")
             choices = data.get("choices")
             if not (isinstance(choices, list) and choices):
                 raise ValueError("the body has no 'choices' list with a choice in it")
-            choice = _obj(choices[0], "the first choice")
-            msg = _obj(choice.get("message"), "the message")
-            calls = tuple(map(_wire_call, _items(msg.get("tool_calls"), "tool_calls")))
+            choice = _want(choices[0], dict, "the first choice")
+            msg = _want(choice.get("message"), dict, "the message")
+            calls = tuple(map(_wire_call, _want(msg.get("tool_calls") or [], list, "tool_calls")))
             content = _text(msg.get("content"))
-        except ValueError as e:
-            raise self._error(200, f"answered HTTP 200 but {e}", raw) from None
+        except _BAD_JSON as e:  # the decoder's own words say where, not what
+            what = "the body is not JSON" if isinstance(e, json.JSONDecodeError) else e
+            raise self._error(200, f"answered HTTP 200 but {what}", raw) from None
         finish = choice.get("finish_reason")
         return LlmResponse(content, calls, _usage(data.get("usage")),
                            finish if isinstance(finish, str) else None)
-
-    def _read(self, resp: Any, end: float) -> bytes:
-        """The whole (decompressed) body; LlmError if it is too big or too slow."""
-        return b"".join(self._body(resp, end))
 
     def _body(self, resp: Any, end: float) -> Iterator[bytes]:
         """The decompressed body in pieces as they arrive; LlmError once it passes
@@ -2012,9 +1986,9 @@ class OpenAICompatLlm:
                     resp.raw.read1(65536, decode_content=True)
                 return
             try:
-                chunk = _obj(_json(payload), "the event")
+                chunk = _want(_json(payload), dict, "the event")
                 if "error" in chunk:
                     raise ValueError("it reports an error")
                 acc.add(chunk)
-            except (ValueError, TypeError) as e:
+            except (*_BAD_JSON, TypeError) as e:
                 raise self._error(200, f"sent a bad stream event ({e})", payload) from None

@@ -176,9 +176,10 @@ def test_health_against_a_tool_port_that_never_answers_leaks_at_most_one_thread(
     extra = threading.active_count() - before
     assert extra <= 1, f"{extra} threads more after 50 health() calls"
     assert abandoned_workers() - hung <= 1
-    assert all(not r["ok"] and "list_tools" in r["tools_error"] for r in reports)
-    assert "did not answer in 0.01 s" in reports[0]["tools_error"]
-    assert "still waiting" in reports[-1]["tools_error"]
+    assert all(not r["ok"] and "list_tools did not answer in" in r["tools_error"]
+               for r in reports)
+    waited = [float(r["tools_error"].split()[-2]) for r in reports]
+    assert waited == sorted(waited) and waited[-1] >= 0.5   # one probe, asked since the first
     release.set()
     assert wait_until(lambda: rt.health(timeout_s=1.0)["tools"] == 1)
 
@@ -203,7 +204,7 @@ def with_message(message) -> dict:
     (json.dumps(with_message({"content": 5})), "content is neither text nor a list of parts"),
     (json.dumps(with_message({"content": {"a": 1}})), "content is neither text nor a list"),
     (json.dumps(with_message({"content": [1, 2]})), "content is neither text nor a list"),
-    (json.dumps(with_message({"content": "", "tool_calls": "x"})), "tool_calls is not a list"),
+    (json.dumps(with_message({"content": "", "tool_calls": "x"})), "tool_calls is not a JSON array"),
     (json.dumps(with_message({"content": "", "tool_calls": [5]})),
      "tool call is not a JSON object"),
     (json.dumps(with_message({"content": "", "tool_calls": [{"function": "add"}]})),
