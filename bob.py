@@ -1519,7 +1519,6 @@ _TOOL_NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
 _CONTEXT_TOO_LONG = re.compile(r"context.length|context.window|maximum context|too many tokens|"
                                r"prompt is too long|input is too long|reduce the length", re.I)
 _OPTIONAL_FIELDS = ("response_format", "stream_options")  # dropped if a server rejects them
-_TOOL_CHOICES = ("auto", "required", "none")
 
 
 _json = functools.partial(json.loads, strict=False)  # raw newlines and tabs in strings pass
@@ -1600,8 +1599,7 @@ class _Stream:
         self.done = False  # [DONE] was seen
 
     def add(self, chunk: dict[str, Any]) -> None:
-        """Fold one chat.completion.chunk in; text deltas go to on_delta. ValueError or
-        TypeError when it is malformed."""
+        """Fold one chat.completion.chunk in; text deltas go to on_delta. Raises if malformed."""
         if chunk.get("usage"):
             self.usage = _usage(chunk["usage"])
         for choice in _want(chunk.get("choices") or [], list, "'choices'"):
@@ -1750,13 +1748,12 @@ class OpenAICompatLlm:
             raise ConfigError(f"unknown provider {provider!r} in model {model!r}: known "
                               f"providers are {', '.join(PROVIDERS)}; for another "
                               "OpenAI-compatible server give base_url")
-        for key, value, low in (("retry_max", retry_max, 0), ("max_response_bytes",
-                                                               max_response_bytes, 1)):
+        for key, value, low in (("retry_max", retry_max, 0),
+                                ("max_response_bytes", max_response_bytes, 1)):
             if type(value) is not int or value < low:
                 raise ConfigError(f"{key} must be an integer >= {low}, got {value!r}")
-        if tool_choice not in _TOOL_CHOICES:
-            raise ConfigError(f"tool_choice must be one of {', '.join(_TOOL_CHOICES)}, "
-                              f"got {tool_choice!r}")
+        if tool_choice not in ("auto", "required", "none"):
+            raise ConfigError(f"tool_choice must be auto, required or none, got {tool_choice!r}")
         default_url, default_env = PROVIDERS.get(provider, ("", None))
         self.provider, self.model = provider, name
         self.base_url = (base_url or default_url).rstrip("/")
@@ -1770,9 +1767,8 @@ class OpenAICompatLlm:
         self._url = self.base_url + "/chat/completions"
         # For messages, repr and describe(): user:password@ in a URL is a secret too.
         self._shown = re.sub(r"//[^/@]*@", "//***@", self._url)
-        self._headers = {"Content-Type": "application/json"}
-        if self._api_key:
-            self._headers["Authorization"] = f"Bearer {self._api_key}"
+        self._headers = {"Content-Type": "application/json", **(
+            {"Authorization": f"Bearer {self._api_key}"} if self._api_key else {})}
         self._rejected: set[str] = set()       # optional fields this server refused
         self._inflight: dict[int, Any] = {}    # thread id -> connection it is using
         self._cancels: dict[int, CancelToken] = {}  # thread id -> the token of its call
@@ -1960,9 +1956,8 @@ class OpenAICompatLlm:
         while True:
             left = end - time.monotonic()
             if left <= 0:
-                raise LlmError(f"{self._shown} was still sending its answer when the time ran "
-                               f"out ({total} bytes came; timeout_s={self.timeout_s}, or the "
-                               "turn deadline when there is one)")
+                raise LlmError(f"the answer from {self._shown} was still coming when the time "
+                               f"for the call ran out ({total} bytes came)")
             if sock is not None:
                 sock.settimeout(left)  # a socket read waits no longer than the call may
             piece = resp.raw.read1(65536, decode_content=True)  # what has come, inflated
