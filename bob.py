@@ -1864,7 +1864,8 @@ class OpenAICompatLlm:
                 return acc.response(self._shown)
             import requests  # already loaded by _tracking_session
             what = ("timed out connecting to" if isinstance(e, requests.ConnectTimeout) else
-                    "no answer in time from" if isinstance(e, requests.Timeout) else
+                    "no answer in time from" if isinstance(e, requests.Timeout)
+                    or _cause(e) == "Read timed out" else  # urllib3's, reading the body
                     "cannot reach" if isinstance(e, requests.ConnectionError) else
                     "transport error on")
             hint = (" (is the server running? check base_url)"
