@@ -1627,7 +1627,7 @@ class _Stream:
         return LlmResponse("".join(self.text), calls, self.usage, self.finish_reason)
 
 
-def _sse_data(pieces: Iterable[bytes]) -> Any:
+def _sse_data(pieces: Iterable[bytes]) -> Iterator[str]:
     """Yield the data field of each Server-Sent Event, as soon as its line arrives."""
     pending: list[bytes] = []  # a line not ended yet, in pieces (joining each time is quadratic)
     for piece in pieces:
