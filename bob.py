@@ -1137,7 +1137,7 @@ class AgentRuntime:
         self.system_prompt = system_prompt
         self.deny_tools = tuple(deny_tools)
         self._failing: set[int] = set()   # ids of sinks that raised (logged once each)
-        self._probe: tuple[_Worker, float] | None = None  # health()'s list_tools call, and when
+        self._probe: _Worker | None = None  # health()'s list_tools call
         self._states: dict[State, Callable[[_Turn], State]] = {
             State.START: self._start, State.BUILD_PROMPT: self._build_prompt,
             State.LLM_INFER: self._llm_infer, State.PARSE_ACTION: self._parse_action,
@@ -1177,15 +1177,13 @@ class AgentRuntime:
                                   "action_mode": self.action_mode,
                                   "abandoned_workers": abandoned_workers()}
         if self.tools is not None:
-            probe = self._probe  # one at a time: while it hangs, later calls wait on it
-            if probe is None or probe[0].done:
-                probe = self._probe = (_Worker(self.tools.list_tools, queue.SimpleQueue()),
-                                       time.monotonic())
-            worker, since = probe
+            # One probe at a time: a later call waits on a hung one rather than leak a thread.
+            if self._probe is None or self._probe.done:
+                self._probe = _Worker(self.tools.list_tools, queue.SimpleQueue())
+            worker = self._probe
             _wait_all([worker], [time.monotonic() + timeout_s], worker.wake, CancelToken())
             if not worker.done:
-                report.update(ok=False, tools_error=f"list_tools did not answer in "
-                                                    f"{time.monotonic() - since:.1f} s")
+                report.update(ok=False, tools_error=f"list_tools did not answer in {timeout_s} s")
             elif worker.error is not None:
                 e = worker.error
                 report.update(ok=False, tools_error=f"{type(e).__name__}: {e}")

@@ -176,10 +176,8 @@ def test_health_against_a_tool_port_that_never_answers_leaks_at_most_one_thread(
     extra = threading.active_count() - before
     assert extra <= 1, f"{extra} threads more after 50 health() calls"
     assert abandoned_workers() - hung <= 1
-    assert all(not r["ok"] and "list_tools did not answer in" in r["tools_error"]
+    assert all(not r["ok"] and "list_tools did not answer in 0.01 s" in r["tools_error"]
                for r in reports)
-    waited = [float(r["tools_error"].split()[-2]) for r in reports]
-    assert waited == sorted(waited) and waited[-1] >= 0.5   # one probe, asked since the first
     release.set()
     assert wait_until(lambda: rt.health(timeout_s=1.0)["tools"] == 1)
 
