@@ -1949,8 +1949,7 @@ class OpenAICompatLlm:
                            finish if isinstance(finish, str) else None)
 
     def _body(self, resp: Any, end: float) -> Iterator[bytes]:
-        """The decompressed body in pieces as they arrive; LlmError once it passes
-        max_response_bytes, or is still coming at `end` (checked after every piece)."""
+        """The inflated body in pieces as they come; LlmError past max_response_bytes or `end`."""
         sock, total = getattr(resp.raw.connection, "sock", None), 0
         while True:
             left = end - time.monotonic()
@@ -1962,10 +1961,9 @@ class OpenAICompatLlm:
             piece = resp.raw.read1(65536, decode_content=True)  # what has come, inflated
             total += len(piece)
             if total > self.max_response_bytes:
-                raise LlmError(f"the answer from {self._shown} is larger than "
-                               f"max_response_bytes={self.max_response_bytes}; if that is "
-                               "expected, raise it (OpenAICompatLlm(max_response_bytes=...) or "
-                               "[llm] max_response_bytes in agent.toml)")
+                raise LlmError(f"the answer from {self._shown} is over max_response_bytes="
+                               f"{self.max_response_bytes}; if that is expected, raise it (the "
+                               "keyword, or [llm] max_response_bytes in agent.toml)")
             if not piece:
                 return
             yield piece
