@@ -28,6 +28,7 @@ import atexit
 import collections
 import concurrent.futures
 import contextlib
+import contextvars
 import hashlib
 import json
 import logging
@@ -56,6 +57,7 @@ except ImportError as e:  # pragma: no cover - depends on the environment
 __all__ = ["McpError", "McpServerConfig", "McpToolPort", "exposed_name"]
 
 log = logging.getLogger("bob.mcp")
+_sdk_stdio_log = logging.getLogger("mcp.client.stdio")   # logs a bad stdout line at ERROR
 
 _TAIL_LINES = 8         # stderr lines kept per server for error messages
 _POLL_S = 0.2           # how often a stdio server's owner checks that its process is alive
@@ -162,6 +164,36 @@ def _leaf(exc: BaseException) -> BaseException:
 
 # ---- 3. One server: the task that owns its SDK session ------------------------------------------
 
+_serving: contextvars.ContextVar[_Server] = contextvars.ContextVar("bob_mcp_serving")
+
+
+class _BadLineFilter(logging.Filter):
+    """On the SDK's stdio logger while ports run: a stdout line that is not JSON-RPC (a banner,
+    a debug print) is logged by the SDK at ERROR with the whole line and a traceback. The
+    SDK skips the line; we drop its record and log the line masked at INFO on bob.mcp."""
+
+    users = 0   # ports started and not yet closed; the filter is installed while any are
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        server = _serving.get(None)
+        if record.funcName != "_parse_line" or server is None:
+            return True
+        exc = record.exc_info[1] if record.exc_info else None
+        errors = exc.errors() if hasattr(exc, "errors") else [{}]
+        line = str(errors[0].get("input", exc) if errors else exc)
+        log.info("[%s] skipped a stdout line that is not JSON-RPC: %s", server.cfg.id,
+                 server._scrub(line[:500]))
+        return False
+
+    @classmethod
+    def use(cls, delta: int) -> None:
+        """Count a port starting (+1) or closing (-1); install the filter while any run."""
+        cls.users += delta
+        (_sdk_stdio_log.addFilter if cls.users > 0 else _sdk_stdio_log.removeFilter)(_BAD_LINES)
+
+
+_BAD_LINES = _BadLineFilter()
+
 def _kill_group(pgid: int | None) -> None:
     """SIGKILL a server's process group; safe from any thread (it touches no SDK object)."""
     if pgid is not None:
@@ -210,6 +242,7 @@ class _Server:
 
     async def _own(self) -> None:
         error = None
+        _serving.set(self)   # the SDK's reader tasks inherit it: _BadLineFilter names us
         try:
             async with contextlib.AsyncExitStack() as stack:
                 stack.enter_context(self._scope)
@@ -247,7 +280,8 @@ class _Server:
         asyncio.get_running_loop().add_reader(self._stderr, self._read_stderr)
         with os.fdopen(write_fd, "w") as errlog:     # closed here once the child holds a copy
             cm = stdio_client(StdioServerParameters(
-                command=cfg.command or "", args=list(cfg.args), env=cfg.env, cwd=cfg.cwd),
+                command=cfg.command or "", args=list(cfg.args), env=cfg.env, cwd=cfg.cwd,
+                encoding_error_handler="replace"),   # bad bytes: U+FFFD, the line goes on
                 errlog)
             streams = await stack.enter_async_context(cm)
         # The SDK keeps the Process in a local of stdio_client and exposes it nowhere (no hook
@@ -396,6 +430,7 @@ class McpToolPort:
                 self._thread = threading.Thread(target=self._run_loop, name="bob-mcp", daemon=True)
                 self._thread.start()
                 atexit.register(self.close)       # no server outlives bob, whatever happens
+                _BadLineFilter.use(+1)
                 self._started = asyncio.run_coroutine_threadsafe(self._start_all(), self._loop)
         if wait:
             self._wait_started()
@@ -537,6 +572,8 @@ class McpToolPort:
         try:
             self._stop()
         finally:
+            if self._loop is not None:
+                _BadLineFilter.use(-1)
             self._close_done.set()
             atexit.unregister(self.close)   # only now: an exit meanwhile still waits for it
 

@@ -1,0 +1,77 @@
+"""bob_mcp against a misbehaving MCP server (tests/mcp_hostile_server.py), each promise of
+issue 11 through a real server process: garbage and bad bytes on stdout, secrets, cancel,
+setsid grandchildren, roots."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+import bob
+from conftest import wait_until
+from bob import ToolCall
+from bob_mcp import McpServerConfig, McpToolPort
+
+HOSTILE = str(Path(__file__).with_name("mcp_hostile_server.py"))
+NORMAL = str(Path(__file__).with_name("mcp_server.py"))
+SECRET = "k3y"   # short: masked because of its key's name, not its length
+
+
+def hostile(*flags: str, **kw) -> McpServerConfig:
+    """A config running the hostile server over stdio, with API_KEY set."""
+    kw.setdefault("env", {"API_KEY": SECRET})
+    return McpServerConfig("h", command=sys.executable, args=(HOSTILE, *flags), **kw)
+
+
+def call(port: McpToolPort, tool: str, timeout_s: float = 10.0, **arguments) -> bob.ToolResult:
+    return port.call_tool(ToolCall("c1", tool, arguments), timeout_s)
+
+
+def run_bob(flags: list[str], level: str, tool: str = "noise") -> subprocess.CompletedProcess:
+    """A real bob process: the hostile server started, one tool called, logging at `level`."""
+    script = textwrap.dedent(f"""
+        import logging, sys
+        sys.path.insert(0, {str(Path(__file__).parent.parent)!r})
+        if {level!r} != "NONE":
+            logging.basicConfig(level={level!r}, stream=sys.stderr)
+        from bob import ToolCall
+        from bob_mcp import McpServerConfig, McpToolPort
+        cfg = McpServerConfig("h", command=sys.executable, args=({HOSTILE!r}, *{flags!r}),
+                              env={{"API_KEY": {SECRET!r}}})
+        with McpToolPort([cfg]) as port:
+            for _ in range(2):
+                r = port.call_tool(ToolCall("c", "h__{tool}", {{}}), 10)
+                print(r.is_error, r.content)
+    """)
+    return subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=60)
+
+
+# ---- 1. garbage lines on stdout ----
+
+def test_garbage_lines_are_skipped_and_silent_without_verbose():
+    done = run_bob(["--banner"], "NONE")
+    assert done.stdout.splitlines() == ["False ok", "False ok"], done
+    assert done.stderr == "", done.stderr
+
+
+def test_garbage_lines_are_logged_masked_with_verbose():
+    done = run_bob(["--banner"], "INFO")
+    assert done.stdout.splitlines() == ["False ok", "False ok"], done
+    assert "not JSON-RPC" in done.stderr and "hostile server v1 starting" in done.stderr
+    assert SECRET not in done.stderr and "key=***" in done.stderr, done.stderr
+
+
+# ---- 2. invalid UTF-8 on stdout ----
+
+def test_invalid_utf8_at_startup_and_in_calls_does_not_break_the_server():
+    with McpToolPort([hostile("--bad-utf8")]) as port:
+        for _ in range(3):
+            result = call(port, "h__noise")
+            assert (result.is_error, result.content) == (False, "ok"), result
