@@ -36,6 +36,7 @@ import math
 import os
 import re
 import signal
+import urllib.parse
 import threading
 import time
 import typing
@@ -91,10 +92,12 @@ class McpServerConfig:
     startup_timeout_ms: int = 10_000          # spawn + handshake + first tools/list
     required: bool = True                     # False: a server that fails to start is skipped
     roots: tuple[str, ...] = ()               # answered to roots/list; () means bob's cwd
+    secret_env: tuple[str, ...] = ()          # more env/header keys whose values are masked
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "args", tuple(self.args))
         object.__setattr__(self, "roots", tuple(self.roots))
+        object.__setattr__(self, "secret_env", tuple(self.secret_env))
         stdio, http = self.transport == "stdio", self.transport == "streamable_http"
         for ok, problem in [  # env and headers are checked here: the SDK's errors echo values
             (isinstance(self.id, str) and re.fullmatch(r"[A-Za-z0-9_-]{1,64}", self.id),
@@ -110,6 +113,8 @@ class McpServerConfig:
             (all(v.isprintable() and v.isascii() for v in (self.headers or {}).values()),
              "a headers value holds a control or non-ASCII character (a stray CR or LF?)"),
             (all(isinstance(r, str) for r in self.roots), "roots must be a list of paths"),
+            (all(isinstance(k, str) for k in self.secret_env),
+             "secret_env must be a list of env or header names"),
             (type(self.tool_timeout_ms) is int and self.tool_timeout_ms > 0,   # bool is no int
              f"tool_timeout_ms must be a positive integer, got {self.tool_timeout_ms!r}"),
             (type(self.startup_timeout_ms) is int and self.startup_timeout_ms > 0,
@@ -117,6 +122,22 @@ class McpServerConfig:
         ]:
             if not ok:
                 raise ConfigError(f"MCP server {self.id!r}: {problem}")
+
+
+_SECRET_NAME = re.compile(r"KEY|TOKEN|SECRET|PASSWORD|AUTH", re.IGNORECASE)
+
+
+def _secrets(cfg: McpServerConfig) -> list[str]:
+    """What to mask in a server's output: the values of env and header keys whose names say
+    secret (or are in secret_env), whatever their length, also as JSON and URL text, and the
+    long words of each ("Bearer <token>"). Other values are configuration (a PROJECT_DIR)."""
+    found = set()
+    for key, value in {**(cfg.env or {}), **(cfg.headers or {})}.items():
+        if _SECRET_NAME.search(key) or key in cfg.secret_env:
+            for v in {value.strip(), *[w for w in value.split() if len(w) >= 8]} - {""}:
+                found |= {v, json.dumps(v)[1:-1], json.dumps(v, ensure_ascii=False)[1:-1],
+                          urllib.parse.quote(v, safe=""), urllib.parse.quote_plus(v)}
+    return sorted(found, key=len, reverse=True)   # the longest first: no half-masked forms
 
 
 # ---- 2. Names and results -----------------------------------------------------------------------
@@ -225,6 +246,7 @@ class _Server:
         self.closing = False                # stop() was called: ending now is not a death
         self.pgid: int | None = None        # a plain int, so close() may use it from any thread
         self.tail: collections.deque[str] = collections.deque(maxlen=_TAIL_LINES)
+        self._secrets = _secrets(cfg)
         self.task: asyncio.Task[None] | None = None
         self._process: Any = None           # the stdio server's Process, when we can see it
         self._lost: Exception | None = None  # why the transport failed under a call
@@ -314,12 +336,10 @@ class _Server:
             log.warning("MCP %s\nbob will try to restart it on the next turn", self.dead)
 
     def _scrub(self, text: str) -> str:
-        """The text with env and header values masked, whole or by their long words (the token
-        of "Bearer <token>"): server output and SDK or HTTP errors may quote them."""
-        for value in {**(self.cfg.env or {}), **(self.cfg.headers or {})}.values():
-            for secret in sorted({value.strip(), *value.split()}, key=len, reverse=True):
-                if len(secret) >= 8:      # shorter ones would mask ordinary words
-                    text = text.replace(secret, "***")
+        """The text with the server's secrets masked: its output and SDK or HTTP errors may
+        quote them."""
+        for secret in self._secrets:
+            text = text.replace(secret, "***")
         return text
 
     def _read_stderr(self, final: bool = False) -> None:

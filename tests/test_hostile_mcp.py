@@ -75,3 +75,20 @@ def test_invalid_utf8_at_startup_and_in_calls_does_not_break_the_server():
         for _ in range(3):
             result = call(port, "h__noise")
             assert (result.is_error, result.content) == (False, "ok"), result
+
+
+# ---- 3. secret masking without gaps ----
+
+def test_secrets_are_masked_whatever_their_length_and_form():
+    env = {"API_KEY": SECRET, "db_password": 'pa"ss\\wd', "MY_VAR": "a b&c/d", "HOME_DIR": "xyz",
+           "PROJECT_DIR": "/home/alice/app"}
+    with McpToolPort([hostile(env=env, secret_env=("MY_VAR",))]) as port:
+        assert call(port, "h__echo_env", name="API_KEY").content == "***"
+        leaked = call(port, "h__leak", name="db_password")   # JSON-escaped in the error
+        assert leaked.is_error and "ss" not in leaked.content and "***" in leaked.content, leaked
+        assert call(port, "h__echo_env", name="MY_VAR").content == "***"
+        for name, value in [("PROJECT_DIR", "/home/alice/app"), ("HOME_DIR", "xyz")]:
+            assert call(port, "h__echo_env", name=name).content == value  # configuration
+        server = port._servers[0]
+        text = "a%20b%26c%2Fd a+b%26c%2Fd pa%22ss%5Cwd"
+        assert server._scrub(text) == "*** *** ***", server._scrub(text)
