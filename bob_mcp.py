@@ -91,7 +91,7 @@ class McpServerConfig:
     tool_timeout_ms: int = 15_000             # per call; the runtime's limit may be shorter
     startup_timeout_ms: int = 10_000          # spawn + handshake + first tools/list
     required: bool = True                     # False: a server that fails to start is skipped
-    roots: tuple[str, ...] = ()               # answered to roots/list; () means bob's cwd
+    roots: tuple[str, ...] = ()               # answered to roots/list; (): no roots
     secret_env: tuple[str, ...] = ()          # more env/header keys whose values are masked
 
     def __post_init__(self) -> None:
@@ -269,9 +269,11 @@ class _Server:
             async with contextlib.AsyncExitStack() as stack:
                 stack.enter_context(self._scope)
                 read, write = await self._connect(stack)
-                # Sampling and elicitation: the SDK's default callbacks decline them.
+                # Sampling, elicitation, roots when none are configured: the SDK's
+                # defaults decline them (and roots is not advertised then).
                 session = await stack.enter_async_context(ClientSession(
-                    read, write, list_roots_callback=self._roots, message_handler=self._on_message,
+                    read, write, list_roots_callback=self._roots if self.cfg.roots else None,
+                    message_handler=self._on_message,
                     client_info=mcp_types.Implementation(name="bob", version="1")))
                 await session.initialize()
                 self.tools = await _list_all(session)
@@ -364,7 +366,7 @@ class _Server:
             os.close(self._stderr)
 
     async def _roots(self, context: Any) -> Any:
-        paths = [Path(p).resolve() for p in self.cfg.roots or (os.getcwd(),)]
+        paths = [Path(p).resolve() for p in self.cfg.roots]
         return mcp_types.ListRootsResult(roots=[
             mcp_types.Root(uri=typing.cast(Any, p.as_uri()), name=p.name) for p in paths])
 

@@ -92,3 +92,14 @@ def test_secrets_are_masked_whatever_their_length_and_form():
         server = port._servers[0]
         text = "a%20b%26c%2Fd a+b%26c%2Fd pa%22ss%5Cwd"
         assert server._scrub(text) == "*** *** ***", server._scrub(text)
+
+
+# ---- 6. roots only when configured ----
+
+def test_roots_capability_only_for_a_server_with_roots(tmp_path):
+    plain = McpServerConfig("p", command=sys.executable, args=(NORMAL,))
+    rooted = McpServerConfig("r", command=sys.executable, args=(NORMAL,), roots=(str(tmp_path),))
+    with McpToolPort([plain, rooted]) as port:
+        r = call(port, "p__roots")   # a filesystem server then keeps its command-line dirs
+        assert r.is_error and "not supported" in r.content and os.getcwd() not in r.content, r
+        assert call(port, "r__roots").content == tmp_path.as_uri()
