@@ -222,6 +222,31 @@ def _kill_group(pgid: int | None) -> None:
             os.killpg(pgid, signal.SIGKILL)
 
 
+def _descendants(pid: int | None) -> list[int]:
+    """The pids of every descendant of pid, from /proc (Linux; elsewhere none). Read before a
+    server ends: a child in a new session (setsid) leaves its process group, and once its
+    parent is gone nothing ties it to the server any more."""
+    children: dict[int, list[int]] = {}
+    with contextlib.suppress(OSError):
+        for entry in filter(str.isdigit, os.listdir("/proc")):
+            with contextlib.suppress(OSError, ValueError, IndexError):
+                with open(f"/proc/{entry}/stat", "rb") as f:
+                    ppid = int(f.read().rsplit(b")", 1)[1].split()[1])
+                children.setdefault(ppid, []).append(int(entry))
+    found, todo = [], [pid] if pid else []
+    while todo:
+        kids = children.get(todo.pop(), [])
+        found += kids
+        todo += kids
+    return found
+
+
+def _kill_all(pids: list[int]) -> None:
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGKILL)
+
+
 async def _list_all(session: Any) -> list[Any]:
     """Every tool of a session, following tools/list pagination."""
     page = await session.list_tools()
@@ -245,6 +270,7 @@ class _Server:
         self.list_changed = False           # tools/list_changed came: re-list next turn
         self.closing = False                # stop() was called: ending now is not a death
         self.pgid: int | None = None        # a plain int, so close() may use it from any thread
+        self._family: list[int] = []        # its descendants, read just before it is ended
         self.tail: collections.deque[str] = collections.deque(maxlen=_TAIL_LINES)
         self._secrets = _secrets(cfg)
         self.task: asyncio.Task[None] | None = None
@@ -282,6 +308,7 @@ class _Server:
                 with anyio.CancelScope() as self._scope:  # cancelled: leave the SDK's managers
                     while getattr(self._process, "returncode", None) is None:   # it may exit
                         await anyio.sleep(_POLL_S)
+                self._family = _descendants(self.pgid)   # before the SDK ends the server
         except Exception as e:
             error = e
         finally:
@@ -289,6 +316,7 @@ class _Server:
             # The SDK stopped the server (stdin, SIGTERM, SIGKILL); what is left in its group
             # are orphans, e.g. the node process of an npx that died: kill them too.
             _kill_group(self.pgid)
+            _kill_all(self._family)
             if self._stderr >= 0:
                 self._read_stderr(final=True)
             self._finish(error)
@@ -609,6 +637,7 @@ class McpToolPort:
         except BaseException as e:  # the loop is stuck, or Ctrl-C: kill them from this thread
             log.warning("MCP servers did not stop in time (%r); killing them", e)
             for server in self._servers:
+                _kill_all(_descendants(server.pgid))
                 _kill_group(server.pgid)
             if not isinstance(e, Exception):
                 raise

@@ -15,6 +15,7 @@ import pytest
 
 import bob
 from conftest import wait_until
+from test_mcp import marked_pids
 from bob import ToolCall
 from bob_mcp import McpServerConfig, McpToolPort
 
@@ -103,3 +104,15 @@ def test_roots_capability_only_for_a_server_with_roots(tmp_path):
         r = call(port, "p__roots")   # a filesystem server then keeps its command-line dirs
         assert r.is_error and "not supported" in r.content and os.getcwd() not in r.content, r
         assert call(port, "r__roots").content == tmp_path.as_uri()
+
+
+# ---- 5. no process outlives bob ----
+
+def test_a_setsid_grandchild_is_ended_with_its_server():
+    marker = f"bob-hostile-{uuid.uuid4().hex[:8]}"
+    port = McpToolPort([hostile("--setsid", marker)]).start()
+    try:
+        assert wait_until(lambda: marked_pids(marker), timeout=10), "no grandchild started"
+    finally:
+        port.close()
+    assert wait_until(lambda: not marked_pids(marker), timeout=5), marked_pids(marker)
