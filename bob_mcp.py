@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
-from bob import BobError, ConfigError, ToolCall, ToolDescriptor, ToolResult
+from bob import BobError, CancelToken, ConfigError, ToolCall, ToolDescriptor, ToolResult
 
 try:
     import anyio
@@ -536,14 +536,18 @@ class McpToolPort:
         if self._closed:
             raise McpError("this McpToolPort is closed; create a new one")
 
-    def _run(self, coro: Any, timeout_s: float) -> Any:
-        """Run a coroutine on the loop and wait at most timeout_s; on timeout cancel it there."""
+    def _run(self, coro: Any, timeout_s: float, cancel: CancelToken | None = None) -> Any:
+        """Run a coroutine on the loop and wait at most timeout_s; on timeout or cancel, cancel
+        it there (a cancelled tool call makes the SDK send notifications/cancelled)."""
         future = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        forget = cancel.on_cancel(future.cancel) if cancel else lambda: None
         try:
             return future.result(timeout_s)
         except concurrent.futures.TimeoutError:
             future.cancel()
             raise
+        finally:
+            forget()
 
     def list_tools(self) -> list[ToolDescriptor]:
         """The tools of every running server. The runtime calls it once per turn, so this is
@@ -580,9 +584,11 @@ class McpToolPort:
             except McpError as e:
                 log.error("%s\nKeeping the previous tool list.", e)
 
-    def call_tool(self, call: ToolCall, timeout_s: float) -> ToolResult:
-        """Call a tool on its server. Tool errors, timeouts and a dead server are is_error
-        results; raises McpError only when the port itself is unusable (not started, closed)."""
+    def call_tool(self, call: ToolCall, timeout_s: float,
+                  cancel: CancelToken | None = None) -> ToolResult:
+        """Call a tool on its server; `cancel` cancels the MCP request. Tool errors, timeouts,
+        cancels and a dead server are is_error results; raises McpError only when the port
+        itself is unusable (not started, closed)."""
         self._wait_started()
         start = time.monotonic()
         entry = self._names.get(call.name)
@@ -592,9 +598,12 @@ class McpToolPort:
             server, tool = entry
             limit = max(0.001, min(timeout_s, server.cfg.tool_timeout_ms / 1000))
             try:   # the SDK times the call out itself; this wait is only the backstop
-                text, is_error = self._run(server.call(tool, call.arguments, limit), limit + 1.0)
+                text, is_error = self._run(server.call(tool, call.arguments, limit), limit + 1.0,
+                                           cancel)
             except concurrent.futures.TimeoutError:
                 text, is_error = f"tool {tool} timed out after {round(limit * 1000)} ms", True
+            except concurrent.futures.CancelledError:
+                text, is_error = f"tool {tool} cancelled", True
         return ToolResult(call.id, call.name, text, is_error, (time.monotonic() - start) * 1000)
 
     def startup_error(self) -> BaseException | None:

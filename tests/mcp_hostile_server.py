@@ -65,6 +65,8 @@ def main() -> None:
     @server.tool()
     async def slow(seconds: float) -> str:
         """Sleep; if cancelled, record when."""
+        if args.record:
+            open(args.record + ".started", "w").close()
         try:
             await anyio.sleep(seconds)
         except anyio.get_cancelled_exc_class():
