@@ -95,9 +95,8 @@ class McpServerConfig:
     secret_env: tuple[str, ...] = ()          # more env/header keys whose values are masked
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "args", tuple(self.args))
-        object.__setattr__(self, "roots", tuple(self.roots))
-        object.__setattr__(self, "secret_env", tuple(self.secret_env))
+        for name in ("args", "roots", "secret_env"):
+            object.__setattr__(self, name, tuple(getattr(self, name)))
         stdio, http = self.transport == "stdio", self.transport == "streamable_http"
         for ok, problem in [  # env and headers are checked here: the SDK's errors echo values
             (isinstance(self.id, str) and re.fullmatch(r"[A-Za-z0-9_-]{1,64}", self.id),
@@ -112,9 +111,8 @@ class McpServerConfig:
             (_is_strings(self.headers), "headers must be a table of strings"),
             (all(v.isprintable() and v.isascii() for v in (self.headers or {}).values()),
              "a headers value holds a control or non-ASCII character (a stray CR or LF?)"),
-            (all(isinstance(r, str) for r in self.roots), "roots must be a list of paths"),
-            (all(isinstance(k, str) for k in self.secret_env),
-             "secret_env must be a list of env or header names"),
+            (all(isinstance(r, str) for r in (*self.roots, *self.secret_env)),
+             "roots and secret_env must be lists of strings"),
             (type(self.tool_timeout_ms) is int and self.tool_timeout_ms > 0,   # bool is no int
              f"tool_timeout_ms must be a positive integer, got {self.tool_timeout_ms!r}"),
             (type(self.startup_timeout_ms) is int and self.startup_timeout_ms > 0,
@@ -188,63 +186,42 @@ def _leaf(exc: BaseException) -> BaseException:
 _serving: contextvars.ContextVar[_Server] = contextvars.ContextVar("bob_mcp_serving")
 
 
-class _BadLineFilter(logging.Filter):
-    """On the SDK's stdio logger while ports run: a stdout line that is not JSON-RPC (a banner,
-    a debug print) is logged by the SDK at ERROR with the whole line and a traceback. The
-    SDK skips the line; we drop its record and log the line masked at INFO on bob.mcp."""
-
-    users = 0   # ports started and not yet closed; the filter is installed while any are
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        server = _serving.get(None)
-        if record.funcName != "_parse_line" or server is None:
-            return True
-        exc = record.exc_info[1] if record.exc_info else None
-        errors = exc.errors() if hasattr(exc, "errors") else [{}]
-        line = str(errors[0].get("input", exc) if errors else exc)
-        log.info("[%s] skipped a stdout line that is not JSON-RPC: %s", server.cfg.id,
-                 server._scrub(line[:500]))
-        return False
-
-    @classmethod
-    def use(cls, delta: int) -> None:
-        """Count a port starting (+1) or closing (-1); install the filter while any run."""
-        cls.users += delta
-        (_sdk_stdio_log.addFilter if cls.users > 0 else _sdk_stdio_log.removeFilter)(_BAD_LINES)
+def _bad_line(record: logging.LogRecord) -> bool:
+    """A filter on the SDK's stdio logger: it logs a stdout line that is not JSON-RPC (a banner,
+    a print) at ERROR, whole, with a traceback, and skips it. Inside a server's tasks we drop
+    that record and log the line masked at INFO on bob.mcp instead (seen with `bob -v`)."""
+    server = _serving.get(None)
+    if record.funcName != "_parse_line" or server is None:
+        return True
+    exc = record.exc_info[1] if record.exc_info else None
+    errors = exc.errors() if hasattr(exc, "errors") else [{}]
+    line = str(errors[0].get("input", exc) if errors else exc)
+    log.info("[%s] skipped a stdout line that is not JSON-RPC: %s", server.cfg.id,
+             server._scrub(line[:500]))
+    return False
 
 
-_BAD_LINES = _BadLineFilter()
-
-def _kill_group(pgid: int | None) -> None:
-    """SIGKILL a server's process group; safe from any thread (it touches no SDK object)."""
-    if pgid is not None:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(pgid, signal.SIGKILL)
+def _kill(pgid: int | None, pids: Sequence[int] = ()) -> None:
+    """SIGKILL a server's process group and these pids; safe from any thread (no SDK object)."""
+    for kill, target in [(os.killpg, pgid), *[(os.kill, pid) for pid in pids]]:
+        with contextlib.suppress(ProcessLookupError, PermissionError, TypeError):
+            kill(target, signal.SIGKILL)   # TypeError: no group (None)
 
 
 def _descendants(pid: int | None) -> list[int]:
     """The pids of every descendant of pid, from /proc (Linux; elsewhere none). Read before a
     server ends: a child in a new session (setsid) leaves its process group, and once its
     parent is gone nothing ties it to the server any more."""
-    children: dict[int, list[int]] = {}
-    with contextlib.suppress(OSError):
-        for entry in filter(str.isdigit, os.listdir("/proc")):
-            with contextlib.suppress(OSError, ValueError, IndexError):
-                with open(f"/proc/{entry}/stat", "rb") as f:
-                    ppid = int(f.read().rsplit(b")", 1)[1].split()[1])
-                children.setdefault(ppid, []).append(int(entry))
-    found, todo = [], [pid] if pid else []
-    while todo:
-        kids = children.get(todo.pop(), [])
-        found += kids
-        todo += kids
-    return found
-
-
-def _kill_all(pids: list[int]) -> None:
-    for pid in pids:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.kill(pid, signal.SIGKILL)
+    parent = {}
+    for entry in os.listdir("/proc") if os.path.isdir("/proc") else ():
+        with contextlib.suppress(OSError, ValueError, IndexError):   # gone, or not a process
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                parent[int(entry)] = int(f.read().rsplit(b")", 1)[1].split()[1])
+    found, new = set(), {pid} if pid else set()
+    while new:
+        found |= new
+        new = {p for p, pp in parent.items() if pp in new} - found
+    return sorted(found - {pid})
 
 
 async def _list_all(session: Any) -> list[Any]:
@@ -290,7 +267,7 @@ class _Server:
 
     async def _own(self) -> None:
         error = None
-        _serving.set(self)   # the SDK's reader tasks inherit it: _BadLineFilter names us
+        _serving.set(self)   # the SDK's reader tasks inherit it: _bad_line names us
         try:
             async with contextlib.AsyncExitStack() as stack:
                 stack.enter_context(self._scope)
@@ -315,8 +292,7 @@ class _Server:
             self.session = None
             # The SDK stopped the server (stdin, SIGTERM, SIGKILL); what is left in its group
             # are orphans, e.g. the node process of an npx that died: kill them too.
-            _kill_group(self.pgid)
-            _kill_all(self._family)
+            _kill(self.pgid, self._family)
             if self._stderr >= 0:
                 self._read_stderr(final=True)
             self._finish(error)
@@ -404,12 +380,7 @@ class _Server:
 
     async def call(self, tool: str, arguments: dict[str, Any], timeout_s: float
                    ) -> tuple[str, bool]:
-        """(text, is_error) of one tool call; a server that is gone becomes error text too."""
-        text, is_error = await self._call(tool, arguments, timeout_s)
-        return self._scrub(text), is_error
-
-    async def _call(self, tool: str, arguments: dict[str, Any], timeout_s: float
-                    ) -> tuple[str, bool]:
+        """(text, is_error) of one tool call, unmasked; a server that is gone is error text."""
         if self.session is None:
             return f"executor unavailable: {self.dead or f'server {self.cfg.id} stopped'}", True
         try:
@@ -438,7 +409,7 @@ class _Server:
         if self.task is None:
             return
         if not (await asyncio.wait({self.task}, timeout=max(timeout_s, 0.05)))[0]:
-            _kill_group(self.pgid)
+            _kill(self.pgid)
             self.task.cancel()
             await asyncio.wait({self.task}, timeout=1.0)
 
@@ -480,7 +451,7 @@ class McpToolPort:
                 self._thread = threading.Thread(target=self._run_loop, name="bob-mcp", daemon=True)
                 self._thread.start()
                 atexit.register(self.close)       # no server outlives bob, whatever happens
-                _BadLineFilter.use(+1)
+                _sdk_stdio_log.addFilter(_bad_line)   # once; inert outside bob's servers
                 self._started = asyncio.run_coroutine_threadsafe(self._start_all(), self._loop)
         if wait:
             self._wait_started()
@@ -543,11 +514,9 @@ class McpToolPort:
         forget = cancel.on_cancel(future.cancel) if cancel else lambda: None
         try:
             return future.result(timeout_s)
-        except concurrent.futures.TimeoutError:
-            future.cancel()
-            raise
         finally:
             forget()
+            future.cancel()   # after a timeout or a cancel; a no-op once it is done
 
     def list_tools(self) -> list[ToolDescriptor]:
         """The tools of every running server. The runtime calls it once per turn, so this is
@@ -600,6 +569,7 @@ class McpToolPort:
             try:   # the SDK times the call out itself; this wait is only the backstop
                 text, is_error = self._run(server.call(tool, call.arguments, limit), limit + 1.0,
                                            cancel)
+                text = server._scrub(text)
             except concurrent.futures.TimeoutError:
                 text, is_error = f"tool {tool} timed out after {round(limit * 1000)} ms", True
             except concurrent.futures.CancelledError:
@@ -631,8 +601,6 @@ class McpToolPort:
         try:
             self._stop()
         finally:
-            if self._loop is not None:
-                _BadLineFilter.use(-1)
             self._close_done.set()
             atexit.unregister(self.close)   # only now: an exit meanwhile still waits for it
 
@@ -646,8 +614,7 @@ class McpToolPort:
         except BaseException as e:  # the loop is stuck, or Ctrl-C: kill them from this thread
             log.warning("MCP servers did not stop in time (%r); killing them", e)
             for server in self._servers:
-                _kill_all(_descendants(server.pgid))
-                _kill_group(server.pgid)
+                _kill(server.pgid, _descendants(server.pgid))
             if not isinstance(e, Exception):
                 raise
         self._loop.call_soon_threadsafe(self._loop.stop)
