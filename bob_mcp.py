@@ -322,7 +322,9 @@ class _Server:
     def _finish(self, error: Exception | None) -> None:
         """Say why the owner ended: to start() while starting, else in `dead` for the calls."""
         error, code = error or self._lost, getattr(self._process, "returncode", None)
-        ready = self._ready.done()
+        ready, leaf = self._ready.done(), _leaf(error) if error else None
+        if isinstance(leaf, MCPError) and code == -signal.SIGTERM:  # the SDK's stop, at EOF
+            code, error = None, None      # it closed its stdout but lived on
         if not ready and self.closing:
             cause = "stopped while starting"
         elif not ready and self._scope.cancelled_caught:
@@ -330,7 +332,6 @@ class _Server:
         elif code is not None or error is None:
             cause = "closed the connection" if code is None else f"exited (code {code})"
         else:
-            leaf = _leaf(error)
             hint = " (is it installed and on PATH?)" if isinstance(leaf, FileNotFoundError) else ""
             cause = ("failed: " if ready else "") + f"{type(leaf).__name__}: {leaf}{hint}"
         tail = "; stderr:\n  " + "\n  ".join(self.tail) if self.tail else ""

@@ -4,6 +4,7 @@
     python tests/mcp_hostile_server.py --bad-utf8     # invalid UTF-8 on stdout at startup
     python tests/mcp_hostile_server.py --setsid M     # a grandchild in a new session, argv M
     python tests/mcp_hostile_server.py --record F     # `slow` writes when it is cancelled to F
+    python tests/mcp_hostile_server.py --close-stdout # close stdout at startup and live on
 
 Tools: `noise` (writes a secret and bad bytes to fd 1, which the SDK points at stderr), `echo_env`
 (an env variable, in a JSON-escaped error too), `slow` (sleeps; on notifications/cancelled it
@@ -28,12 +29,16 @@ def main() -> None:
     p.add_argument("--bad-utf8", action="store_true")
     p.add_argument("--setsid", default="")
     p.add_argument("--record", default="")
+    p.add_argument("--close-stdout", action="store_true", help="close stdout, then live on")
     args = p.parse_args()
     secret = os.environ.get("API_KEY", "")
     if args.banner:
         _stdout(f"hostile server v1 starting, key={secret}\n== ready ==\n".encode())
     if args.bad_utf8:
         _stdout(b"\xff\xfe\xc3 not utf-8\n")
+    if args.close_stdout:
+        os.close(1)
+        time.sleep(60)
     if args.setsid:
         subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", args.setsid],
                          stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,

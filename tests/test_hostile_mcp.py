@@ -18,6 +18,7 @@ import bob
 from conftest import wait_until
 from test_mcp import marked_pids
 from bob import ToolCall
+import bob_mcp
 from bob_mcp import McpServerConfig, McpToolPort
 
 HOSTILE = str(Path(__file__).with_name("mcp_hostile_server.py"))
@@ -168,3 +169,12 @@ def test_cancelling_a_turn_cancels_its_mcp_call(tmp_path):
         turn.join(10)
         assert results[0].finish_reason == bob.FinishReason.CANCELLED
         assert cancelled_at(record) - t0 < 0.3
+
+
+def test_a_transport_broken_at_startup_is_reported_at_once_with_its_cause():
+    t0 = time.monotonic()
+    with pytest.raises(bob_mcp.McpError) as err:
+        McpToolPort([hostile("--close-stdout", startup_timeout_ms=30_000)]).start()
+    elapsed = time.monotonic() - t0
+    assert "'h'" in str(err.value) and "closed the connection" in str(err.value), err.value
+    assert elapsed < 10, f"reported after {elapsed:.1f} s, not at once"
