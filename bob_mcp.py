@@ -9,11 +9,8 @@
         agent = AgentRuntime(OpenAICompatLlm("openai:gpt-4o-mini"), tools)
         print(agent.run(AgentRequest("List the files here.")).content)   # calls fs__list_directory
 
-Sections:
-    1. Errors and configuration
-    2. Names and results
-    3. One server: the task that owns its SDK session
-    4. McpToolPort: the loop thread and the sync API
+Sections: 1. Errors and configuration; 2. Names and results; 3. One server: the task that
+owns its SDK session; 4. McpToolPort: the loop thread and the sync API.
 
 Threading: the port owns one asyncio loop thread. Each server is owned by one task that enters
 the SDK's transport and session context managers and exits them itself (the SDK's task groups
@@ -58,7 +55,6 @@ except ImportError as e:  # pragma: no cover - depends on the environment
 __all__ = ["McpError", "McpServerConfig", "McpToolPort", "exposed_name"]
 
 log = logging.getLogger("bob.mcp")
-_sdk_stdio_log = logging.getLogger("mcp.client.stdio")   # logs a bad stdout line at ERROR
 
 _TAIL_LINES = 8         # stderr lines kept per server for error messages
 _POLL_S = 0.2           # how often a stdio server's owner checks that its process is alive
@@ -113,10 +109,10 @@ class McpServerConfig:
              "a headers value holds a control or non-ASCII character (a stray CR or LF?)"),
             (all(isinstance(r, str) for r in (*self.roots, *self.secret_env)),
              "roots and secret_env must be lists of strings"),
-            (type(self.tool_timeout_ms) is int and self.tool_timeout_ms > 0,   # bool is no int
-             f"tool_timeout_ms must be a positive integer, got {self.tool_timeout_ms!r}"),
-            (type(self.startup_timeout_ms) is int and self.startup_timeout_ms > 0,
-             f"startup_timeout_ms must be a positive integer, got {self.startup_timeout_ms!r}"),
+            *[(type(v) is int and 0 < v <= 86_400_000,   # bool is no int; a day at most
+               f"{name} must be 1 to 86400000 (a day), got {v!r}") for name, v in (
+                  ("tool_timeout_ms", self.tool_timeout_ms),
+                  ("startup_timeout_ms", self.startup_timeout_ms))],
         ]:
             if not ok:
                 raise ConfigError(f"MCP server {self.id!r}: {problem}")
@@ -126,9 +122,8 @@ _SECRET_NAME = re.compile(r"KEY|TOKEN|SECRET|PASSWORD|AUTH", re.IGNORECASE)
 
 
 def _secrets(cfg: McpServerConfig) -> list[str]:
-    """What to mask in a server's output: the values of env and header keys whose names say
-    secret (or are in secret_env), whatever their length, also as JSON and URL text, and the
-    long words of each ("Bearer <token>"). Other values are configuration (a PROJECT_DIR)."""
+    """What to mask: values of env/header keys named secret (or in secret_env), any length, as
+    JSON and URL text too, and their long words ("Bearer <token>"); others are configuration."""
     found = set()
     for key, value in {**(cfg.env or {}), **(cfg.headers or {})}.items():
         if _SECRET_NAME.search(key) or key in cfg.secret_env:
@@ -187,9 +182,8 @@ _serving: contextvars.ContextVar[_Server] = contextvars.ContextVar("bob_mcp_serv
 
 
 def _bad_line(record: logging.LogRecord) -> bool:
-    """A filter on the SDK's stdio logger: it logs a stdout line that is not JSON-RPC (a banner,
-    a print) at ERROR, whole, with a traceback, and skips it. Inside a server's tasks we drop
-    that record and log the line masked at INFO on bob.mcp instead (seen with `bob -v`)."""
+    """On the SDK's stdio logger: it skips a stdout line that is not JSON-RPC and logs it whole at
+    ERROR; inside a server's tasks, log it masked at INFO on bob.mcp instead (`bob -v`)."""
     server = _serving.get(None)
     if record.funcName != "_parse_line" or server is None:
         return True
@@ -209,9 +203,8 @@ def _kill(pgid: int | None, pids: Sequence[int] = ()) -> None:
 
 
 def _descendants(pid: int | None) -> list[int]:
-    """The pids of every descendant of pid, from /proc (Linux; elsewhere none). Read before a
-    server ends: a child in a new session (setsid) leaves its process group, and once its
-    parent is gone nothing ties it to the server any more."""
+    """Every descendant of pid, from /proc (Linux): read before a server ends, as a setsid child
+    that left its process group is tied to the server by nothing else once its parent is gone."""
     parent = {}
     for entry in os.listdir("/proc") if os.path.isdir("/proc") else ():
         with contextlib.suppress(OSError, ValueError, IndexError):   # gone, or not a process
@@ -236,8 +229,7 @@ async def _list_all(session: Any) -> list[Any]:
 
 
 class _Server:
-    """One run of one MCP server, owned by the task running _own(); made on the loop thread.
-    A restart is a new _Server."""
+    """One run of one MCP server, owned by the task running _own(), on the loop; restart: anew."""
 
     def __init__(self, cfg: McpServerConfig):
         self.cfg = cfg
@@ -272,8 +264,7 @@ class _Server:
             async with contextlib.AsyncExitStack() as stack:
                 stack.enter_context(self._scope)
                 read, write = await self._connect(stack)
-                # Sampling, elicitation, roots when none are configured: the SDK's
-                # defaults decline them (and roots is not advertised then).
+                # Sampling, elicitation, unconfigured roots: SDK defaults decline (unadvertised)
                 session = await stack.enter_async_context(ClientSession(
                     read, write, list_roots_callback=self._roots if self.cfg.roots else None,
                     message_handler=self._on_message,
@@ -343,8 +334,7 @@ class _Server:
             log.warning("MCP %s\nbob will try to restart it on the next turn", self.dead)
 
     def _scrub(self, text: str) -> str:
-        """The text with the server's secrets masked: its output and SDK or HTTP errors may
-        quote them."""
+        """The text with the server's secrets masked (its output, SDK or HTTP errors quote them)."""
         for secret in self._secrets:
             text = text.replace(secret, "***")
         return text
@@ -399,8 +389,7 @@ class _Server:
         except Exception as e:                    # the transport failed (e.g. HTTP refused)
             self._lost = e
         self._scope.cancel()                      # let the owner exit and say why
-        if self.task is not None:
-            await asyncio.wait({self.task}, timeout=_GRACE_S)
+        await asyncio.wait({typing.cast(Any, self.task)}, timeout=_GRACE_S)   # set by start()
         return f"executor unavailable: {self.dead or f'server {self.cfg.id} stopped'}", True
 
     async def stop(self, timeout_s: float) -> None:
@@ -421,8 +410,7 @@ class McpToolPort:
     """A ToolPort over MCP servers, tools exposed as `<server_id>__<tool>`; a context manager."""
 
     def __init__(self, servers: Sequence[McpServerConfig]):
-        ids = [s.id for s in servers]
-        dups = sorted({i for i in ids if ids.count(i) > 1})
+        dups = sorted({s.id for s in servers if [t.id for t in servers].count(s.id) > 1})
         if dups:
             raise ConfigError(f"MCP server id {dups[0]!r} is used twice; ids must be unique")
         self._configs = tuple(servers)
@@ -452,7 +440,7 @@ class McpToolPort:
                 self._thread = threading.Thread(target=self._run_loop, name="bob-mcp", daemon=True)
                 self._thread.start()
                 atexit.register(self.close)       # no server outlives bob, whatever happens
-                _sdk_stdio_log.addFilter(_bad_line)   # once; inert outside bob's servers
+                logging.getLogger("mcp.client.stdio").addFilter(_bad_line)  # inert elsewhere
                 self._started = asyncio.run_coroutine_threadsafe(self._start_all(), self._loop)
         if wait:
             self._wait_started()
@@ -509,8 +497,7 @@ class McpToolPort:
             raise McpError("this McpToolPort is closed; create a new one")
 
     def _run(self, coro: Any, timeout_s: float, cancel: CancelToken | None = None) -> Any:
-        """Run a coroutine on the loop and wait at most timeout_s; on timeout or cancel, cancel
-        it there (a cancelled tool call makes the SDK send notifications/cancelled)."""
+        """Run coro on the loop, wait <= timeout_s; cancelled there at timeout or `cancel`."""
         future = asyncio.run_coroutine_threadsafe(coro, self._loop)
         forget = cancel.on_cancel(future.cancel) if cancel else lambda: None
         try:
@@ -556,9 +543,8 @@ class McpToolPort:
 
     def call_tool(self, call: ToolCall, timeout_s: float,
                   cancel: CancelToken | None = None) -> ToolResult:
-        """Call a tool on its server; `cancel` cancels the MCP request. Tool errors, timeouts,
-        cancels and a dead server are is_error results; raises McpError only when the port
-        itself is unusable (not started, closed)."""
+        """Call a tool; `cancel` cancels the MCP request (notifications/cancelled). Failures are
+        is_error results; raises McpError only if the port is unusable (not started, closed)."""
         self._wait_started()
         start = time.monotonic()
         entry = self._names.get(call.name)
