@@ -12,11 +12,10 @@
 Sections: 1. Errors and configuration; 2. Names and results; 3. One server: the task that
 owns its SDK session; 4. McpToolPort: the loop thread and the sync API.
 
-Threading: the port owns one asyncio loop thread. Each server is owned by one task that enters
-the SDK's transport and session context managers and exits them itself (the SDK's task groups
-must be exited by the task that entered them). Sync callers hand coroutines to the loop and always
-wait with a timeout; no SDK object is touched outside the loop thread.
-Vendoring: copy this file next to bob.py; it needs the `mcp` package, version 2.
+Threading: one asyncio loop thread per port. Each server is owned by one task that enters the
+SDK's transport and session context managers and exits them itself (the SDK's task groups must be
+exited by the task that entered them). Sync callers wait on the loop, always with a timeout; no SDK
+object is touched outside the loop thread. Vendoring: copy this file next to bob.py; needs mcp 2.
 """
 from __future__ import annotations
 
@@ -109,10 +108,9 @@ class McpServerConfig:
              "a headers value holds a control or non-ASCII character (a stray CR or LF?)"),
             (all(isinstance(r, str) for r in (*self.roots, *self.secret_env)),
              "roots and secret_env must be lists of strings"),
-            *[(type(v) is int and 0 < v <= 86_400_000,   # bool is no int; a day at most
-               f"{name} must be 1 to 86400000 (a day), got {v!r}") for name, v in (
-                  ("tool_timeout_ms", self.tool_timeout_ms),
-                  ("startup_timeout_ms", self.startup_timeout_ms))],
+            *[(type(getattr(self, k)) is int and 0 < getattr(self, k) <= 86_400_000,  # no bool
+               f"{k} must be 1 to 86400000 (a day), got {getattr(self, k)!r}")
+              for k in ("tool_timeout_ms", "startup_timeout_ms")],
         ]:
             if not ok:
                 raise ConfigError(f"MCP server {self.id!r}: {problem}")
@@ -242,19 +240,17 @@ class _Server:
         self._family: list[int] = []        # its descendants, read just before it is ended
         self.tail: collections.deque[str] = collections.deque(maxlen=_TAIL_LINES)
         self._secrets = _secrets(cfg)
-        self.task: asyncio.Task[None] | None = None
         self._process: Any = None           # the stdio server's Process, when we can see it
         self._lost: Exception | None = None  # why the transport failed under a call
         self._stderr = -1                   # our end of the stderr pipe (stdio), once open
         self._partial = b""                 # the start of a stderr line still being written
-        # stop() cancels this scope: the startup while starting, then the wait for the end.
-        deadline = anyio.current_time() + cfg.startup_timeout_ms / 1000
-        self._scope = anyio.CancelScope(deadline=deadline)
+        start_s = cfg.startup_timeout_ms / 1000   # stop() cancels the scope: startup, then wait
+        self._scope = anyio.CancelScope(deadline=anyio.current_time() + start_s)
         self._ready = asyncio.get_running_loop().create_future()
+        self.task = asyncio.create_task(self._own(), name=f"mcp-{cfg.id}")   # the owner
 
     async def start(self) -> None:
-        """Start the owner task; return once it is ready, or raise McpError."""
-        self.task = asyncio.create_task(self._own(), name=f"mcp-{self.cfg.id}")
+        """Return once the server is ready, or raise McpError."""
         await self._ready
 
     async def _own(self) -> None:
@@ -389,15 +385,13 @@ class _Server:
         except Exception as e:                    # the transport failed (e.g. HTTP refused)
             self._lost = e
         self._scope.cancel()                      # let the owner exit and say why
-        await asyncio.wait({typing.cast(Any, self.task)}, timeout=_GRACE_S)   # set by start()
+        await asyncio.wait({self.task}, timeout=_GRACE_S)
         return f"executor unavailable: {self.dead or f'server {self.cfg.id} stopped'}", True
 
     async def stop(self, timeout_s: float) -> None:
         """Stop the server, bounded: the SDK closes stdin, terminates, kills; then its group."""
         self.closing = True
         self._scope.cancel()                      # before start() too: the owner ends at once
-        if self.task is None:
-            return
         if not (await asyncio.wait({self.task}, timeout=max(timeout_s, 0.05)))[0]:
             _kill(self.pgid)
             self.task.cancel()
@@ -430,8 +424,7 @@ class McpToolPort:
         self.close()
 
     def start(self, wait: bool = True) -> McpToolPort:
-        """Start all servers concurrently. With wait=False it returns at once, and the first
-        list_tools/call_tool waits for startup instead (re-raising its McpError)."""
+        """Start all servers concurrently; wait=False returns at once (first use waits instead)."""
         with self._lock:
             if self._closed:
                 raise McpError("this McpToolPort is closed; create a new one")
@@ -507,8 +500,7 @@ class McpToolPort:
             future.cancel()   # after a timeout or a cancel; a no-op once it is done
 
     def list_tools(self) -> list[ToolDescriptor]:
-        """The tools of every running server. The runtime calls it once per turn, so this is
-        also where a server that died is restarted (once) and list_changed is acted on."""
+        """Tools of the running servers; called once a turn: restarts the dead, re-lists changed."""
         self._wait_started()
         try:
             self._run(self._before_turn(), self._startup_s)
