@@ -32,10 +32,10 @@ import math
 import os
 import re
 import signal
-import urllib.parse
 import threading
 import time
 import typing
+import urllib.parse
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
@@ -122,7 +122,7 @@ _SECRET_NAME = re.compile(r"KEY|TOKEN|SECRET|PASSWORD|AUTH", re.IGNORECASE)
 def _secrets(cfg: McpServerConfig) -> list[str]:
     """What to mask: values of env/header keys named secret (or in secret_env), any length, as
     JSON and URL text too, and their long words ("Bearer <token>"); others are configuration."""
-    found = set()
+    found: set[str] = set()
     for key, value in {**(cfg.env or {}), **(cfg.headers or {})}.items():
         if _SECRET_NAME.search(key) or key in cfg.secret_env:
             for v in {value.strip(), *[w for w in value.split() if len(w) >= 8]} - {""}:
@@ -203,7 +203,7 @@ def _kill(pgid: int | None, pids: Sequence[int] = ()) -> None:
 def _descendants(pid: int | None) -> list[int]:
     """Every descendant of pid, from /proc (Linux): read before a server ends, as a setsid child
     that left its process group is tied to the server by nothing else once its parent is gone."""
-    parent = {}
+    parent: dict[int, int] = {}
     for entry in os.listdir("/proc") if os.path.isdir("/proc") else ():
         with contextlib.suppress(OSError, ValueError, IndexError):   # gone, or not a process
             with open(f"/proc/{entry}/stat", "rb") as f:

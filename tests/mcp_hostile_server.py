@@ -6,7 +6,7 @@
     python tests/mcp_hostile_server.py --record F     # `slow` writes when it is cancelled to F
     python tests/mcp_hostile_server.py --close-stdout # close stdout at startup and live on
 
-Tools: `noise` (writes a secret and bad bytes to fd 1, which the SDK points at stderr), `echo_env`
+Tools: `noise` (a garbage line with the secret and invalid UTF-8 on stdout), `echo_env`
 (an env variable, in a JSON-escaped error too), `slow` (sleeps; on notifications/cancelled it
 writes time.monotonic() to the --record file: CLOCK_MONOTONIC is one clock for all processes).
 """
@@ -18,8 +18,11 @@ import time
 import warnings
 
 
+WIRE = os.dup(1)   # the real stdout: the SDK later points fd 1 at stderr to protect it
+
+
 def _stdout(data: bytes) -> None:
-    os.write(1, data)   # around the SDK's writer: only between messages, as real servers do
+    os.write(WIRE, data)   # around the SDK's writer: only between messages, as real servers do
 
 
 def main() -> None:
@@ -38,6 +41,7 @@ def main() -> None:
         _stdout(b"\xff\xfe\xc3 not utf-8\n")
     if args.close_stdout:
         os.close(1)
+        os.close(WIRE)
         time.sleep(60)
     if args.setsid:
         subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", args.setsid],
