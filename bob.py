@@ -403,11 +403,14 @@ class LlmPort(Protocol):
 
 class ToolPort(Protocol):
     """A set of tools. `call_tool` returns is_error results for tool failures and raises only
-    when the tool infrastructure itself is gone (the runtime reports that to the model)."""
+    when the tool infrastructure itself is gone (the runtime reports that to the model).
+    A port that can stop a call stops it when `cancel` fires (turn cancel, deadline, turn end);
+    a running Python function cannot be interrupted and runs on."""
 
     def list_tools(self) -> list[ToolDescriptor]: ...
 
-    def call_tool(self, call: ToolCall, timeout_s: float) -> ToolResult: ...
+    def call_tool(self, call: ToolCall, timeout_s: float,
+                  cancel: CancelToken | None = None) -> ToolResult: ...
 
 
 class SessionStore(Protocol):
@@ -753,7 +756,8 @@ class FunctionTools:
         """The descriptors, in the order the functions were added."""
         return [f.descriptor for f in self._functions.values()]
 
-    def call_tool(self, call: ToolCall, timeout_s: float) -> ToolResult:
+    def call_tool(self, call: ToolCall, timeout_s: float,
+                  cancel: CancelToken | None = None) -> ToolResult:
         """Validate the arguments, call the function, turn its return value into text."""
         t0 = time.perf_counter()
         f = self._functions.get(call.name)
@@ -824,12 +828,13 @@ class CompositeToolPort:
         self._owner = {name: port for name, (_, port) in owner.items()}
         return tools
 
-    def call_tool(self, call: ToolCall, timeout_s: float) -> ToolResult:
+    def call_tool(self, call: ToolCall, timeout_s: float,
+                  cancel: CancelToken | None = None) -> ToolResult:
         """Route the call to the port that listed the tool."""
         port = self._owner.get(call.name)
         if port is None:
             return ToolResult(call.id, call.name, f"unknown tool {call.name!r}", True)
-        return port.call_tool(call, timeout_s)
+        return port.call_tool(call, timeout_s, cancel=cancel)
 
 
 def is_denied(name: str, patterns: Sequence[str]) -> bool:
@@ -1522,7 +1527,8 @@ class AgentRuntime:
             if results[i] is None:
                 timeout = min(t.policy.tool_timeout_ms / 1000, t.guard.remaining_s())
                 assert self.tools is not None  # _refusal lets only listed tools through
-                worker = _Worker(functools.partial(self.tools.call_tool, call, timeout), t.wake)
+                worker = _Worker(functools.partial(self.tools.call_tool, call, timeout,
+                                                   cancel=t.cancel), t.wake)
                 running.append((i, worker, timeout))
         t0 = time.monotonic()
         _wait_all([w for _, w, _ in running], [t0 + s for _, _, s in running], t.wake, t.cancel)

@@ -376,9 +376,10 @@ class McpTools:
         """Every server's tools, named <server_id>__<tool>."""
         return self.port().list_tools()
 
-    def call_tool(self, call: bob.ToolCall, timeout_s: float) -> bob.ToolResult:
-        """Route the call to its server."""
-        return self.port().call_tool(call, timeout_s)
+    def call_tool(self, call: bob.ToolCall, timeout_s: float,
+                  cancel: bob.CancelToken | None = None) -> bob.ToolResult:
+        """Route the call to its server (a cancel reaches the server as a cancelled request)."""
+        return self.port().call_tool(call, timeout_s, cancel=cancel)
 
     def close(self) -> None:
         """Stop every server process; idempotent."""

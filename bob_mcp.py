@@ -9,17 +9,13 @@
         agent = AgentRuntime(OpenAICompatLlm("openai:gpt-4o-mini"), tools)
         print(agent.run(AgentRequest("List the files here.")).content)   # calls fs__list_directory
 
-Sections:
-    1. Errors and configuration
-    2. Names and results
-    3. One server: the task that owns its SDK session
-    4. McpToolPort: the loop thread and the sync API
+Sections: 1. Errors and configuration; 2. Names and results; 3. One server: the task that
+owns its SDK session; 4. McpToolPort: the loop thread and the sync API.
 
-Threading: the port owns one asyncio loop thread. Each server is owned by one task that enters
-the SDK's transport and session context managers and exits them itself (the SDK's task groups
-must be exited by the task that entered them). Sync callers hand coroutines to the loop and always
-wait with a timeout; no SDK object is touched outside the loop thread.
-Vendoring: copy this file next to bob.py; it needs the `mcp` package, version 2.
+Threading: one asyncio loop thread per port. Each server is owned by one task that enters the
+SDK's transport and session context managers and exits them itself (the SDK's task groups must be
+exited by the task that entered them). Sync callers wait on the loop, always with a timeout; no SDK
+object is touched outside the loop thread. Vendoring: copy this file next to bob.py; needs mcp 2.
 """
 from __future__ import annotations
 
@@ -28,6 +24,7 @@ import atexit
 import collections
 import concurrent.futures
 import contextlib
+import contextvars
 import hashlib
 import json
 import logging
@@ -38,11 +35,12 @@ import signal
 import threading
 import time
 import typing
+import urllib.parse
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
-from bob import BobError, ConfigError, ToolCall, ToolDescriptor, ToolResult
+from bob import BobError, CancelToken, ConfigError, ToolCall, ToolDescriptor, ToolResult
 
 try:
     import anyio
@@ -88,11 +86,12 @@ class McpServerConfig:
     tool_timeout_ms: int = 15_000             # per call; the runtime's limit may be shorter
     startup_timeout_ms: int = 10_000          # spawn + handshake + first tools/list
     required: bool = True                     # False: a server that fails to start is skipped
-    roots: tuple[str, ...] = ()               # answered to roots/list; () means bob's cwd
+    roots: tuple[str, ...] = ()               # answered to roots/list; (): no roots
+    secret_env: tuple[str, ...] = ()          # more env/header keys whose values are masked
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "args", tuple(self.args))
-        object.__setattr__(self, "roots", tuple(self.roots))
+        for name in ("args", "roots", "secret_env"):
+            object.__setattr__(self, name, tuple(getattr(self, name)))
         stdio, http = self.transport == "stdio", self.transport == "streamable_http"
         for ok, problem in [  # env and headers are checked here: the SDK's errors echo values
             (isinstance(self.id, str) and re.fullmatch(r"[A-Za-z0-9_-]{1,64}", self.id),
@@ -107,14 +106,29 @@ class McpServerConfig:
             (_is_strings(self.headers), "headers must be a table of strings"),
             (all(v.isprintable() and v.isascii() for v in (self.headers or {}).values()),
              "a headers value holds a control or non-ASCII character (a stray CR or LF?)"),
-            (all(isinstance(r, str) for r in self.roots), "roots must be a list of paths"),
-            (type(self.tool_timeout_ms) is int and self.tool_timeout_ms > 0,   # bool is no int
-             f"tool_timeout_ms must be a positive integer, got {self.tool_timeout_ms!r}"),
-            (type(self.startup_timeout_ms) is int and self.startup_timeout_ms > 0,
-             f"startup_timeout_ms must be a positive integer, got {self.startup_timeout_ms!r}"),
+            (all(isinstance(r, str) for r in (*self.roots, *self.secret_env)),
+             "roots and secret_env must be lists of strings"),
+            *[(type(getattr(self, k)) is int and 0 < getattr(self, k) <= 86_400_000,  # no bool
+               f"{k} must be 1 to 86400000 (a day), got {getattr(self, k)!r}")
+              for k in ("tool_timeout_ms", "startup_timeout_ms")],
         ]:
             if not ok:
                 raise ConfigError(f"MCP server {self.id!r}: {problem}")
+
+
+_SECRET_NAME = re.compile(r"KEY|TOKEN|SECRET|PASSWORD|AUTH", re.IGNORECASE)
+
+
+def _secrets(cfg: McpServerConfig) -> list[str]:
+    """What to mask: values of env/header keys named secret (or in secret_env), any length, as
+    JSON and URL text too, and their long words ("Bearer <token>"); others are configuration."""
+    found: set[str] = set()
+    for key, value in {**(cfg.env or {}), **(cfg.headers or {})}.items():
+        if _SECRET_NAME.search(key) or key in cfg.secret_env:
+            for v in {value.strip(), *[w for w in value.split() if len(w) >= 8]} - {""}:
+                found |= {v, json.dumps(v)[1:-1], json.dumps(v, ensure_ascii=False)[1:-1],
+                          urllib.parse.quote(v, safe=""), urllib.parse.quote_plus(v)}
+    return sorted(found, key=len, reverse=True)   # the longest first: no half-masked forms
 
 
 # ---- 2. Names and results -----------------------------------------------------------------------
@@ -162,11 +176,43 @@ def _leaf(exc: BaseException) -> BaseException:
 
 # ---- 3. One server: the task that owns its SDK session ------------------------------------------
 
-def _kill_group(pgid: int | None) -> None:
-    """SIGKILL a server's process group; safe from any thread (it touches no SDK object)."""
-    if pgid is not None:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(pgid, signal.SIGKILL)
+_serving: contextvars.ContextVar[_Server] = contextvars.ContextVar("bob_mcp_serving")
+
+
+def _bad_line(record: logging.LogRecord) -> bool:
+    """On the SDK's stdio logger: it skips a stdout line that is not JSON-RPC and logs it whole at
+    ERROR; inside a server's tasks, log it masked at INFO on bob.mcp instead (`bob -v`)."""
+    server = _serving.get(None)
+    if record.funcName != "_parse_line" or server is None:
+        return True
+    exc = record.exc_info[1] if record.exc_info else None
+    errors = exc.errors() if hasattr(exc, "errors") else [{}]
+    line = str(errors[0].get("input", exc) if errors else exc)
+    log.info("[%s] skipped a stdout line that is not JSON-RPC: %s", server.cfg.id,
+             server._scrub(line[:500]))
+    return False
+
+
+def _kill(pgid: int | None, pids: Sequence[int] = ()) -> None:
+    """SIGKILL a server's process group and these pids; safe from any thread (no SDK object)."""
+    for kill, target in [(os.killpg, pgid), *[(os.kill, pid) for pid in pids]]:
+        with contextlib.suppress(ProcessLookupError, PermissionError, TypeError):
+            kill(target, signal.SIGKILL)   # TypeError: no group (None)
+
+
+def _descendants(pid: int | None) -> list[int]:
+    """Every descendant of pid, from /proc (Linux): read before a server ends, as a setsid child
+    that left its process group is tied to the server by nothing else once its parent is gone."""
+    parent: dict[int, int] = {}
+    for entry in os.listdir("/proc") if os.path.isdir("/proc") else ():
+        with contextlib.suppress(OSError, ValueError, IndexError):   # gone, or not a process
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                parent[int(entry)] = int(f.read().rsplit(b")", 1)[1].split()[1])
+    found, new = set(), {pid} if pid else set()
+    while new:
+        found |= new
+        new = {p for p, pp in parent.items() if pp in new} - found
+    return sorted(found - {pid})
 
 
 async def _list_all(session: Any) -> list[Any]:
@@ -181,8 +227,7 @@ async def _list_all(session: Any) -> list[Any]:
 
 
 class _Server:
-    """One run of one MCP server, owned by the task running _own(); made on the loop thread.
-    A restart is a new _Server."""
+    """One run of one MCP server, owned by the task running _own(), on the loop; restart: anew."""
 
     def __init__(self, cfg: McpServerConfig):
         self.cfg = cfg
@@ -192,31 +237,33 @@ class _Server:
         self.list_changed = False           # tools/list_changed came: re-list next turn
         self.closing = False                # stop() was called: ending now is not a death
         self.pgid: int | None = None        # a plain int, so close() may use it from any thread
+        self._family: list[int] = []        # its descendants, read just before it is ended
         self.tail: collections.deque[str] = collections.deque(maxlen=_TAIL_LINES)
-        self.task: asyncio.Task[None] | None = None
+        self._secrets = _secrets(cfg)
         self._process: Any = None           # the stdio server's Process, when we can see it
         self._lost: Exception | None = None  # why the transport failed under a call
         self._stderr = -1                   # our end of the stderr pipe (stdio), once open
         self._partial = b""                 # the start of a stderr line still being written
-        # stop() cancels this scope: the startup while starting, then the wait for the end.
-        deadline = anyio.current_time() + cfg.startup_timeout_ms / 1000
-        self._scope = anyio.CancelScope(deadline=deadline)
+        start_s = cfg.startup_timeout_ms / 1000   # stop() cancels the scope: startup, then wait
+        self._scope = anyio.CancelScope(deadline=anyio.current_time() + start_s)
         self._ready = asyncio.get_running_loop().create_future()
+        self.task = asyncio.create_task(self._own(), name=f"mcp-{cfg.id}")   # the owner
 
     async def start(self) -> None:
-        """Start the owner task; return once it is ready, or raise McpError."""
-        self.task = asyncio.create_task(self._own(), name=f"mcp-{self.cfg.id}")
+        """Return once the server is ready, or raise McpError."""
         await self._ready
 
     async def _own(self) -> None:
         error = None
+        _serving.set(self)   # the SDK's reader tasks inherit it: _bad_line names us
         try:
             async with contextlib.AsyncExitStack() as stack:
                 stack.enter_context(self._scope)
                 read, write = await self._connect(stack)
-                # Sampling and elicitation: the SDK's default callbacks decline them.
+                # Sampling, elicitation, unconfigured roots: SDK defaults decline (unadvertised)
                 session = await stack.enter_async_context(ClientSession(
-                    read, write, list_roots_callback=self._roots, message_handler=self._on_message,
+                    read, write, list_roots_callback=self._roots if self.cfg.roots else None,
+                    message_handler=self._on_message,
                     client_info=mcp_types.Implementation(name="bob", version="1")))
                 await session.initialize()
                 self.tools = await _list_all(session)
@@ -225,13 +272,14 @@ class _Server:
                 with anyio.CancelScope() as self._scope:  # cancelled: leave the SDK's managers
                     while getattr(self._process, "returncode", None) is None:   # it may exit
                         await anyio.sleep(_POLL_S)
+                self._family = _descendants(self.pgid)   # before the SDK ends the server
         except Exception as e:
             error = e
         finally:
             self.session = None
             # The SDK stopped the server (stdin, SIGTERM, SIGKILL); what is left in its group
             # are orphans, e.g. the node process of an npx that died: kill them too.
-            _kill_group(self.pgid)
+            _kill(self.pgid, self._family)
             if self._stderr >= 0:
                 self._read_stderr(final=True)
             self._finish(error)
@@ -247,7 +295,8 @@ class _Server:
         asyncio.get_running_loop().add_reader(self._stderr, self._read_stderr)
         with os.fdopen(write_fd, "w") as errlog:     # closed here once the child holds a copy
             cm = stdio_client(StdioServerParameters(
-                command=cfg.command or "", args=list(cfg.args), env=cfg.env, cwd=cfg.cwd),
+                command=cfg.command or "", args=list(cfg.args), env=cfg.env, cwd=cfg.cwd,
+                encoding_error_handler="replace"),   # bad bytes: U+FFFD, the line goes on
                 errlog)
             streams = await stack.enter_async_context(cm)
         # The SDK keeps the Process in a local of stdio_client and exposes it nowhere (no hook
@@ -260,7 +309,9 @@ class _Server:
     def _finish(self, error: Exception | None) -> None:
         """Say why the owner ended: to start() while starting, else in `dead` for the calls."""
         error, code = error or self._lost, getattr(self._process, "returncode", None)
-        ready = self._ready.done()
+        ready, leaf = self._ready.done(), _leaf(error) if error else None
+        if isinstance(leaf, MCPError) and code == -signal.SIGTERM:  # the SDK's stop, at EOF
+            code, error = None, None      # it closed its stdout but lived on
         if not ready and self.closing:
             cause = "stopped while starting"
         elif not ready and self._scope.cancelled_caught:
@@ -268,7 +319,6 @@ class _Server:
         elif code is not None or error is None:
             cause = "closed the connection" if code is None else f"exited (code {code})"
         else:
-            leaf = _leaf(error)
             hint = " (is it installed and on PATH?)" if isinstance(leaf, FileNotFoundError) else ""
             cause = ("failed: " if ready else "") + f"{type(leaf).__name__}: {leaf}{hint}"
         tail = "; stderr:\n  " + "\n  ".join(self.tail) if self.tail else ""
@@ -280,12 +330,9 @@ class _Server:
             log.warning("MCP %s\nbob will try to restart it on the next turn", self.dead)
 
     def _scrub(self, text: str) -> str:
-        """The text with env and header values masked, whole or by their long words (the token
-        of "Bearer <token>"): server output and SDK or HTTP errors may quote them."""
-        for value in {**(self.cfg.env or {}), **(self.cfg.headers or {})}.values():
-            for secret in sorted({value.strip(), *value.split()}, key=len, reverse=True):
-                if len(secret) >= 8:      # shorter ones would mask ordinary words
-                    text = text.replace(secret, "***")
+        """The text with the server's secrets masked (its output, SDK or HTTP errors quote them)."""
+        for secret in self._secrets:
+            text = text.replace(secret, "***")
         return text
 
     def _read_stderr(self, final: bool = False) -> None:
@@ -310,7 +357,7 @@ class _Server:
             os.close(self._stderr)
 
     async def _roots(self, context: Any) -> Any:
-        paths = [Path(p).resolve() for p in self.cfg.roots or (os.getcwd(),)]
+        paths = [Path(p).resolve() for p in self.cfg.roots]
         return mcp_types.ListRootsResult(roots=[
             mcp_types.Root(uri=typing.cast(Any, p.as_uri()), name=p.name) for p in paths])
 
@@ -320,12 +367,7 @@ class _Server:
 
     async def call(self, tool: str, arguments: dict[str, Any], timeout_s: float
                    ) -> tuple[str, bool]:
-        """(text, is_error) of one tool call; a server that is gone becomes error text too."""
-        text, is_error = await self._call(tool, arguments, timeout_s)
-        return self._scrub(text), is_error
-
-    async def _call(self, tool: str, arguments: dict[str, Any], timeout_s: float
-                    ) -> tuple[str, bool]:
+        """(text, is_error) of one tool call, unmasked; a server that is gone is error text."""
         if self.session is None:
             return f"executor unavailable: {self.dead or f'server {self.cfg.id} stopped'}", True
         try:
@@ -343,18 +385,15 @@ class _Server:
         except Exception as e:                    # the transport failed (e.g. HTTP refused)
             self._lost = e
         self._scope.cancel()                      # let the owner exit and say why
-        if self.task is not None:
-            await asyncio.wait({self.task}, timeout=_GRACE_S)
+        await asyncio.wait({self.task}, timeout=_GRACE_S)
         return f"executor unavailable: {self.dead or f'server {self.cfg.id} stopped'}", True
 
     async def stop(self, timeout_s: float) -> None:
         """Stop the server, bounded: the SDK closes stdin, terminates, kills; then its group."""
         self.closing = True
         self._scope.cancel()                      # before start() too: the owner ends at once
-        if self.task is None:
-            return
         if not (await asyncio.wait({self.task}, timeout=max(timeout_s, 0.05)))[0]:
-            _kill_group(self.pgid)
+            _kill(self.pgid)
             self.task.cancel()
             await asyncio.wait({self.task}, timeout=1.0)
 
@@ -365,8 +404,7 @@ class McpToolPort:
     """A ToolPort over MCP servers, tools exposed as `<server_id>__<tool>`; a context manager."""
 
     def __init__(self, servers: Sequence[McpServerConfig]):
-        ids = [s.id for s in servers]
-        dups = sorted({i for i in ids if ids.count(i) > 1})
+        dups = sorted({s.id for s in servers if [t.id for t in servers].count(s.id) > 1})
         if dups:
             raise ConfigError(f"MCP server id {dups[0]!r} is used twice; ids must be unique")
         self._configs = tuple(servers)
@@ -386,8 +424,7 @@ class McpToolPort:
         self.close()
 
     def start(self, wait: bool = True) -> McpToolPort:
-        """Start all servers concurrently. With wait=False it returns at once, and the first
-        list_tools/call_tool waits for startup instead (re-raising its McpError)."""
+        """Start all servers concurrently; wait=False returns at once (first use waits instead)."""
         with self._lock:
             if self._closed:
                 raise McpError("this McpToolPort is closed; create a new one")
@@ -396,6 +433,7 @@ class McpToolPort:
                 self._thread = threading.Thread(target=self._run_loop, name="bob-mcp", daemon=True)
                 self._thread.start()
                 atexit.register(self.close)       # no server outlives bob, whatever happens
+                logging.getLogger("mcp.client.stdio").addFilter(_bad_line)  # inert elsewhere
                 self._started = asyncio.run_coroutine_threadsafe(self._start_all(), self._loop)
         if wait:
             self._wait_started()
@@ -451,18 +489,18 @@ class McpToolPort:
         if self._closed:
             raise McpError("this McpToolPort is closed; create a new one")
 
-    def _run(self, coro: Any, timeout_s: float) -> Any:
-        """Run a coroutine on the loop and wait at most timeout_s; on timeout cancel it there."""
+    def _run(self, coro: Any, timeout_s: float, cancel: CancelToken | None = None) -> Any:
+        """Run coro on the loop, wait <= timeout_s; cancelled there at timeout or `cancel`."""
         future = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        forget = cancel.on_cancel(future.cancel) if cancel else lambda: None
         try:
             return future.result(timeout_s)
-        except concurrent.futures.TimeoutError:
-            future.cancel()
-            raise
+        finally:
+            forget()
+            future.cancel()   # after a timeout or a cancel; a no-op once it is done
 
     def list_tools(self) -> list[ToolDescriptor]:
-        """The tools of every running server. The runtime calls it once per turn, so this is
-        also where a server that died is restarted (once) and list_changed is acted on."""
+        """Tools of the running servers; called once a turn: restarts the dead, re-lists changed."""
         self._wait_started()
         try:
             self._run(self._before_turn(), self._startup_s)
@@ -495,9 +533,10 @@ class McpToolPort:
             except McpError as e:
                 log.error("%s\nKeeping the previous tool list.", e)
 
-    def call_tool(self, call: ToolCall, timeout_s: float) -> ToolResult:
-        """Call a tool on its server. Tool errors, timeouts and a dead server are is_error
-        results; raises McpError only when the port itself is unusable (not started, closed)."""
+    def call_tool(self, call: ToolCall, timeout_s: float,
+                  cancel: CancelToken | None = None) -> ToolResult:
+        """Call a tool; `cancel` cancels the MCP request (notifications/cancelled). Failures are
+        is_error results; raises McpError only if the port is unusable (not started, closed)."""
         self._wait_started()
         start = time.monotonic()
         entry = self._names.get(call.name)
@@ -507,9 +546,13 @@ class McpToolPort:
             server, tool = entry
             limit = max(0.001, min(timeout_s, server.cfg.tool_timeout_ms / 1000))
             try:   # the SDK times the call out itself; this wait is only the backstop
-                text, is_error = self._run(server.call(tool, call.arguments, limit), limit + 1.0)
+                text, is_error = self._run(server.call(tool, call.arguments, limit), limit + 1.0,
+                                           cancel)
+                text = server._scrub(text)
             except concurrent.futures.TimeoutError:
                 text, is_error = f"tool {tool} timed out after {round(limit * 1000)} ms", True
+            except concurrent.futures.CancelledError:
+                text, is_error = f"tool {tool} cancelled", True
         return ToolResult(call.id, call.name, text, is_error, (time.monotonic() - start) * 1000)
 
     def startup_error(self) -> BaseException | None:
@@ -550,7 +593,7 @@ class McpToolPort:
         except BaseException as e:  # the loop is stuck, or Ctrl-C: kill them from this thread
             log.warning("MCP servers did not stop in time (%r); killing them", e)
             for server in self._servers:
-                _kill_group(server.pgid)
+                _kill(server.pgid, _descendants(server.pgid))
             if not isinstance(e, Exception):
                 raise
         self._loop.call_soon_threadsafe(self._loop.stop)

@@ -302,7 +302,7 @@ class HungListing:
         self.release.wait()
         return []
 
-    def call_tool(self, call, timeout_s):
+    def call_tool(self, call, timeout_s, cancel=None):
         raise AssertionError("never called")
 
 
@@ -797,7 +797,7 @@ class RaisingListing:
     def list_tools(self):
         raise RuntimeError("tool server gone")
 
-    def call_tool(self, call, timeout_s):
+    def call_tool(self, call, timeout_s, cancel=None):
         raise AssertionError("never called")
 
 
@@ -860,7 +860,7 @@ def test_a_tool_port_returning_something_else_is_an_error_result():
         def list_tools(self):
             return [bob.ToolDescriptor("t", "t", {"type": "object"})]
 
-        def call_tool(self, call, timeout_s):
+        def call_tool(self, call, timeout_s, cancel=None):
             return "not a ToolResult"
 
     r = agent([tc("t"), final("ok")], tools=Sloppy()).run(AgentRequest("go"))

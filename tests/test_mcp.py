@@ -84,7 +84,7 @@ def http_url():
 def port(http_url):
     """Servers a and b (stdio, same tools) and h (HTTP), started once for the module."""
     servers = [stdio("a", "--extra", "odd.name/with space", "--extra", LONG, tool_timeout_ms=300),
-               stdio("b", env={"BOB_TEST_VAR": "from config"}, roots=ROOTS),
+               stdio("b", env={"BOB_TEST_TOKEN": "from config"}, roots=ROOTS),
                McpServerConfig("h", "streamable_http", url=http_url,
                                headers={"X-Key": "s3cret-header-value"})]
     with McpToolPort(servers) as p:
@@ -169,10 +169,10 @@ def test_call_over_stdio_and_http(port, server_id):
 
 def test_env_and_headers_reach_the_servers_and_come_back_masked(port):
     # The servers echo the exact values; they are secrets, so the model sees them masked.
-    assert call(port, "b__env", name="BOB_TEST_VAR").content == "***"
+    assert call(port, "b__env", name="BOB_TEST_TOKEN").content == "***"
     assert call(port, "b__env", name="PATH").content != "(unset)"   # the SDK's safe base env
     assert call(port, "h__header", name="X-Key").content == "***"
-    assert call(port, "a__env", name="BOB_TEST_VAR").content == "(unset)"  # b's env only
+    assert call(port, "a__env", name="BOB_TEST_TOKEN").content == "(unset)"  # b's env only
 
 
 @pytest.mark.parametrize("code", [-32000, -32001, -32002])
@@ -215,8 +215,8 @@ def test_timeout_is_an_error_result_and_the_port_stays_usable(port):
 
 
 @pytest.mark.parametrize("server_id", ["a", "h"])
-def test_roots_are_answered_and_sampling_declined(port, server_id):
-    assert call(port, f"{server_id}__roots").content == Path.cwd().as_uri()
+def test_roots_and_sampling_are_declined_without_config(port, server_id):
+    assert call(port, f"{server_id}__roots").is_error
     r = call(port, f"{server_id}__sample")
     assert not r.is_error and r.content.startswith("declined")
 

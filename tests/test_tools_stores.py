@@ -175,7 +175,7 @@ class RemotePort:
     def list_tools(self) -> list[ToolDescriptor]:
         return [ToolDescriptor("remote", "Remote.", {"type": "object", "properties": {}})]
 
-    def call_tool(self, call: ToolCall, timeout_s: float) -> ToolResult:
+    def call_tool(self, call: ToolCall, timeout_s: float, cancel=None) -> ToolResult:
         return ToolResult(call.id, call.name, f"remote ran with timeout {timeout_s}")
 
 
@@ -263,7 +263,7 @@ def test_a_tool_port_that_raises_is_executor_unavailable():
         def list_tools(self):
             return [ToolDescriptor("x", "X.", {"type": "object", "properties": {}})]
 
-        def call_tool(self, call, timeout_s):
+        def call_tool(self, call, timeout_s, cancel=None):
             raise ConnectionError("server process exited")
 
     [m] = tool_messages(run_one_call(GonePort(), tc("x")))

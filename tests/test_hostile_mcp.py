@@ -1,0 +1,180 @@
+"""bob_mcp against a misbehaving MCP server (tests/mcp_hostile_server.py), each promise of
+issue 11 through a real server process: garbage and bad bytes on stdout, secrets, cancel,
+setsid grandchildren, roots."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+import bob
+from conftest import wait_until
+from test_mcp import marked_pids
+from bob import ToolCall
+import bob_mcp
+from bob_mcp import McpServerConfig, McpToolPort
+
+HOSTILE = str(Path(__file__).with_name("mcp_hostile_server.py"))
+NORMAL = str(Path(__file__).with_name("mcp_server.py"))
+SECRET = "k3y"   # short: masked because of its key's name, not its length
+
+
+def hostile(*flags: str, **kw) -> McpServerConfig:
+    """A config running the hostile server over stdio, with API_KEY set."""
+    kw.setdefault("env", {"API_KEY": SECRET})
+    return McpServerConfig("h", command=sys.executable, args=(HOSTILE, *flags), **kw)
+
+
+def call(port: McpToolPort, tool: str, timeout_s: float = 10.0, **arguments) -> bob.ToolResult:
+    return port.call_tool(ToolCall("c1", tool, arguments), timeout_s)
+
+
+def run_bob(flags: list[str], level: str, tool: str = "noise") -> subprocess.CompletedProcess:
+    """A real bob process: the hostile server started, one tool called, logging at `level`."""
+    script = textwrap.dedent(f"""
+        import logging, sys
+        sys.path.insert(0, {str(Path(__file__).parent.parent)!r})
+        if {level!r} != "NONE":
+            logging.basicConfig(level={level!r}, stream=sys.stderr)
+        from bob import ToolCall
+        from bob_mcp import McpServerConfig, McpToolPort
+        cfg = McpServerConfig("h", command=sys.executable, args=({HOSTILE!r}, *{flags!r}),
+                              env={{"API_KEY": {SECRET!r}}})
+        with McpToolPort([cfg]) as port:
+            for _ in range(2):
+                r = port.call_tool(ToolCall("c", "h__{tool}", {{}}), 10)
+                print(r.is_error, r.content)
+    """)
+    return subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=60)
+
+
+# ---- 1. garbage lines on stdout ----
+
+def test_garbage_lines_are_skipped_and_silent_without_verbose():
+    done = run_bob(["--banner"], "NONE")
+    assert done.stdout.splitlines() == ["False ok", "False ok"], done
+    assert done.stderr == "", done.stderr
+
+
+def test_garbage_lines_are_logged_masked_with_verbose():
+    done = run_bob(["--banner"], "INFO")
+    assert done.stdout.splitlines() == ["False ok", "False ok"], done
+    assert "not JSON-RPC" in done.stderr and "hostile server v1 starting" in done.stderr
+    assert SECRET not in done.stderr and "key=***" in done.stderr, done.stderr
+
+
+# ---- 2. invalid UTF-8 on stdout ----
+
+def test_invalid_utf8_at_startup_and_in_calls_does_not_break_the_server():
+    with McpToolPort([hostile("--bad-utf8")]) as port:
+        for _ in range(3):
+            result = call(port, "h__noise")
+            assert (result.is_error, result.content) == (False, "ok"), result
+
+
+# ---- 3. secret masking without gaps ----
+
+def test_secrets_are_masked_whatever_their_length_and_form():
+    env = {"API_KEY": SECRET, "db_password": 'pa"ss\\wd', "MY_VAR": "a b&c/d", "HOME_DIR": "xyz",
+           "PROJECT_DIR": "/home/alice/app"}
+    with McpToolPort([hostile(env=env, secret_env=("MY_VAR",))]) as port:
+        assert call(port, "h__echo_env", name="API_KEY").content == "***"
+        leaked = call(port, "h__leak", name="db_password")   # JSON-escaped in the error
+        assert leaked.is_error and "ss" not in leaked.content and "***" in leaked.content, leaked
+        assert call(port, "h__echo_env", name="MY_VAR").content == "***"
+        for name, value in [("PROJECT_DIR", "/home/alice/app"), ("HOME_DIR", "xyz")]:
+            assert call(port, "h__echo_env", name=name).content == value  # configuration
+        server = port._servers[0]
+        text = "a%20b%26c%2Fd a+b%26c%2Fd pa%22ss%5Cwd"
+        assert server._scrub(text) == "*** *** ***", server._scrub(text)
+
+
+# ---- 6. roots only when configured ----
+
+def test_roots_capability_only_for_a_server_with_roots(tmp_path):
+    plain = McpServerConfig("p", command=sys.executable, args=(NORMAL,))
+    rooted = McpServerConfig("r", command=sys.executable, args=(NORMAL,), roots=(str(tmp_path),))
+    with McpToolPort([plain, rooted]) as port:
+        r = call(port, "p__roots")   # a filesystem server then keeps its command-line dirs
+        assert r.is_error and "not supported" in r.content and os.getcwd() not in r.content, r
+        assert call(port, "r__roots").content == tmp_path.as_uri()
+
+
+# ---- 5. no process outlives bob ----
+
+def test_a_setsid_grandchild_is_ended_with_its_server():
+    marker = f"bob-hostile-{uuid.uuid4().hex[:8]}"
+    port = McpToolPort([hostile("--setsid", marker)]).start()
+    try:
+        assert wait_until(lambda: marked_pids(marker), timeout=10), "no grandchild started"
+    finally:
+        port.close()
+    assert wait_until(lambda: not marked_pids(marker), timeout=5), marked_pids(marker)
+
+
+# ---- 4. cancel reaches the server ----
+
+def cancelled_at(record: Path) -> float:
+    """When the server saw notifications/cancelled (its time.monotonic(), one clock for all)."""
+    assert wait_until(record.exists, timeout=10), "the server never saw notifications/cancelled"
+    return float(record.read_text())
+
+
+def test_cancel_sends_notifications_cancelled_at_once(tmp_path):
+    record = tmp_path / "cancelled"
+    with McpToolPort([hostile("--record", str(record))]) as port:
+        token, results = bob.CancelToken(), []
+        worker = threading.Thread(target=lambda: results.append(port.call_tool(
+            ToolCall("c1", "h__slow", {"seconds": 30}), 60, cancel=token)))
+        worker.start()
+        assert wait_until(Path(f"{record}.started").exists, timeout=10)
+        t0 = time.monotonic()
+        token.cancel()
+        worker.join(10)
+        delay_ms = (cancelled_at(record) - t0) * 1000
+        print(f"cancel -> server saw notifications/cancelled: {delay_ms:.1f} ms")
+        assert delay_ms < 300, f"{delay_ms:.1f} ms (bound 100 ms, generous for a loaded box)"
+        assert results[0].is_error and "cancelled" in results[0].content, results
+        assert call(port, "h__echo_env", name="API_KEY").content == "***"   # still usable
+
+
+def test_a_timed_out_call_is_cancelled_on_the_server(tmp_path):
+    record = tmp_path / "cancelled"
+    with McpToolPort([hostile("--record", str(record))]) as port:
+        t0 = time.monotonic()
+        result = call(port, "h__slow", timeout_s=0.5, seconds=30)
+        assert result.is_error and "timed out" in result.content, result
+        assert cancelled_at(record) - t0 < 5
+
+
+def test_cancelling_a_turn_cancels_its_mcp_call(tmp_path):
+    record = tmp_path / "cancelled"
+    llm = bob.ScriptedLlm(['{"type":"tool_call","name":"h__slow","arguments":{"seconds":30}}'])
+    with McpToolPort([hostile("--record", str(record))]) as port:
+        token, results = bob.CancelToken(), []
+        turn = threading.Thread(target=lambda: results.append(
+            bob.AgentRuntime(llm, port).run(bob.AgentRequest("wait"), cancel=token)))
+        turn.start()
+        assert wait_until(Path(f"{record}.started").exists, timeout=10)
+        t0 = time.monotonic()
+        token.cancel()
+        turn.join(10)
+        assert results[0].finish_reason == bob.FinishReason.CANCELLED
+        assert cancelled_at(record) - t0 < 0.3
+
+
+def test_a_transport_broken_at_startup_is_reported_at_once_with_its_cause():
+    t0 = time.monotonic()
+    with pytest.raises(bob_mcp.McpError) as err:
+        McpToolPort([hostile("--close-stdout", startup_timeout_ms=30_000)]).start()
+    elapsed = time.monotonic() - t0
+    assert "'h'" in str(err.value) and "closed the connection" in str(err.value), err.value
+    assert elapsed < 10, f"reported after {elapsed:.1f} s, not at once"
