@@ -17,6 +17,7 @@ Sections:
     3. Ports                  8. Workers: threads with deadlines and cancel
     4. Actions and prompts    9. The scheduler (AgentRuntime)
     5. LoopGuard             10. LLM adapters: ScriptedLlm, OpenAICompatLlm
+                             11. Trace and replay
 
 Vendoring: copy this file. It needs Python >= 3.11 and the standard library; `requests` is imported
 only when an OpenAICompatLlm is created. Nothing happens at import time.
@@ -32,6 +33,7 @@ import fnmatch
 import functools
 import hashlib
 import inspect
+import itertools
 import json
 import logging
 import os
@@ -64,7 +66,11 @@ __all__ = [
     "cut_output", "redact", "FunctionTools", "CompositeToolPort",
     "InMemorySessionStore", "JsonFileSessionStore", "LoggingEventSink", "JsonlEventSink",
     "AgentRuntime", "ScriptedLlm", "OpenAICompatLlm", "PROVIDERS", "RETRYABLE_STATUSES",
+    # trace and replay
+    "TRACE_FORMAT", "request_digest", "TraceError", "read_trace", "ReplayLlm", "ReplayTools",
+    "ReplayReport", "replay",
 ]
+__version__ = "0.1.0"
 
 log = logging.getLogger("bob")
 
@@ -950,17 +956,44 @@ class JsonlEventSink:
                 self._file = None
 
 
-_SECRET_KEY = re.compile(r"(?i)(api[_-]?key|authorization|password|secret|access[_-]?token)")
+_SECRETS = r"api[_-]?key|authorization|password|secret|access[_-]?token"
+_SECRET_KEY = re.compile(f"(?i)({_SECRETS})")
+# the same keys inside text, e.g. a JSON-mode reply {"arguments": {"api_key": "sk-..."}}
+_SECRET_PAIR = re.compile(f'(?i)("[^"]*(?:{_SECRETS})[^"]*"\\s*:\\s*)"(?:[^"\\\\]|\\\\.)*"')
 
 
 def redact(data: Any) -> Any:
-    """A copy of JSON-like data with the values of secret-looking keys replaced by '***'."""
+    """A copy of JSON-like data with the values of secret-looking keys replaced by '***', in
+    dicts and in JSON text inside strings; applying it twice changes nothing."""
     if isinstance(data, dict):
         return {k: "***" if isinstance(k, str) and _SECRET_KEY.search(k) else redact(v)
                 for k, v in data.items()}
     if isinstance(data, list):
         return [redact(v) for v in data]
+    if isinstance(data, str) and '"' in data:
+        return _SECRET_PAIR.sub(r'\1"***"', data)
     return data
+
+
+# What the trace records beyond the event itself (section 11 reads it back).
+TRACE_FORMAT = 1   # the trace's format version, in every turn_started
+
+
+def request_digest(req: LlmRequest) -> str:
+    """sha256 of the canonical JSON of what an LlmPort receives (messages masked, tools,
+    response format): llm_call_started records it, replay checks it."""
+    body = {"messages": redact([m.to_dict() for m in req.messages]),
+            "tools": [dataclasses.asdict(d) for d in req.tools],
+            "response_format": req.response_format}
+    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":"),
+                                     default=str).encode()).hexdigest()
+
+
+def _reply_data(reply: LlmResponse, duration_ms: float) -> dict[str, Any]:
+    """llm_call_completed: the reply as the port gave it (ids before bob fixes them), masked."""
+    return redact({"content": reply.content, "finish_reason": reply.finish_reason,
+                   "tool_calls": [dataclasses.asdict(c) for c in reply.tool_calls],
+                   "usage": dict(vars(reply.usage)), "duration_ms": duration_ms})
 
 
 # ---- 8. Workers: threads with deadlines and cancel ----------------------------------------------
@@ -1135,6 +1168,7 @@ class AgentRuntime:
         self.system_prompt = system_prompt
         self.deny_tools = tuple(deny_tools)
         self._failing: set[int] = set()   # ids of sinks that raised (logged once each)
+        self._traced: set[str] = set()    # sessions whose history a session_loaded gave
         self._states: dict[State, Callable[[_Turn], State]] = {
             State.START: self._start, State.BUILD_PROMPT: self._build_prompt,
             State.LLM_INFER: self._llm_infer, State.PARSE_ACTION: self._parse_action,
@@ -1198,16 +1232,14 @@ class AgentRuntime:
         worker = self._call_port(t, self.tools.list_tools) if self.tools is not None else None
         if worker is not None and worker.done and worker.error is None:
             t.tools = [d for d in worker.value if not is_denied(d.name, self.deny_tools)]
-        self._emit(t, "turn_started", {"input": t.request.input,
-                                       "tools": [d.name for d in t.tools]})
+        self._trace_start(t)
         stop = worker and self._stopped(t, worker, "listing the tools")
         return stop or State.BUILD_PROMPT
 
     def _build_prompt(self, t: _Turn) -> State:
         """System message + history cut to max_history_messages, in the mode's wire shape."""
         if t.system is None:
-            instructions = t.request.system_prompt or self.system_prompt or DEFAULT_INSTRUCTIONS
-            t.system = Message("system", build_system_prompt(instructions, t.tools,
+            t.system = Message("system", build_system_prompt(self._instructions(t), t.tools,
                                                              self.action_mode))
         messages = t.session.messages  # only grows during a turn: render each message once
         kept = t.grouping.update(messages).kept(t.policy.max_history_messages, t.input_index)
@@ -1229,7 +1261,9 @@ class AgentRuntime:
             return self._trip(t, trip)
         assert t.prompt is not None
         prompt = t.prompt
-        self._emit(t, "llm_call_started", {"messages": len(prompt.messages)})
+        if self.sinks:
+            self._emit(t, "llm_call_started", {"messages": len(prompt.messages),
+                                               "digest": request_digest(prompt)})
         t0 = time.perf_counter()
         worker = self._call_port(t, lambda: self.llm.complete(
             prompt, t.cancel, functools.partial(self._delta, t)))
@@ -1238,9 +1272,7 @@ class AgentRuntime:
             return stop
         t.reply = worker.value
         t.usage += t.reply.usage
-        self._emit(t, "llm_call_completed", {
-            "usage": dict(vars(t.reply.usage)), "duration_ms": _ms_since(t0),
-            "finish_reason": t.reply.finish_reason})
+        self._emit(t, "llm_call_completed", _reply_data(t.reply, _ms_since(t0)))
         return State.PARSE_ACTION
 
     def _parse_action(self, t: _Turn) -> State:
@@ -1285,20 +1317,21 @@ class AgentRuntime:
         calls = t.action.calls
         if t.caller_cancel.cancelled:  # cancelled while the model answered: start nothing
             self._append_results(t, [_error(c, "interrupted: the turn was cancelled before this "
-                                            "call started") for c in calls])
+                                            "call started") for c in calls], calls)
             return self._cancelled(t)
         trip = t.guard.check_loop(calls)
         if trip is None and len(calls) > t.policy.max_parallel_tools:
             n = t.policy.max_parallel_tools
             self._append_results(t, [_error(c, f"not run: this batch has {len(calls)} calls and "
                                             f"at most max_parallel_tools={n} may run at once; "
-                                            f"call at most {n} tools at a time") for c in calls])
+                                            f"call at most {n} tools at a time") for c in calls],
+                                 calls)
             t.guard.record_refusal()
             return State.BUILD_PROMPT
         refusals = [self._refusal(t, c) for c in calls]
         trip = trip or t.guard.check_budget(sum(r is None for r in refusals))
         if trip:  # keep history well-formed: every call gets a result
-            self._append_results(t, [_error(c, f"not run: {trip.detail}") for c in calls])
+            self._append_results(t, [_error(c, f"not run: {trip.detail}") for c in calls], calls)
             return self._trip(t, trip)
         results, ran = self._run_batch(t, calls, refusals)
         t.guard.record_results(results, ran)
@@ -1321,7 +1354,7 @@ class AgentRuntime:
         self._emit(t, "turn_completed", {  # a turn that raises has no finish reason
             "finish_reason": None if t.error else t.finish.value, "usage": dict(vars(t.usage)),
             "guard_reason": t.guard_reason.value if t.guard_reason else None,
-            "steps": t.guard.steps, "tool_calls": t.guard.tool_calls})
+            "steps": t.guard.steps, "tool_calls": t.guard.tool_calls, "content": t.content})
         t.closed = True
         if t.error is not None:
             raise t.error
@@ -1373,8 +1406,7 @@ class AgentRuntime:
         results = list(refusals)
         running: list[tuple[int, _Worker, float]] = []
         for i, call in enumerate(calls):
-            self._emit(t, "tool_call_started", {"call_id": call.id, "name": call.name,
-                                                "arguments": redact(call.arguments)})
+            self._trace_call(t, call, results[i] is None)
             if results[i] is None:
                 timeout = min(t.policy.tool_timeout_ms / 1000, t.guard.remaining_s())
                 assert self.tools is not None  # _refusal lets only listed tools through
@@ -1414,13 +1446,41 @@ class AgentRuntime:
         content = cut_output(r.content, t.policy.max_tool_output_chars)
         return ToolResult(call.id, call.name, content, r.is_error, r.duration_ms)
 
-    def _append_results(self, t: _Turn, results: Sequence[ToolResult]) -> None:
+    def _append_results(self, t: _Turn, results: Sequence[ToolResult],
+                        refused: Sequence[ToolCall] = ()) -> None:
+        """Append results in call order; `refused` calls never started: say they were asked."""
+        for call in refused:
+            self._trace_call(t, call, False)
         for r in results:
             self._emit(t, "tool_call_completed", {"call_id": r.call_id, "name": r.name,
-                                                  "is_error": r.is_error,
-                                                  "duration_ms": r.duration_ms})
+                                                  "is_error": r.is_error, "content": redact(
+                                                      r.content), "duration_ms": r.duration_ms})
             t.session.messages.append(Message("tool", r.content, tool_call_id=r.call_id,
                                               name=r.name, is_error=r.is_error))
+
+    def _trace_call(self, t: _Turn, call: ToolCall, runs: bool) -> None:
+        self._emit(t, "tool_call_started", {"call_id": call.id, "name": call.name,
+                                            "arguments": redact(call.arguments), "runs": runs})
+
+    def _trace_start(self, t: _Turn) -> None:
+        """turn_started with all that decides the run; session_loaded on a session's first turn
+        in this runtime (or with a given history), so a trace begun mid-session replays alone."""
+        if not self.sinks:
+            return
+        describe = getattr(self.llm, "describe", None)
+        self._emit(t, "turn_started", {
+            "format": TRACE_FORMAT, "version": __version__, "input": t.request.input,
+            "model": describe() if callable(describe) else type(self.llm).__name__,
+            "action_mode": self.action_mode, "policy": dataclasses.asdict(t.policy),
+            "system_prompt": self._instructions(t),
+            "tools": [dataclasses.asdict(d) for d in t.tools]})
+        if t.request.history is not None or t.request.session_id not in self._traced:
+            self._traced.add(t.request.session_id)
+            self._emit(t, "session_loaded", {"messages": [
+                redact(m.to_dict()) for m in t.session.messages[:t.input_index]]})
+
+    def _instructions(self, t: _Turn) -> str:
+        return t.request.system_prompt or self.system_prompt or DEFAULT_INSTRUCTIONS
 
     def _delta(self, t: _Turn, text: str) -> None:
         """Streamed text from the model; dropped once the turn gave the call up."""
@@ -1927,3 +1987,318 @@ class OpenAICompatLlm:
             acc.add(chunk)
             if deadline is not None and time.monotonic() > deadline:
                 raise LlmError(f"the stream from {self._shown} ran past the turn deadline")
+
+
+# ---- 11. Trace and replay -----------------------------------------------------------------------
+# A JSONL trace (JsonlEventSink) is a complete record of a run; the README's "Record and replay"
+# has the table of its events. replay() re-runs each recorded turn through a real AgentRuntime
+# whose model (and, unless tools are given, tools) answer from the trace, compares what the new
+# run does with what the trace says, and reports the first difference.
+
+class TraceError(BobError):
+    """A trace that cannot be read or was cut short; the message names the line."""
+
+
+def read_trace(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    """The events of a JSONL trace, each with its `line`; TraceError naming a bad line."""
+    try:
+        lines = Path(path).read_text(encoding="utf-8").splitlines()
+    except (OSError, ValueError) as e:
+        raise TraceError(f"cannot read the trace {path}: {e}") from None
+    events = []
+    for n, line in enumerate(lines, 1):
+        e = _json(line)
+        if not (isinstance(e, dict) and isinstance(e.get("kind"), str)
+                and isinstance(e.get("data"), dict)):
+            raise TraceError(f"{path} line {n} is not a trace event (cut short or edited?)")
+        events.append({**e, "line": n})
+    return events
+
+
+def _events(trace: str | os.PathLike[str] | Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    return read_trace(trace) if isinstance(trace, (str, os.PathLike)) else list(trace)
+
+
+class ReplayLlm:
+    """An LlmPort that answers from a trace: each request must match the recorded digest and
+    gets the recorded reply. It never calls a model; `divergence` holds the first difference
+    (also raised as LlmError), `left_over` counts recorded replies never asked for."""
+
+    def __init__(self, trace: str | os.PathLike[str] | Sequence[dict[str, Any]]):
+        self._script: list[list[Any]] = []   # [digest, reply or None, error text or None]
+        for e in _events(trace):
+            kind, d = e["kind"], e["data"]
+            if kind == "llm_call_started":
+                self._script.append([d.get("digest"), None, None])
+            elif kind == "llm_call_completed" and self._script:
+                self._script[-1][1] = LlmResponse(d["content"], tuple(
+                    ToolCall(**c) for c in d["tool_calls"]), Usage(**d["usage"]),
+                    d["finish_reason"])
+            elif kind == "error" and d.get("where") == "turn" and self._script:
+                self._script[-1][2] = d["error"].partition(": ")[2]
+        self.requests: list[LlmRequest] = []
+        self.divergence: str | None = None
+        self._lock = threading.Lock()
+
+    def describe(self) -> str:
+        """What turn_started records as the model."""
+        return "replay of a trace"
+
+    @property
+    def left_over(self) -> int:
+        """Recorded replies that no request asked for."""
+        return sum(s[1] is not None for s in self._script[len(self.requests):])
+
+    def complete(self, req: LlmRequest, cancel: CancelToken,
+                 on_delta: Callable[[str], None] | None = None) -> LlmResponse:
+        """The recorded reply; LlmError if the request has none or differs from the recorded."""
+        with self._lock:
+            n = len(self.requests)
+            self.requests.append(req)
+            if n >= len(self._script):
+                self.divergence = self.divergence or f"LLM request {n + 1} has no recorded reply"
+                raise LlmError(f"replay: {self.divergence}")
+        digest, reply, error = self._script[n]
+        if request_digest(req) != digest:
+            self.divergence = self.divergence or f"LLM request {n + 1} differs from the recorded"
+            raise LlmError(f"replay: {self.divergence}")
+        if reply is not None:
+            return reply
+        if error is not None:
+            raise LlmError(error)
+        # recorded unanswered: the turn was cancelled or ran out of time meanwhile
+        cancel.wait(60.0 if req.deadline is None else req.deadline - time.monotonic() + 1)
+        raise Cancelled("the recorded request was never answered")
+
+
+class ReplayTools:
+    """A ToolPort that answers from a trace: the recorded tools, and for each call the recorded
+    result once its name and arguments match. `divergence` holds the first difference; a call
+    that was interrupted in the recording calls `on_interrupt` (replay cancels the turn there)."""
+
+    def __init__(self, trace: str | os.PathLike[str] | Sequence[dict[str, Any]],
+                 on_interrupt: Callable[[], None] | None = None):
+        events = _events(trace)
+        starts = [e["data"] for e in events if e["kind"] == "turn_started"]
+        self.tools = [ToolDescriptor(**d) for d in starts[0]["tools"]] if starts else []
+        self.on_interrupt, self.divergence = on_interrupt, None
+        self._calls: dict[str, list[dict[str, Any]]] = {}  # call id -> recorded, oldest first
+        self._running: collections.Counter[int] = collections.Counter()  # batch -> unanswered
+        started: dict[str, dict[str, Any]] = {}
+        batch = 0
+        for e in events:
+            kind, d = e["kind"], e["data"]
+            batch += kind == "llm_call_completed"
+            if kind == "tool_call_started":
+                started[d["call_id"]] = d
+            elif kind == "tool_call_completed" and started.get(d["call_id"], {}).get("runs"):
+                cut = "before this call ended" in d["content"]
+                self._calls.setdefault(d["call_id"], []).append(
+                    {**started[d["call_id"]], **d, "batch": batch, "cut": cut})
+                self._running[batch] += not cut
+        self._cond = threading.Condition()
+
+    def list_tools(self) -> list[ToolDescriptor]:
+        """The tools the (first) recorded turn offered."""
+        return list(self.tools)
+
+    def call_tool(self, call: ToolCall, timeout_s: float,
+                  cancel: CancelToken | None = None) -> ToolResult:
+        """The recorded result; an error result (and `divergence`) for a call not recorded."""
+        with self._cond:
+            rec = (self._calls.get(call.id) or [None]).pop(0)
+        if rec is None or (rec["name"], rec["arguments"]) != (call.name, redact(call.arguments)):
+            what = (f"tool call {call.id} {call.name}({json.dumps(redact(call.arguments))}) "
+                    "was never recorded" + (f"; recorded: {rec['name']}("
+                                            f"{json.dumps(rec['arguments'])})" if rec else ""))
+            self.divergence = self.divergence or what
+            return _error(call, f"replay: {what}")
+        with self._cond:  # an interrupted call waits for the calls that ended before the cancel
+            if rec["cut"]:
+                self._cond.wait_for(lambda: not self._running[rec["batch"]], timeout=10)
+            else:
+                self._running[rec["batch"]] -= 1
+                self._cond.notify_all()
+        if rec["cut"] and self.on_interrupt:
+            self.on_interrupt()
+        return ToolResult(call.id, call.name, rec["content"], rec["is_error"])
+
+
+@dataclass
+class ReplayReport:
+    """What replay() found: `ok`, one line per turn replayed, and the first divergence: its
+    turn (1-based), step, what differed, the recorded and the new value, and for a request
+    that differs the first differing message as a unified diff (`detail`)."""
+    ok: bool
+    turns: list[str]
+    turn: int | None = None
+    step: int | None = None
+    what: str = ""
+    recorded: Any = None
+    new: Any = None
+    detail: str = ""
+
+    def __str__(self) -> str:
+        if self.ok:
+            return "\n".join(self.turns)
+        return "\n".join([*self.turns, f"turn {self.turn}, step {self.step}: {self.what}",
+                          f"  recorded: {json.dumps(self.recorded, default=str)}",
+                          f"  new:      {json.dumps(self.new, default=str)}",
+                          *([self.detail] if self.detail else [])])
+
+
+# Per event kind, the fields replay compares (timestamps, durations, usage are not compared).
+_COMPARED = {"turn_started": (), "state": ("from", "to"), "llm_call_started": ("digest",),
+             "action_parsed": ("type", "tools"), "parse_error": ("error",),
+             "tool_call_started": ("call_id", "name", "arguments"),
+             "tool_call_completed": ("call_id", "name", "content", "is_error"),
+             "guard_tripped": ("reason", "detail"), "error": ("where",),
+             "turn_completed": ("finish_reason", "guard_reason", "content")}
+
+
+def _turns(events: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
+    """The events grouped by turn, turn_started first; TraceError for a turn cut short."""
+    turns, open_turns = [], {}
+    for e in events:
+        sid = e.get("session_id")
+        if e["kind"] == "turn_started":
+            if e["data"].get("format") != TRACE_FORMAT or sid in open_turns:
+                raise TraceError(f"line {e['line']}: not a turn this bob replays (format "
+                                 f"{e['data'].get('format')}, or the last turn never ended)")
+            open_turns[sid] = []
+            turns.append(open_turns[sid])
+        if sid in open_turns:
+            open_turns[sid].append(e)
+        if e["kind"] == "turn_completed":
+            open_turns.pop(sid, None)
+    for turn in open_turns.values():
+        raise TraceError(f"the turn that starts at line {turn[0]['line']} has no turn_completed: "
+                         "the trace is cut short")
+    return turns
+
+
+def _cancel_point(events: list[dict[str, Any]]) -> int | None:
+    """For a cancelled turn, the index (among compared events) of the event the cancel came
+    right after; None if not cancelled or a tool was interrupted (ReplayTools cancels then)."""
+    if events[-1]["data"].get("finish_reason") != FinishReason.CANCELLED.value:
+        return None
+    texts = [e["data"]["content"] for e in events if e["kind"] == "tool_call_completed"]
+    if any("before this call ended" in c for c in texts):
+        return None
+    states = [i for i, e in enumerate(events) if e["kind"] == "state"]
+    if any("before this call started" in c for c in texts):   # while the model answered
+        return max(i for i in states if events[i]["data"]["to"] == State.CALL_TOOL.value)
+    return states[-1] - 1   # the cancel was seen at the last transition, to done
+
+
+class _Recorder:
+    """The replay's event sink: keeps events as JSON would, fires the cancel where recorded."""
+
+    def __init__(self, cancel: CancelToken, cancel_at: int | None):
+        self.events: list[dict[str, Any]] = []
+        self.cancel, self.cancel_at = cancel, cancel_at
+
+    def emit(self, event: AgentEvent) -> None:
+        if event.kind not in _COMPARED:
+            return
+        self.events.append(json.loads(json.dumps(dataclasses.asdict(event), default=str)))
+        if len(self.events) - 1 == self.cancel_at:
+            self.cancel.cancel()
+
+
+def _first_difference(recorded: list[dict[str, Any]], new: list[dict[str, Any]]
+                      ) -> tuple[int, str, Any, Any] | None:
+    """(step, what, recorded, new) of the first compared event that differs, or None."""
+    def shown(e: dict[str, Any]) -> dict[str, Any]:
+        return {"kind": e["kind"], **{f: e["data"].get(f) for f in _COMPARED[e["kind"]]}}
+    for a, b in itertools.zip_longest(recorded, new):
+        if a is None or b is None:
+            what = "the new run did more" if a is None else "the new run ended before this"
+            return (a or b)["step"], what, a and shown(a), b and shown(b)
+        if a["kind"] != b["kind"]:
+            return a["step"], "a different event", shown(a), shown(b)
+        for f in _COMPARED[a["kind"]]:
+            if a["data"].get(f) != b["data"].get(f):
+                return a["step"], f"{a['kind']} {f}", a["data"].get(f), b["data"].get(f)
+    return None
+
+
+def _message_diff(old: Sequence[Message], new: Sequence[Message]) -> str:
+    """The first message that differs: its index, role, and a unified diff of the texts."""
+    import difflib
+    for i, (a, b) in enumerate(itertools.zip_longest(old, new)):
+        if a != b:
+            lines = [(m.content if m else "").splitlines() for m in (a, b)]
+            diff = difflib.unified_diff(*lines, "recorded", "new", lineterm="", n=1)
+            return f"  message {i} ({(a or b).role}) differs:\n    " + "\n    ".join(diff)
+    return "  the messages are the same: the tools or the response format differ"
+
+
+def _replay_turn(events: list[dict[str, Any]], store: SessionStore, tools: ToolPort | None,
+                 deny_tools: Sequence[str], overrides: dict[str, Any]
+                 ) -> tuple[_Recorder, ReplayLlm, ToolPort]:
+    """Run one recorded turn again; returns what it emitted and its two ports."""
+    start, compared = events[0]["data"], [e for e in events if e["kind"] in _COMPARED]
+    sid = events[0]["session_id"]
+    for e in events:
+        if e["kind"] == "session_loaded":
+            store.save(sid, SessionState([Message.from_dict(m) for m in e["data"]["messages"]]))
+    caller = CancelToken()
+    sink, llm = _Recorder(caller, _cancel_point(compared)), ReplayLlm(events)
+    port = tools if tools is not None else ReplayTools(events, caller.cancel)
+    settings = {"policy": TurnPolicy(**start["policy"]), "system_prompt": start["system_prompt"],
+                "action_mode": start["action_mode"]}
+    settings.update((k, v) for k, v in overrides.items() if v is not None)
+    runtime = AgentRuntime(llm, port, store=store, events=sink, deny_tools=deny_tools,
+                           **settings)
+    with contextlib.suppress(BobError):  # an error that ends the turn is an event
+        runtime.run(AgentRequest(start["input"], sid), caller)
+    return sink, llm, port
+
+
+def replay(trace: str | os.PathLike[str] | Sequence[dict[str, Any]], *,
+           tools: ToolPort | None = None, policy: TurnPolicy | None = None,
+           system_prompt: str | None = None, action_mode: str | None = None,
+           deny_tools: Sequence[str] = ()) -> ReplayReport:
+    """Re-run every recorded turn (answers from the trace; `tools` run for real if given, minus
+    `deny_tools`) and stop at the first divergence; the overrides replace the recorded settings.
+    TraceError for a trace that cannot be read or was cut short. Never calls a live model."""
+    overrides = {"policy": policy, "system_prompt": system_prompt, "action_mode": action_mode}
+    store, report = InMemorySessionStore(), ReplayReport(True, [])
+    for n, events in enumerate(_turns(_events(trace)), 1):
+        before = store.load(events[0]["session_id"])
+        try:
+            sink, llm, port = _replay_turn(events, store, tools, deny_tools, overrides)
+        except (TypeError, KeyError, ValueError) as e:
+            raise TraceError(f"the turn that starts at line {events[0]['line']} cannot be "
+                             f"replayed: {type(e).__name__}: {e}") from None
+        recorded = [e for e in events if e["kind"] in _COMPARED]
+        found = _first_difference(recorded, sink.events)
+        end = events[-1]["data"]
+        if found is None:
+            report.turns.append(f"turn {n}: same ({end['steps']} LLM calls, {end['tool_calls']}"
+                                f" tool calls, {end['finish_reason'] or 'error'})")
+            continue
+        step, what, old, new = found
+        if isinstance(new, str) and new.startswith("replay: "):   # what ReplayTools saw
+            what = new.removeprefix("replay: ")
+        report = ReplayReport(False, report.turns + [f"turn {n}: DIFFERENT"], n, step, what,
+                              old, new)
+        if what == "llm_call_started digest":
+            report.what = llm.divergence or what
+            report.detail = _request_diff(events, before, len(llm.requests) - 1, llm)
+        break
+    return report
+
+
+def _request_diff(events: list[dict[str, Any]], before: SessionState | None, k: int,
+                  llm: ReplayLlm) -> str:
+    """Rebuild the recorded request k by replaying the turn as recorded, and diff it."""
+    store = InMemorySessionStore()
+    if before is not None:
+        store.save(events[0]["session_id"], before)
+    _, ref, _ = _replay_turn(events, store, None, (), {})
+    digests = [e["data"]["digest"] for e in events if e["kind"] == "llm_call_started"]
+    if len(ref.requests) <= k or request_digest(ref.requests[k]) != digests[k]:
+        return "  (the recorded request cannot be rebuilt from the trace)"
+    return _message_diff(ref.requests[k].messages, llm.requests[k].messages)
