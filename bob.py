@@ -1990,43 +1990,37 @@ class OpenAICompatLlm:
 
 
 # ---- 11. Trace and replay -----------------------------------------------------------------------
-# A JSONL trace (JsonlEventSink) is a complete record of a run; the README's "Record and replay"
-# has the table of its events. replay() re-runs each recorded turn through a real AgentRuntime
-# whose model (and, unless tools are given, tools) answer from the trace, compares what the new
-# run does with what the trace says, and reports the first difference.
+# A JSONL trace (JsonlEventSink) is a complete record of a run (README: "Record and replay").
+# replay() re-runs each recorded turn through a real AgentRuntime whose model (and, unless tools
+# are given, tools) answer from the trace, and reports the first event that differs.
 
 class TraceError(BobError):
     """A trace that cannot be read or was cut short; the message names the line."""
 
 
-def read_trace(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
-    """The events of a JSONL trace, each with its `line`; TraceError naming a bad line."""
+def read_trace(trace: str | os.PathLike[str] | Sequence[dict[str, Any]]
+               ) -> list[dict[str, Any]]:
+    """The events of a JSONL trace file (or a list of them), each with its `line`."""
+    if not isinstance(trace, (str, os.PathLike)):
+        return list(trace)
     try:
-        lines = Path(path).read_text(encoding="utf-8").splitlines()
+        lines = Path(trace).read_text(encoding="utf-8").splitlines()
     except (OSError, ValueError) as e:
-        raise TraceError(f"cannot read the trace {path}: {e}") from None
-    events = []
-    for n, line in enumerate(lines, 1):
-        e = _json(line)
-        if not (isinstance(e, dict) and isinstance(e.get("kind"), str)
-                and isinstance(e.get("data"), dict)):
-            raise TraceError(f"{path} line {n} is not a trace event (cut short or edited?)")
-        events.append({**e, "line": n})
+        raise TraceError(f"cannot read the trace {trace}: {e}") from None
+    events = [{**(_json(line) or {}), "line": n} for n, line in enumerate(lines, 1)]
+    for e in events:
+        if not (isinstance(e.get("kind"), str) and isinstance(e.get("data"), dict)):
+            raise TraceError(f"{trace} line {e['line']} is not a trace event (cut short?)")
     return events
 
 
-def _events(trace: str | os.PathLike[str] | Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-    return read_trace(trace) if isinstance(trace, (str, os.PathLike)) else list(trace)
-
-
 class ReplayLlm:
-    """An LlmPort that answers from a trace: each request must match the recorded digest and
-    gets the recorded reply. It never calls a model; `divergence` holds the first difference
-    (also raised as LlmError), `left_over` counts recorded replies never asked for."""
+    """An LlmPort answering from a trace: a request must have the recorded digest, and gets the
+    recorded reply; otherwise LlmError, and `divergence` says why. Never calls a model."""
 
     def __init__(self, trace: str | os.PathLike[str] | Sequence[dict[str, Any]]):
         self._script: list[list[Any]] = []   # [digest, reply or None, error text or None]
-        for e in _events(trace):
+        for e in read_trace(trace):
             kind, d = e["kind"], e["data"]
             if kind == "llm_call_started":
                 self._script.append([d.get("digest"), None, None])
@@ -2040,10 +2034,6 @@ class ReplayLlm:
         self.divergence: str | None = None
         self._lock = threading.Lock()
 
-    def describe(self) -> str:
-        """What turn_started records as the model."""
-        return "replay of a trace"
-
     @property
     def left_over(self) -> int:
         """Recorded replies that no request asked for."""
@@ -2051,52 +2041,46 @@ class ReplayLlm:
 
     def complete(self, req: LlmRequest, cancel: CancelToken,
                  on_delta: Callable[[str], None] | None = None) -> LlmResponse:
-        """The recorded reply; LlmError if the request has none or differs from the recorded."""
+        """The recorded reply to this request."""
         with self._lock:
             n = len(self.requests)
             self.requests.append(req)
-            if n >= len(self._script):
-                self.divergence = self.divergence or f"LLM request {n + 1} has no recorded reply"
-                raise LlmError(f"replay: {self.divergence}")
-        digest, reply, error = self._script[n]
-        if request_digest(req) != digest:
-            self.divergence = self.divergence or f"LLM request {n + 1} differs from the recorded"
+        digest, reply, error = self._script[n] if n < len(self._script) else (None,) * 3
+        if digest is None or request_digest(req) != digest:
+            self.divergence = self.divergence or f"LLM request {n + 1} " + (
+                "differs from the recorded" if digest else "has no recorded reply")
             raise LlmError(f"replay: {self.divergence}")
-        if reply is not None:
-            return reply
-        if error is not None:
+        if reply is None and error is None:   # unanswered: cancelled or out of time meanwhile
+            cancel.wait(60.0 if req.deadline is None else req.deadline - time.monotonic() + 1)
+            raise Cancelled("the recorded request was never answered")
+        if reply is None:
             raise LlmError(error)
-        # recorded unanswered: the turn was cancelled or ran out of time meanwhile
-        cancel.wait(60.0 if req.deadline is None else req.deadline - time.monotonic() + 1)
-        raise Cancelled("the recorded request was never answered")
+        return typing.cast(LlmResponse, reply)
 
 
 class ReplayTools:
-    """A ToolPort that answers from a trace: the recorded tools, and for each call the recorded
-    result once its name and arguments match. `divergence` holds the first difference; a call
-    that was interrupted in the recording calls `on_interrupt` (replay cancels the turn there)."""
+    """A ToolPort answering from a trace: the recorded tools, and each call's recorded result
+    once its name and arguments match (else an error result, and `divergence` says why). A call
+    interrupted in the recording calls `on_interrupt` once its batch's other calls returned."""
 
     def __init__(self, trace: str | os.PathLike[str] | Sequence[dict[str, Any]],
                  on_interrupt: Callable[[], None] | None = None):
-        events = _events(trace)
+        events = read_trace(trace)
         starts = [e["data"] for e in events if e["kind"] == "turn_started"]
         self.tools = [ToolDescriptor(**d) for d in starts[0]["tools"]] if starts else []
         self.on_interrupt, self.divergence = on_interrupt, None
         self._calls: dict[str, list[dict[str, Any]]] = {}  # call id -> recorded, oldest first
         self._running: collections.Counter[int] = collections.Counter()  # batch -> unanswered
-        started: dict[str, dict[str, Any]] = {}
-        batch = 0
+        self._cond, started, batch = threading.Condition(), {}, 0
         for e in events:
             kind, d = e["kind"], e["data"]
             batch += kind == "llm_call_completed"
-            if kind == "tool_call_started":
-                started[d["call_id"]] = d
-            elif kind == "tool_call_completed" and started.get(d["call_id"], {}).get("runs"):
-                cut = "before this call ended" in d["content"]
-                self._calls.setdefault(d["call_id"], []).append(
-                    {**started[d["call_id"]], **d, "batch": batch, "cut": cut})
-                self._running[batch] += not cut
-        self._cond = threading.Condition()
+            started.update({d["call_id"]: d} if kind == "tool_call_started" else {})
+            if kind == "tool_call_completed" and started.get(d["call_id"], {}).get("runs"):
+                rec = {**started[d["call_id"]], **d, "batch": batch,
+                       "cut": "before this call ended" in d["content"]}
+                self._calls.setdefault(d["call_id"], []).append(rec)
+                self._running[batch] += not rec["cut"]
 
     def list_tools(self) -> list[ToolDescriptor]:
         """The tools the (first) recorded turn offered."""
@@ -2104,21 +2088,19 @@ class ReplayTools:
 
     def call_tool(self, call: ToolCall, timeout_s: float,
                   cancel: CancelToken | None = None) -> ToolResult:
-        """The recorded result; an error result (and `divergence`) for a call not recorded."""
+        """The recorded result of this call."""
         with self._cond:
             rec = (self._calls.get(call.id) or [None]).pop(0)
         if rec is None or (rec["name"], rec["arguments"]) != (call.name, redact(call.arguments)):
-            what = (f"tool call {call.id} {call.name}({json.dumps(redact(call.arguments))}) "
-                    "was never recorded" + (f"; recorded: {rec['name']}("
-                                            f"{json.dumps(rec['arguments'])})" if rec else ""))
+            what = f"tool call {call.id} {call.name}({json.dumps(redact(call.arguments))}) " \
+                   "was never recorded" + (rec and f"; recorded: {rec['name']}("
+                                                   f"{json.dumps(rec['arguments'])})" or "")
             self.divergence = self.divergence or what
             return _error(call, f"replay: {what}")
-        with self._cond:  # an interrupted call waits for the calls that ended before the cancel
-            if rec["cut"]:
-                self._cond.wait_for(lambda: not self._running[rec["batch"]], timeout=10)
-            else:
-                self._running[rec["batch"]] -= 1
-                self._cond.notify_all()
+        with self._cond:  # an interrupted call: the others of its batch ended before the cancel
+            self._running[rec["batch"]] -= not rec["cut"]
+            self._cond.notify_all()
+            self._cond.wait_for(lambda: not rec["cut"] or not self._running[rec["batch"]], 10)
         if rec["cut"] and self.on_interrupt:
             self.on_interrupt()
         return ToolResult(call.id, call.name, rec["content"], rec["is_error"])
@@ -2126,9 +2108,8 @@ class ReplayTools:
 
 @dataclass
 class ReplayReport:
-    """What replay() found: `ok`, one line per turn replayed, and the first divergence: its
-    turn (1-based), step, what differed, the recorded and the new value, and for a request
-    that differs the first differing message as a unified diff (`detail`)."""
+    """What replay() found: `ok`, a line per turn, and the first divergence: turn, step, what,
+    the recorded and new values, and for a request the first differing message (`detail`)."""
     ok: bool
     turns: list[str]
     turn: int | None = None
@@ -2139,15 +2120,13 @@ class ReplayReport:
     detail: str = ""
 
     def __str__(self) -> str:
-        if self.ok:
-            return "\n".join(self.turns)
-        return "\n".join([*self.turns, f"turn {self.turn}, step {self.step}: {self.what}",
-                          f"  recorded: {json.dumps(self.recorded, default=str)}",
-                          f"  new:      {json.dumps(self.new, default=str)}",
-                          *([self.detail] if self.detail else [])])
+        values = [f"  {k:<10}{json.dumps(v, default=str)}" for k, v in
+                  (("recorded:", self.recorded), ("new:", self.new))] if not self.ok else []
+        where = [] if self.ok else [f"turn {self.turn}, step {self.step}: {self.what}"]
+        return "\n".join(self.turns + where + values + ([self.detail] if self.detail else []))
 
 
-# Per event kind, the fields replay compares (timestamps, durations, usage are not compared).
+# The fields replay compares, per event kind (not timestamps, durations or usage).
 _COMPARED = {"turn_started": (), "state": ("from", "to"), "llm_call_started": ("digest",),
              "action_parsed": ("type", "tools"), "parse_error": ("error",),
              "tool_call_started": ("call_id", "name", "arguments"),
@@ -2158,32 +2137,30 @@ _COMPARED = {"turn_started": (), "state": ("from", "to"), "llm_call_started": ("
 
 def _turns(events: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
     """The events grouped by turn, turn_started first; TraceError for a turn cut short."""
-    turns, open_turns = [], {}
+    turns: list[list[dict[str, Any]]] = []
+    open_turns: dict[Any, list[dict[str, Any]]] = {}
     for e in events:
         sid = e.get("session_id")
         if e["kind"] == "turn_started":
             if e["data"].get("format") != TRACE_FORMAT or sid in open_turns:
                 raise TraceError(f"line {e['line']}: not a turn this bob replays (format "
                                  f"{e['data'].get('format')}, or the last turn never ended)")
-            open_turns[sid] = []
-            turns.append(open_turns[sid])
-        if sid in open_turns:
-            open_turns[sid].append(e)
+            turns.append(open_turns.setdefault(sid, []))
+        open_turns.get(sid, []).append(e)
         if e["kind"] == "turn_completed":
             open_turns.pop(sid, None)
     for turn in open_turns.values():
-        raise TraceError(f"the turn that starts at line {turn[0]['line']} has no turn_completed: "
-                         "the trace is cut short")
+        raise TraceError(f"the turn that starts at line {turn[0]['line']} has no "
+                         "turn_completed: the trace is cut short")
     return turns
 
 
 def _cancel_point(events: list[dict[str, Any]]) -> int | None:
-    """For a cancelled turn, the index (among compared events) of the event the cancel came
-    right after; None if not cancelled or a tool was interrupted (ReplayTools cancels then)."""
-    if events[-1]["data"].get("finish_reason") != FinishReason.CANCELLED.value:
-        return None
+    """The index (among compared events) of the event a recorded cancel came right after; None
+    when the turn was not cancelled or a tool was interrupted (ReplayTools cancels then)."""
     texts = [e["data"]["content"] for e in events if e["kind"] == "tool_call_completed"]
-    if any("before this call ended" in c for c in texts):
+    if (events[-1]["data"].get("finish_reason") != FinishReason.CANCELLED.value
+            or any("before this call ended" in c for c in texts)):
         return None
     states = [i for i, e in enumerate(events) if e["kind"] == "state"]
     if any("before this call started" in c for c in texts):   # while the model answered
@@ -2192,113 +2169,106 @@ def _cancel_point(events: list[dict[str, Any]]) -> int | None:
 
 
 class _Recorder:
-    """The replay's event sink: keeps events as JSON would, fires the cancel where recorded."""
+    """The replay's event sink: keeps compared events as JSON has them; cancels at `cancel_at`."""
 
     def __init__(self, cancel: CancelToken, cancel_at: int | None):
         self.events: list[dict[str, Any]] = []
         self.cancel, self.cancel_at = cancel, cancel_at
 
     def emit(self, event: AgentEvent) -> None:
-        if event.kind not in _COMPARED:
-            return
-        self.events.append(json.loads(json.dumps(dataclasses.asdict(event), default=str)))
-        if len(self.events) - 1 == self.cancel_at:
-            self.cancel.cancel()
+        if event.kind in _COMPARED:
+            self.events.append(json.loads(json.dumps(dataclasses.asdict(event), default=str)))
+            if len(self.events) - 1 == self.cancel_at:
+                self.cancel.cancel()
+
+
+def _shown(e: dict[str, Any] | None) -> dict[str, Any] | None:
+    return e and {"kind": e["kind"], **{f: e["data"].get(f) for f in _COMPARED[e["kind"]]}}
 
 
 def _first_difference(recorded: list[dict[str, Any]], new: list[dict[str, Any]]
                       ) -> tuple[int, str, Any, Any] | None:
     """(step, what, recorded, new) of the first compared event that differs, or None."""
-    def shown(e: dict[str, Any]) -> dict[str, Any]:
-        return {"kind": e["kind"], **{f: e["data"].get(f) for f in _COMPARED[e["kind"]]}}
     for a, b in itertools.zip_longest(recorded, new):
-        if a is None or b is None:
-            what = "the new run did more" if a is None else "the new run ended before this"
-            return (a or b)["step"], what, a and shown(a), b and shown(b)
-        if a["kind"] != b["kind"]:
-            return a["step"], "a different event", shown(a), shown(b)
+        if a is None or b is None or a["kind"] != b["kind"]:
+            what = ("the new run did more" if a is None else "the new run ended before this"
+                    if b is None else "a different event")
+            return (a or b)["step"], what, _shown(a), _shown(b)
         for f in _COMPARED[a["kind"]]:
             if a["data"].get(f) != b["data"].get(f):
                 return a["step"], f"{a['kind']} {f}", a["data"].get(f), b["data"].get(f)
     return None
 
 
-def _message_diff(old: Sequence[Message], new: Sequence[Message]) -> str:
-    """The first message that differs: its index, role, and a unified diff of the texts."""
-    import difflib
-    for i, (a, b) in enumerate(itertools.zip_longest(old, new)):
-        if a != b:
-            lines = [(m.content if m else "").splitlines() for m in (a, b)]
-            diff = difflib.unified_diff(*lines, "recorded", "new", lineterm="", n=1)
-            return f"  message {i} ({(a or b).role}) differs:\n    " + "\n    ".join(diff)
-    return "  the messages are the same: the tools or the response format differ"
-
-
 def _replay_turn(events: list[dict[str, Any]], store: SessionStore, tools: ToolPort | None,
                  deny_tools: Sequence[str], overrides: dict[str, Any]
-                 ) -> tuple[_Recorder, ReplayLlm, ToolPort]:
-    """Run one recorded turn again; returns what it emitted and its two ports."""
-    start, compared = events[0]["data"], [e for e in events if e["kind"] in _COMPARED]
-    sid = events[0]["session_id"]
+                 ) -> tuple[list[dict[str, Any]], ReplayLlm]:
+    """Run one recorded turn again; returns the compared events it emitted and its ReplayLlm."""
+    start, sid = events[0]["data"], events[0]["session_id"]
     for e in events:
         if e["kind"] == "session_loaded":
             store.save(sid, SessionState([Message.from_dict(m) for m in e["data"]["messages"]]))
-    caller = CancelToken()
-    sink, llm = _Recorder(caller, _cancel_point(compared)), ReplayLlm(events)
-    port = tools if tools is not None else ReplayTools(events, caller.cancel)
+    caller, llm = CancelToken(), ReplayLlm(events)
+    sink = _Recorder(caller, _cancel_point([e for e in events if e["kind"] in _COMPARED]))
     settings = {"policy": TurnPolicy(**start["policy"]), "system_prompt": start["system_prompt"],
                 "action_mode": start["action_mode"]}
     settings.update((k, v) for k, v in overrides.items() if v is not None)
-    runtime = AgentRuntime(llm, port, store=store, events=sink, deny_tools=deny_tools,
-                           **settings)
+    runtime = AgentRuntime(llm, tools if tools is not None else ReplayTools(events, caller.cancel),
+                           store=store, events=sink, deny_tools=deny_tools, **settings)
     with contextlib.suppress(BobError):  # an error that ends the turn is an event
         runtime.run(AgentRequest(start["input"], sid), caller)
-    return sink, llm, port
+    return sink.events, llm
+
+
+def _request_diff(events: list[dict[str, Any]], before: SessionState | None,
+                  llm: ReplayLlm) -> str:
+    """The first message of the last request `llm` got that differs from the recorded one
+    (index, role, unified diff); the recorded request is rebuilt by replaying the turn as
+    recorded, and its digest proves it is the one the trace holds."""
+    import difflib
+    store, k = InMemorySessionStore(), len(llm.requests) - 1
+    if before is not None:
+        store.save(events[0]["session_id"], before)
+    ref = _replay_turn(events, store, None, (), {})[1].requests
+    digests = [e["data"]["digest"] for e in events if e["kind"] == "llm_call_started"]
+    if len(ref) <= k or k >= len(digests) or request_digest(ref[k]) != digests[k]:
+        return "  (the recorded request cannot be rebuilt from the trace)"
+    for i, (a, b) in enumerate(itertools.zip_longest(ref[k].messages, llm.requests[k].messages)):
+        if a != b:
+            texts = [(m.content if m else "").splitlines() for m in (a, b)]
+            diff = difflib.unified_diff(*texts, "recorded", "new", lineterm="", n=1)
+            return f"  message {i} ({(a or b).role}) differs:\n    " + "\n    ".join(diff)
+    return "  the messages are the same: the tools or the response format differ"
 
 
 def replay(trace: str | os.PathLike[str] | Sequence[dict[str, Any]], *,
            tools: ToolPort | None = None, policy: TurnPolicy | None = None,
            system_prompt: str | None = None, action_mode: str | None = None,
            deny_tools: Sequence[str] = ()) -> ReplayReport:
-    """Re-run every recorded turn (answers from the trace; `tools` run for real if given, minus
-    `deny_tools`) and stop at the first divergence; the overrides replace the recorded settings.
-    TraceError for a trace that cannot be read or was cut short. Never calls a live model."""
+    """Re-run every recorded turn, answered from the trace (`tools`, if given, run for real,
+    minus `deny_tools`), until the first divergence; the overrides replace the recorded
+    settings. TraceError for a trace that cannot be read or was cut short."""
     overrides = {"policy": policy, "system_prompt": system_prompt, "action_mode": action_mode}
-    store, report = InMemorySessionStore(), ReplayReport(True, [])
-    for n, events in enumerate(_turns(_events(trace)), 1):
+    store, lines = InMemorySessionStore(), []
+    for n, events in enumerate(_turns(read_trace(trace)), 1):
         before = store.load(events[0]["session_id"])
         try:
-            sink, llm, port = _replay_turn(events, store, tools, deny_tools, overrides)
+            new, llm = _replay_turn(events, store, tools, deny_tools, overrides)
         except (TypeError, KeyError, ValueError) as e:
             raise TraceError(f"the turn that starts at line {events[0]['line']} cannot be "
                              f"replayed: {type(e).__name__}: {e}") from None
-        recorded = [e for e in events if e["kind"] in _COMPARED]
-        found = _first_difference(recorded, sink.events)
-        end = events[-1]["data"]
+        found = _first_difference([e for e in events if e["kind"] in _COMPARED], new)
         if found is None:
-            report.turns.append(f"turn {n}: same ({end['steps']} LLM calls, {end['tool_calls']}"
-                                f" tool calls, {end['finish_reason'] or 'error'})")
+            end = events[-1]["data"]
+            lines.append(f"turn {n}: same ({end['steps']} LLM calls, {end['tool_calls']} tool "
+                         f"calls, {end['finish_reason'] or 'error'})")
             continue
-        step, what, old, new = found
-        if isinstance(new, str) and new.startswith("replay: "):   # what ReplayTools saw
-            what = new.removeprefix("replay: ")
-        report = ReplayReport(False, report.turns + [f"turn {n}: DIFFERENT"], n, step, what,
-                              old, new)
+        step, what, old, value = found
+        if isinstance(value, str) and value.startswith("replay: "):   # what ReplayTools saw
+            what = value.removeprefix("replay: ")
+        detail = ""
         if what == "llm_call_started digest":
-            report.what = llm.divergence or what
-            report.detail = _request_diff(events, before, len(llm.requests) - 1, llm)
-        break
-    return report
-
-
-def _request_diff(events: list[dict[str, Any]], before: SessionState | None, k: int,
-                  llm: ReplayLlm) -> str:
-    """Rebuild the recorded request k by replaying the turn as recorded, and diff it."""
-    store = InMemorySessionStore()
-    if before is not None:
-        store.save(events[0]["session_id"], before)
-    _, ref, _ = _replay_turn(events, store, None, (), {})
-    digests = [e["data"]["digest"] for e in events if e["kind"] == "llm_call_started"]
-    if len(ref.requests) <= k or request_digest(ref.requests[k]) != digests[k]:
-        return "  (the recorded request cannot be rebuilt from the trace)"
-    return _message_diff(ref.requests[k].messages, llm.requests[k].messages)
+            what, detail = llm.divergence or what, _request_diff(events, before, llm)
+        return ReplayReport(False, lines + [f"turn {n}: DIFFERENT"], n, step, what, old, value,
+                            detail)
+    return ReplayReport(True, lines)
