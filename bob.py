@@ -941,7 +941,7 @@ class JsonlEventSink:
 
     def emit(self, event: AgentEvent) -> None:
         """Append the event as one JSON line and flush it."""
-        line = json.dumps(dataclasses.asdict(event), default=str, ensure_ascii=False)
+        line = json.dumps(vars(event), default=str, ensure_ascii=False)
         with self._lock:
             if self._file is None:
                 self._file = open(self.path, "a", encoding="utf-8")  # opened on first event
@@ -979,14 +979,21 @@ def redact(data: Any) -> Any:
 TRACE_FORMAT = 1   # the trace's format version, in every turn_started
 
 
-def request_digest(req: LlmRequest) -> str:
-    """sha256 of the canonical JSON of what an LlmPort receives (messages masked, tools,
-    response format): llm_call_started records it, replay checks it."""
-    body = {"messages": redact([m.to_dict() for m in req.messages]),
-            "tools": [dataclasses.asdict(d) for d in req.tools],
-            "response_format": req.response_format}
-    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":"),
-                                     default=str).encode()).hexdigest()
+def _canonical(data: Any) -> str:
+    return json.dumps(data, sort_keys=True, separators=(",", ":"), default=str)
+
+
+def request_digest(req: LlmRequest, cache: dict[int, tuple[Message, str]] | None = None) -> str:
+    """sha256 of the canonical JSON of what an LlmPort receives: {"messages" (masked),
+    "response_format", "tools"}. `cache` keeps each message's part (and the message, so its
+    id stays its own): a step then pays only for its new messages."""
+    cache = {} if cache is None else cache
+    parts = [(cache.get(id(m)) or cache.setdefault(id(m), (m, _canonical(redact(
+        m.to_dict())))))[1] for m in req.messages]
+    text = (f'{{"messages":[{",".join(parts)}],"response_format":'
+            f'{_canonical(req.response_format)},"tools":'
+            f'{_canonical([dataclasses.asdict(d) for d in req.tools])}}}')
+    return hashlib.sha256(text.encode()).hexdigest()
 
 
 def _reply_data(reply: LlmResponse, duration_ms: float) -> dict[str, Any]:
@@ -1147,6 +1154,7 @@ class _Turn:
     guard_reason: GuardReason | None = None
     error: BaseException | None = None
     closed: bool = False                    # set at the end: late worker events are dropped
+    parts: dict[int, tuple[Message, str]] = field(default_factory=dict)  # for request_digest
 
 
 class AgentRuntime:
@@ -1263,7 +1271,7 @@ class AgentRuntime:
         prompt = t.prompt
         if self.sinks:
             self._emit(t, "llm_call_started", {"messages": len(prompt.messages),
-                                               "digest": request_digest(prompt)})
+                                               "digest": request_digest(prompt, t.parts)})
         t0 = time.perf_counter()
         worker = self._call_port(t, lambda: self.llm.complete(
             prompt, t.cancel, functools.partial(self._delta, t)))
@@ -2032,7 +2040,7 @@ class ReplayLlm:
                 self._script[-1][2] = d["error"].partition(": ")[2]
         self.requests: list[LlmRequest] = []
         self.divergence: str | None = None
-        self._lock = threading.Lock()
+        self._lock, self._parts = threading.Lock(), {}   # the parts of request_digest
 
     @property
     def left_over(self) -> int:
@@ -2046,7 +2054,7 @@ class ReplayLlm:
             n = len(self.requests)
             self.requests.append(req)
         digest, reply, error = self._script[n] if n < len(self._script) else (None,) * 3
-        if digest is None or request_digest(req) != digest:
+        if digest is None or request_digest(req, self._parts) != digest:
             self.divergence = self.divergence or f"LLM request {n + 1} " + (
                 "differs from the recorded" if digest else "has no recorded reply")
             raise LlmError(f"replay: {self.divergence}")
@@ -2177,7 +2185,7 @@ class _Recorder:
 
     def emit(self, event: AgentEvent) -> None:
         if event.kind in _COMPARED:
-            self.events.append(json.loads(json.dumps(dataclasses.asdict(event), default=str)))
+            self.events.append(json.loads(json.dumps(vars(event), default=str)))
             if len(self.events) - 1 == self.cancel_at:
                 self.cancel.cancel()
 
