@@ -1171,7 +1171,7 @@ class AgentRuntime:
         self.system_prompt = system_prompt
         self.deny_tools = tuple(deny_tools)
         self._failing: set[int] = set()   # ids of sinks that raised (logged once each)
-        self._traced: set[str] = set()    # sessions whose history a session_loaded gave
+        self._traced: dict[str, int] = {}  # session -> the version its traced turns lead to
         self._states: dict[State, Callable[[_Turn], State]] = {
             State.START: self._start, State.BUILD_PROMPT: self._build_prompt,
             State.LLM_INFER: self._llm_infer, State.PARSE_ACTION: self._parse_action,
@@ -1464,16 +1464,19 @@ class AgentRuntime:
                                             "arguments": redact(call.arguments), "runs": runs})
 
     def _trace_start(self, t: _Turn) -> None:
-        """turn_started with all that decides the run; session_loaded on a session's first turn
-        in this runtime (or with a given history), so a trace begun mid-session replays alone."""
+        """turn_started with all that decides the run; session_loaded unless the session is as
+        this runtime's trace left it (so a trace begun mid-session, or after a failed save or
+        another writer, replays alone)."""
         self._emit(t, "turn_started", {
             "format": TRACE_FORMAT, "version": __version__, "input": t.request.input,
             "model": getattr(self.llm, "describe", lambda: type(self.llm).__name__)(),
             "action_mode": self.action_mode, "policy": dataclasses.asdict(t.policy),
-            "system_prompt": self._instructions(t),
+            "deny_tools": list(self.deny_tools), "system_prompt": self._instructions(t),
             "tools": [dataclasses.asdict(d) for d in t.tools]})
-        if t.request.history is not None or t.request.session_id not in self._traced:
-            self._traced.add(t.request.session_id)
+        sid, version = t.request.session_id, t.session.version
+        fresh = t.request.history is not None or self._traced.get(sid) != version
+        self._traced[sid] = version + 1   # what _done saves
+        if fresh:
             self._emit(t, "session_loaded", {"messages": [
                 redact(m.to_dict()) for m in t.session.messages[:t.input_index]]})
 

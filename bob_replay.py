@@ -18,9 +18,11 @@ Needs bob.py beside it and the standard library only.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import difflib
 import itertools
 import json
+import os
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -62,6 +64,11 @@ _COMPARED = {"turn_started": (), "state": ("from", "to"), "llm_call_started": ("
              "tool_call_completed": ("call_id", "name", "content", "is_error"),
              "guard_tripped": ("reason", "detail"), "error": ("where",),
              "turn_completed": ("finish_reason", "guard_reason", "content")}
+
+
+def _compared(e: dict[str, Any]) -> bool:
+    """Compared events: a failing store.save is about the machine, not the run."""
+    return e["kind"] in _COMPARED and e["data"].get("where") != "store.save"
 
 
 def _turns(events: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
@@ -107,8 +114,9 @@ class _Recorder:
         self.cancel, self.cancel_at = cancel, cancel_at
 
     def emit(self, event: AgentEvent) -> None:
-        if event.kind in _COMPARED:
-            self.events.append(json.loads(json.dumps(vars(event), default=str)))
+        e = json.loads(json.dumps(vars(event), default=str))
+        if _compared(e):
+            self.events.append(e)
             if len(self.events) - 1 == self.cancel_at:
                 self.cancel.cancel()
 
@@ -140,12 +148,13 @@ def _replay_turn(events: list[dict[str, Any]], store: SessionStore, tools: ToolP
         if e["kind"] == "session_loaded":
             store.save(sid, SessionState([Message.from_dict(m) for m in e["data"]["messages"]]))
     caller, llm = CancelToken(), ReplayLlm(events)
-    sink = _Recorder(caller, _cancel_point([e for e in events if e["kind"] in _COMPARED]))
+    sink = _Recorder(caller, _cancel_point([e for e in events if _compared(e)]))
     settings = {"policy": TurnPolicy(**start["policy"]), "system_prompt": start["system_prompt"],
                 "action_mode": start["action_mode"]}
     settings.update((k, v) for k, v in overrides.items() if v is not None)
+    deny = (*deny_tools, *start.get("deny_tools", ()))   # what the recording denied stays denied
     runtime = AgentRuntime(llm, tools if tools is not None else ReplayTools(events, caller.cancel),
-                           store=store, events=sink, deny_tools=deny_tools, **settings)
+                           store=store, events=sink, deny_tools=deny, **settings)
     with contextlib.suppress(BobError):  # an error that ends the turn is an event
         runtime.run(AgentRequest(start["input"], sid), caller)
     return sink.events, llm
@@ -171,6 +180,25 @@ def _request_diff(events: list[dict[str, Any]], before: SessionState | None,
     return "  the messages are the same: the tools or the response format differ"
 
 
+def _check_turn(events: list[dict[str, Any]], store: SessionStore, tools: ToolPort | None,
+                deny_tools: Sequence[str], overrides: dict[str, Any]) -> str | ReplayReport:
+    """Replay one turn: "same (...)" or the report of its first divergence."""
+    before = store.load(events[0]["session_id"])
+    new, llm = _replay_turn(events, store, tools, deny_tools, overrides)
+    found = _first_difference([e for e in events if _compared(e)], new)
+    if found is None:
+        end = events[-1]["data"]
+        return (f"same ({end['steps']} LLM calls, {end['tool_calls']} tool calls, "
+                f"{end['finish_reason'] or 'error'})")
+    step, what, old, value = found
+    if isinstance(value, str) and value.startswith("replay: "):   # what ReplayTools saw
+        what = value.removeprefix("replay: ")
+    detail = ""
+    if what == "llm_call_started digest":
+        what, detail = llm.divergence or what, _request_diff(events, before, llm)
+    return ReplayReport(False, [], None, step, what, old, value, detail)
+
+
 # ---- 4. replay() --------------------------------------------------------------------------------
 
 def replay(trace: str | os.PathLike[str] | Sequence[dict[str, Any]], *,
@@ -178,29 +206,17 @@ def replay(trace: str | os.PathLike[str] | Sequence[dict[str, Any]], *,
            system_prompt: str | None = None, action_mode: str | None = None,
            deny_tools: Sequence[str] = ()) -> ReplayReport:
     """Re-run every recorded turn, answered from the trace (`tools`, if given, run for real,
-    minus `deny_tools`), until the first divergence; the overrides replace the recorded
-    settings. TraceError for a trace that cannot be read or was cut short."""
+    minus `deny_tools` and the recorded ones), until the first divergence; the overrides
+    replace the recorded settings. TraceError for a trace that cannot be read or is cut short."""
     overrides = {"policy": policy, "system_prompt": system_prompt, "action_mode": action_mode}
     store, lines = InMemorySessionStore(), []
     for n, events in enumerate(_turns(read_trace(trace)), 1):
-        before = store.load(events[0]["session_id"])
         try:
-            new, llm = _replay_turn(events, store, tools, deny_tools, overrides)
-        except (TypeError, KeyError, ValueError) as e:
-            raise bob.TraceError(f"the turn that starts at line {events[0]['line']} cannot be "
-                             f"replayed: {type(e).__name__}: {e}") from None
-        found = _first_difference([e for e in events if e["kind"] in _COMPARED], new)
-        if found is None:
-            end = events[-1]["data"]
-            lines.append(f"turn {n}: same ({end['steps']} LLM calls, {end['tool_calls']} tool "
-                         f"calls, {end['finish_reason'] or 'error'})")
-            continue
-        step, what, old, value = found
-        if isinstance(value, str) and value.startswith("replay: "):   # what ReplayTools saw
-            what = value.removeprefix("replay: ")
-        detail = ""
-        if what == "llm_call_started digest":
-            what, detail = llm.divergence or what, _request_diff(events, before, llm)
-        return ReplayReport(False, lines + [f"turn {n}: DIFFERENT"], n, step, what, old, value,
-                            detail)
+            outcome = _check_turn(events, store, tools, deny_tools, overrides)
+        except (TypeError, KeyError, ValueError, AttributeError, IndexError) as e:
+            raise bob.TraceError(f"the turn that starts at line {events[0].get('line')} cannot "
+                                 f"be replayed: {type(e).__name__}: {e}") from None
+        if isinstance(outcome, ReplayReport):
+            return dataclasses.replace(outcome, turns=[*lines, f"turn {n}: DIFFERENT"], turn=n)
+        lines.append(f"turn {n}: {outcome}")
     return ReplayReport(True, lines)

@@ -156,6 +156,7 @@ def test_a_multi_turn_run_replays_the_same_twenty_times(tmp_path):
         FinishReason.CANCELLED]
     assert results[2].guard_reason is GuardReason.LOOP_DETECTED
     assert of(path, "parse_error")      # the re-prompt is in the trace
+    assert len(of(path, "session_loaded")) == 1   # later turns continue from the trace
     for _ in range(20):
         report = bob.replay(path)
         assert report.ok, str(report)
@@ -366,3 +367,35 @@ def test_a_turn_cancelled_while_a_tool_ran_replays_the_same(tmp_path, hang):
     for _ in range(20):
         report = bob.replay(path)
         assert report.ok, str(report)
+
+
+def test_denied_calls_a_turn_timeout_and_a_failing_store_replay_the_same(tmp_path, hang):
+    path = tmp_path / "t.jsonl"
+    release = hang()
+
+    class FullDisk(bob.InMemorySessionStore):
+        def save(self, session_id, state):
+            raise bob.StoreError("disk full")
+
+    def slow(req, cancel):
+        release.wait(10)
+        return "late"
+
+    [denied, timed_out] = record(
+        path, [calls(("c1", "shout", {"text": "x"})), "ok", slow], ["one", "two"],
+        deny_tools=["shout"], store=FullDisk(), policy=TurnPolicy(turn_timeout_ms=300))
+    assert "denied" in denied.history[2].content
+    assert timed_out.guard_reason is GuardReason.TURN_TIMEOUT
+    assert [d["where"] for d in of(path, "error")] == ["store.save", "store.save"]
+    assert len(of(path, "session_loaded")) == 2   # the save failed: turn 2 starts afresh
+    report = bob.replay(path)       # waits out the recorded 300 ms again
+    assert report.ok, str(report)
+
+
+def test_a_trace_with_a_malformed_turn_is_a_trace_error(tmp_path):
+    path = tmp_path / "t.jsonl"
+    record(path, ["hello"], ["hi"])
+    lines = path.read_text().replace('"max_steps": 12', '"max_steps": "many"')
+    path.write_text(lines)
+    with pytest.raises(TraceError, match="the turn that starts at line 1 cannot be replayed"):
+        bob.replay(path)
