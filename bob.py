@@ -33,7 +33,6 @@ import fnmatch
 import functools
 import hashlib
 import inspect
-import itertools
 import json
 import logging
 import os
@@ -1476,7 +1475,7 @@ class AgentRuntime:
         sid, version = t.request.session_id, t.session.version
         fresh = t.request.history is not None or self._traced.get(sid) != version
         self._traced[sid] = version + 1   # what _done saves
-        if fresh:
+        if fresh and self.sinks:   # the copy costs O(history)
             self._emit(t, "session_loaded", {"messages": [
                 redact(m.to_dict()) for m in t.session.messages[:t.input_index]]})
 

@@ -80,14 +80,14 @@ def _turns(events: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
         if e["kind"] == "turn_started":
             if e["data"].get("format") != bob.TRACE_FORMAT or sid in open_turns:
                 raise bob.TraceError(f"line {e['line']}: not a turn this bob replays (format "
-                                 f"{e['data'].get('format')}, or the last turn never ended)")
+                                     f"{e['data'].get('format')}, or the last turn never ended)")
             turns.append(open_turns.setdefault(sid, []))
         open_turns.get(sid, []).append(e)
         if e["kind"] == "turn_completed":
             open_turns.pop(sid, None)
     for turn in open_turns.values():
         raise bob.TraceError(f"the turn that starts at line {turn[0]['line']} has no "
-                         "turn_completed: the trace is cut short")
+                             "turn_completed: the trace is cut short")
     return turns
 
 

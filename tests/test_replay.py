@@ -14,7 +14,7 @@ import pytest
 
 import bob
 from bob import (AgentRequest, AgentRuntime, CancelToken, FinishReason, FunctionTools,
-                 GuardReason, JsonlEventSink, LlmResponse, Message, ReplayLlm, ReplayTools,
+                 GuardReason, JsonlEventSink, LlmResponse, ReplayLlm, ReplayTools,
                  ScriptedLlm, ToolCall, TraceError, TurnPolicy)
 from fake_openai import FakeOpenAI, tool_calls_reply
 
@@ -37,7 +37,8 @@ def tools() -> FunctionTools:
 
 def calls(*specs: tuple[str, str, dict], text: str = "") -> LlmResponse:
     """A native-mode reply with tool calls (id, name, arguments)."""
-    return LlmResponse(text, tuple(ToolCall(i, n, a) for i, n, a in specs), finish_reason="tool_calls")
+    return LlmResponse(text, tuple(ToolCall(i, n, a) for i, n, a in specs),
+                       finish_reason="tool_calls")
 
 
 def events(path: Path) -> list[dict]:
@@ -117,7 +118,8 @@ def test_refused_calls_are_started_too_and_secrets_stay_masked(tmp_path):
     record(path, [calls(*[(f"c{i}", "shout", secret) for i in range(3)]), "done"], ["go"],
            policy=TurnPolicy(max_parallel_tools=2))
     started, completed = of(path, "tool_call_started"), of(path, "tool_call_completed")
-    assert [s["call_id"] for s in started] == [c["call_id"] for c in completed] == ["c0", "c1", "c2"]
+    assert [s["call_id"] for s in started] == [c["call_id"] for c in completed]
+    assert [s["call_id"] for s in started] == ["c0", "c1", "c2"]
     assert [s["runs"] for s in started] == [False] * 3
     assert "sk-SECRET" not in path.read_text()
     assert bob.replay(path).ok      # digests are taken over the masked form
