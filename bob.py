@@ -69,6 +69,7 @@ __all__ = [
     "TRACE_FORMAT", "request_digest", "read_trace", "ReplayLlm", "ReplayTools", "replay",
 ]
 __version__ = "0.1.0"
+TRACE_FORMAT = 1   # the format of what a trace records (README: "Record and replay")
 
 log = logging.getLogger("bob")
 
@@ -971,9 +972,6 @@ def redact(data: Any) -> Any:
     if isinstance(data, str) and '"' in data:
         return _SECRET_PAIR.sub(r'\1"***"', data)
     return data
-
-
-TRACE_FORMAT = 1   # the format of what the trace records (section 11 reads it), in turn_started
 
 
 def request_digest(req: LlmRequest, cache: dict[int, tuple[Message, str]] | None = None) -> str:
