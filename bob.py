@@ -56,7 +56,8 @@ __all__ = [
     # domain
     "Message", "ToolDescriptor", "ToolCall", "ToolResult", "Final", "CallTools", "AskUser",
     "AgentAction", "TurnPolicy", "Usage", "FinishReason", "GuardReason", "AgentRequest",
-    "AgentRunResult", "CancelToken", "SessionState", "AgentEvent", "LlmRequest", "LlmResponse",
+    "Approval", "AgentRunResult", "CancelToken", "SessionState", "AgentEvent", "LlmRequest",
+    "LlmResponse",
     # ports
     "LlmPort", "ToolPort", "SessionStore", "EventSink",
     # machinery and adapters
@@ -244,6 +245,7 @@ class FinishReason(str, enum.Enum):
     ASK_USER = "ask_user"
     GUARD_EXCEEDED = "guard_exceeded"
     CANCELLED = "cancelled"
+    NEEDS_APPROVAL = "needs_approval"   # paused on tool calls waiting for a person's decision
 
 
 class GuardReason(str, enum.Enum):
@@ -256,14 +258,25 @@ class GuardReason(str, enum.Enum):
     STAGNATION = "stagnation"
 
 
+@dataclass(frozen=True)
+class Approval:
+    """A person's decision on one tool call: `reason` is told to the model when declined,
+    `arguments` (when allowed) replace the call's arguments."""
+    allow: bool
+    reason: str = ""
+    arguments: dict[str, Any] | None = None
+
+
 @dataclass
 class AgentRequest:
-    """One user turn. A given `history` replaces the stored one for this turn."""
-    input: str
+    """One user turn. A given `history` replaces the stored one for this turn. `input=None` with
+    `approvals={call_id: Approval}` resumes a turn paused with NEEDS_APPROVAL."""
+    input: str | None
     session_id: str = "default"
     system_prompt: str | None = None
     policy: TurnPolicy | None = None
     history: list[Message] | None = None
+    approvals: dict[str, Approval] | None = None
 
 
 @dataclass
@@ -276,6 +289,7 @@ class AgentRunResult:
     steps: int
     tool_calls: int
     history: list[Message]
+    pending: tuple[ToolCall, ...] = ()  # the calls waiting for a decision (NEEDS_APPROVAL)
 
 
 @dataclass
@@ -284,17 +298,18 @@ class SessionState:
     messages: list[Message] = field(default_factory=list)
     usage: Usage = field(default_factory=Usage)
     version: int = 0
+    paused: dict[str, Any] | None = None  # a turn waiting for approvals: its counts, decisions
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-ready dict."""
         return {"version": self.version, "usage": dataclasses.asdict(self.usage),
-                "messages": [m.to_dict() for m in self.messages]}
+                "messages": [m.to_dict() for m in self.messages], "paused": self.paused}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> SessionState:
         """Reverse of `to_dict`."""
         return cls([Message.from_dict(m) for m in d["messages"]], Usage(**d.get("usage", {})),
-                   int(d.get("version", 0)))
+                   int(d.get("version", 0)), d.get("paused"))
 
 
 class CancelToken:
@@ -647,6 +662,10 @@ class LoopGuard:
         for r in results:
             self.consecutive_errors = self.consecutive_errors + 1 if r.is_error else 0
 
+    def counts(self) -> dict[str, Any]:
+        """What the turn has counted, as JSON: a paused turn carries it over to its resume."""
+        return {k: v for k, v in vars(self).items() if k not in ("policy", "deadline")}
+
     def record_refusal(self) -> None:
         """A refused batch (too many calls at once) counts as one error, not one per call."""
         self.consecutive_errors += 1
@@ -853,13 +872,12 @@ class InMemorySessionStore:
         """A copy of the stored state, or None."""
         with self._lock:
             s = self._sessions.get(session_id)
-            return None if s is None else SessionState(list(s.messages), s.usage, s.version)
+            return None if s is None else dataclasses.replace(s, messages=list(s.messages))
 
     def save(self, session_id: str, state: SessionState) -> None:
         """Store a copy of `state`."""
         with self._lock:
-            self._sessions[session_id] = SessionState(list(state.messages), state.usage,
-                                                      state.version)
+            self._sessions[session_id] = dataclasses.replace(state, messages=list(state.messages))
 
 
 _SESSION_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
@@ -1112,7 +1130,7 @@ class State(str, enum.Enum):
 
 
 TRANSITIONS: dict[State, frozenset[State]] = {
-    State.START: frozenset({State.BUILD_PROMPT, State.DONE}),
+    State.START: frozenset({State.BUILD_PROMPT, State.CALL_TOOL, State.DONE}),  # CALL_TOOL: resume
     State.BUILD_PROMPT: frozenset({State.LLM_INFER}),
     State.LLM_INFER: frozenset({State.PARSE_ACTION, State.DONE}),
     State.PARSE_ACTION: frozenset({State.BUILD_PROMPT, State.CALL_TOOL, State.DONE}),
@@ -1145,6 +1163,9 @@ class _Turn:
     finish: FinishReason = FinishReason.FINAL
     guard_reason: GuardReason | None = None
     error: BaseException | None = None
+    approvals: dict[str, Approval] = field(default_factory=dict)  # decisions, by call id
+    resumed: bool = False                   # took up a paused batch (its guards already ran)
+    pending: tuple[ToolCall, ...] = ()      # calls left waiting for a decision
     closed: bool = False                    # set at the end: late worker events are dropped
     parts: dict[int, tuple[Message, str]] = field(default_factory=dict)  # for request_digest
 
@@ -1156,7 +1177,9 @@ class AgentRuntime:
                  store: SessionStore | None = None,
                  events: EventSink | Sequence[EventSink] | None = None,
                  policy: TurnPolicy | None = None, system_prompt: str | None = None,
-                 action_mode: Literal["json", "native"] = "json", deny_tools: Sequence[str] = ()):
+                 action_mode: Literal["json", "native"] = "json", deny_tools: Sequence[str] = (),
+                 ask_tools: Sequence[str] = (),
+                 approver: Callable[[ToolCall], Approval] | None = None):
         if action_mode not in ("json", "native"):
             raise ConfigError(f"action_mode must be 'json' or 'native', got {action_mode!r}")
         self.llm, self.tools, self.action_mode = llm, tools, action_mode
@@ -1166,7 +1189,8 @@ class AgentRuntime:
             else [typing.cast(EventSink, events)])
         self.policy = policy or TurnPolicy()
         self.system_prompt = system_prompt
-        self.deny_tools = tuple(deny_tools)
+        self.deny_tools, self.ask_tools = tuple(deny_tools), tuple(ask_tools)
+        self.approver = approver
         self._failing: set[int] = set()   # ids of sinks that raised (logged once each)
         self._traced: dict[str, int] = {}  # session -> the version its traced turns lead to
         self._states: dict[State, Callable[[_Turn], State]] = {
@@ -1222,19 +1246,19 @@ class AgentRuntime:
     # -- the states, in the order a turn visits them --
 
     def _start(self, t: _Turn) -> State:
-        """Load the session, append the user's message, list tools once (bounded like any port)."""
+        """Load the session, append the user's message (or take up a paused batch: a resume goes
+        straight to CallTool), list tools once (bounded like any port)."""
         stored = self.store.load(t.request.session_id)
         t.session = stored or SessionState()
         if t.request.history is not None:
             t.session.messages = list(t.request.history)
-        t.session.messages.append(Message("user", t.request.input))
-        t.input_index = len(t.session.messages) - 1
+        resume = self._take_up(t)
         worker = self._call_port(t, self.tools.list_tools) if self.tools is not None else None
         if worker is not None and worker.done and worker.error is None:
             t.tools = [d for d in worker.value if not is_denied(d.name, self.deny_tools)]
         self._trace_start(t)
         stop = worker and self._stopped(t, worker, "listing the tools")
-        return stop or State.BUILD_PROMPT
+        return stop or (State.CALL_TOOL if resume else State.BUILD_PROMPT)
 
     def _build_prompt(self, t: _Turn) -> State:
         """System message + history cut to max_history_messages, in the mode's wire shape."""
@@ -1311,28 +1335,25 @@ class AgentRuntime:
         return State.CALL_TOOL
 
     def _call_tool(self, t: _Turn) -> State:
-        """Check the batch against the guards, run it, append results in call order."""
+        """Guard the batch, get the decisions it needs, run it, append results in call order."""
         assert isinstance(t.action, CallTools)
         calls = t.action.calls
         if t.caller_cancel.cancelled:  # cancelled while the model answered: start nothing
-            self._append_results(t, [_error(c, "interrupted: the turn was cancelled before this "
-                                            "call started") for c in calls], calls)
-            return self._cancelled(t)
-        trip = t.guard.check_loop(calls)
-        if trip is None and len(calls) > t.policy.max_parallel_tools:
-            n = t.policy.max_parallel_tools
-            self._append_results(t, [_error(c, f"not run: this batch has {len(calls)} calls and "
-                                            f"at most max_parallel_tools={n} may run at once; "
-                                            f"call at most {n} tools at a time") for c in calls],
-                                 calls)
-            t.guard.record_refusal()
-            return State.BUILD_PROMPT
+            return self._interrupted(t, "before this call started")
+        if not t.resumed:  # a resumed batch passed these two before it paused
+            trip = t.guard.check_loop(calls)
+            if trip:
+                return self._not_run(t, trip)
+            if len(calls) > t.policy.max_parallel_tools:
+                return self._refuse_batch(t, calls)
         refusals = [self._refusal(t, c) for c in calls]
-        trip = trip or t.guard.check_budget(sum(r is None for r in refusals))
-        if trip:  # keep history well-formed: every call gets a result
-            self._append_results(t, [_error(c, f"not run: {trip.detail}") for c in calls], calls)
-            return self._trip(t, trip)
-        results, ran = self._run_batch(t, calls, refusals)
+        decided = self._decide(t, refusals)
+        if isinstance(decided, State):
+            return decided
+        trip = t.guard.check_budget(sum(r is None for r in refusals))
+        if trip:
+            return self._not_run(t, trip)
+        results, ran = self._run_batch(t, decided, refusals)
         t.guard.record_results(results, ran)
         self._append_results(t, results)
         if t.caller_cancel.cancelled:
@@ -1358,9 +1379,129 @@ class AgentRuntime:
         if t.error is not None:
             raise t.error
         return AgentRunResult(t.content, t.finish, t.guard_reason, t.usage, t.guard.steps,
-                              t.guard.tool_calls, list(t.session.messages))
+                              t.guard.tool_calls, list(t.session.messages), t.pending)
 
     # -- helpers of the states --
+
+    def _take_up(self, t: _Turn) -> bool:
+        """Append the user's message; or, for `input=None`, take up the batch a paused turn left
+        waiting, with its counts and decisions (True). New input answers waiting calls "not run"."""
+        paused, t.session.paused = t.session.paused, None
+        last = t.session.messages[-1] if t.session.messages else None
+        waiting = last.tool_calls if paused and last and last.role == "assistant" else ()
+        if t.request.input is None:
+            if not waiting:
+                raise AgentError(f"session {t.request.session_id!r} has no tool calls waiting "
+                                 "for approval: give an input to start a turn")
+            assert paused is not None
+            vars(t.guard).update(paused["guard"])
+            t.input_index = paused["input_index"]
+            t.approvals = {k: Approval(**a) for k, a in paused["approvals"].items()}
+            given = t.request.approvals or {}
+            for call in waiting:
+                if call.id in given:
+                    self._decided(t, call, given[call.id])
+            t.action, t.resumed = CallTools(waiting), True
+            return True
+        self._append_results(t, [_error(c, "not run: the user sent a new message instead of "
+                                           "deciding on this call") for c in waiting], waiting)
+        t.session.messages.append(Message("user", t.request.input))
+        t.input_index = len(t.session.messages) - 1
+        return False
+
+    def _decide(self, t: _Turn, refusals: list[ToolResult | None]) -> State | list[ToolCall]:
+        """The batch as it will run: each call matching ask_tools (and not refused: deny wins)
+        needs a decision; a declined call gets an error result in `refusals`, an allowed one
+        perhaps new arguments. Undecided calls with no approver pause the turn."""
+        assert isinstance(t.action, CallTools)
+        calls, waiting = list(t.action.calls), []
+        for i, call in enumerate(calls):
+            if refusals[i] is not None or not is_denied(call.name, self.ask_tools):
+                continue
+            if call.id not in t.approvals and self.approver is None:
+                waiting.append(call)
+                continue
+            if call.id not in t.approvals:
+                stop = self._ask(t, call)
+                if stop:
+                    return stop
+            approval = t.approvals[call.id]
+            if not approval.allow:
+                refusals[i] = _error(call, "the user declined this call" + (
+                    f": {approval.reason}" if approval.reason else ""))
+            elif approval.arguments is not None:
+                calls[i] = dataclasses.replace(call, arguments=dict(approval.arguments))
+        if waiting:
+            return self._pause(t, waiting)
+        if calls != list(t.action.calls):  # the history records the arguments that ran
+            t.session.messages[-1] = dataclasses.replace(t.session.messages[-1],
+                                                         tool_calls=tuple(calls))
+        return calls
+
+    def _ask(self, t: _Turn, call: ToolCall) -> State | None:
+        """Ask the approver on a worker (its time counts against the deadline; cancel holds).
+        Cancelled from it ends the turn; any other exception is a decline with its text."""
+        self._emit(t, "approval_requested", {"call_id": call.id, "name": call.name,
+                                             "arguments": redact(call.arguments)})
+        approver = self.approver
+        assert approver is not None
+        worker = self._call_port(t, lambda: approver(call))
+        if t.caller_cancel.cancelled or isinstance(worker.error, Cancelled):
+            return self._interrupted(t, "before this call started")
+        if not worker.done:
+            return self._not_run(t, Trip(GuardReason.TURN_TIMEOUT, "the approver did not answer "
+                                         f"within turn_timeout_ms={t.policy.turn_timeout_ms}"))
+        value, e = worker.value, worker.error
+        if e is not None:
+            value = Approval(False, f"the approver failed: {type(e).__name__}: {e}")
+        elif not isinstance(value, Approval):
+            value = Approval(False, f"the approver returned {type(value).__name__}, "
+                                    "not an Approval")
+        self._decided(t, call, value)
+        return None
+
+    def _decided(self, t: _Turn, call: ToolCall, approval: Approval) -> None:
+        t.approvals[call.id] = approval
+        changed = approval.allow and approval.arguments not in (None, call.arguments)
+        self._emit(t, "approval_decided", {"call_id": call.id, "allow": approval.allow,
+                                           "arguments_changed": changed})
+
+    def _pause(self, t: _Turn, waiting: list[ToolCall]) -> State:
+        """No approver: end the turn NEEDS_APPROVAL with the batch unrun, saving what a resume
+        (in this process or another) needs: the guard's counts and the decisions so far."""
+        for call in waiting:
+            self._emit(t, "approval_requested", {"call_id": call.id, "name": call.name,
+                                                 "arguments": redact(call.arguments)})
+        t.session.paused = {"guard": t.guard.counts(), "input_index": t.input_index,
+                            "approvals": {k: dataclasses.asdict(a)
+                                          for k, a in t.approvals.items()}}
+        t.pending, t.finish = tuple(waiting), FinishReason.NEEDS_APPROVAL
+        t.content = "Waiting for approval: " + ", ".join(c.name for c in waiting) + "."
+        return State.DONE
+
+    def _refuse_batch(self, t: _Turn, calls: Sequence[ToolCall]) -> State:
+        """An over-size batch runs not at all; it counts as one error and the loop goes on."""
+        n = t.policy.max_parallel_tools
+        self._append_results(t, [_error(c, f"not run: this batch has {len(calls)} calls and "
+                                        f"at most max_parallel_tools={n} may run at once; "
+                                        f"call at most {n} tools at a time") for c in calls],
+                             calls)
+        t.guard.record_refusal()
+        return State.BUILD_PROMPT
+
+    def _not_run(self, t: _Turn, trip: Trip) -> State:
+        """A guard stopped the batch: every call gets a result, so history stays well-formed."""
+        assert isinstance(t.action, CallTools)
+        calls = t.action.calls
+        self._append_results(t, [_error(c, f"not run: {trip.detail}") for c in calls], calls)
+        return self._trip(t, trip)
+
+    def _interrupted(self, t: _Turn, when: str) -> State:
+        """Cancelled with the batch unrun: each call gets an "interrupted" result."""
+        assert isinstance(t.action, CallTools)
+        self._append_results(t, [_error(c, f"interrupted: the turn was cancelled {when}")
+                                 for c in t.action.calls], t.action.calls)
+        return self._cancelled(t)
 
     def _call_port(self, t: _Turn, fn: Callable[[], Any]) -> _Worker:
         """Run a port call on a worker; wait until it ends, the turn deadline, or a cancel."""
