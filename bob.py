@@ -1252,6 +1252,7 @@ class AgentRuntime:
         t.session = stored or SessionState()
         if t.request.history is not None:
             t.session.messages = list(t.request.history)
+        self._trace_loaded(t)
         resume = self._take_up(t)
         worker = self._call_port(t, self.tools.list_tools) if self.tools is not None else None
         if worker is not None and worker.done and worker.error is None:
@@ -1464,7 +1465,8 @@ class AgentRuntime:
         t.approvals[call.id] = approval
         changed = approval.allow and approval.arguments not in (None, call.arguments)
         self._emit(t, "approval_decided", {"call_id": call.id, "allow": approval.allow,
-                                           "arguments_changed": changed})
+                                           "arguments_changed": changed, "reason": approval.reason,
+                                           "arguments": redact(approval.arguments)})
 
     def _pause(self, t: _Turn, waiting: list[ToolCall]) -> State:
         """No approver: end the turn NEEDS_APPROVAL with the batch unrun, saving what a resume
@@ -1601,22 +1603,26 @@ class AgentRuntime:
         self._emit(t, "tool_call_started", {"call_id": call.id, "name": call.name,
                                             "arguments": redact(call.arguments), "runs": runs})
 
+    def _trace_loaded(self, t: _Turn) -> None:
+        """session_loaded, unless the session is as this runtime's trace left it: so a trace
+        begun mid-session, or after a failed save or another writer, replays alone."""
+        sid, version = t.request.session_id, t.session.version
+        fresh = t.request.history is not None or self._traced.get(sid) != version
+        self._traced[sid] = version + 1   # what _done saves
+        if fresh and self.sinks:   # the copy costs O(history)
+            self._emit(t, "session_loaded", {"paused": redact(t.session.paused), "messages": [
+                redact(m.to_dict()) for m in t.session.messages]})
+
     def _trace_start(self, t: _Turn) -> None:
-        """turn_started with all that decides the run; session_loaded unless the session is as
-        this runtime's trace left it (so a trace begun mid-session, or after a failed save or
-        another writer, replays alone)."""
+        """turn_started: all that decides the run."""
         self._emit(t, "turn_started", {
             "format": TRACE_FORMAT, "version": __version__, "input": t.request.input,
             "model": getattr(self.llm, "describe", lambda: type(self.llm).__name__)(),
             "action_mode": self.action_mode, "policy": dataclasses.asdict(t.policy),
             "deny_tools": list(self.deny_tools), "system_prompt": self._instructions(t),
-            "tools": [dataclasses.asdict(d) for d in t.tools]})
-        sid, version = t.request.session_id, t.session.version
-        fresh = t.request.history is not None or self._traced.get(sid) != version
-        self._traced[sid] = version + 1   # what _done saves
-        if fresh and self.sinks:   # the copy costs O(history)
-            self._emit(t, "session_loaded", {"messages": [
-                redact(m.to_dict()) for m in t.session.messages[:t.input_index]]})
+            "tools": [dataclasses.asdict(d) for d in t.tools], "ask_tools": list(self.ask_tools),
+            "approver": self.approver is not None, "approvals": {
+                k: redact(dataclasses.asdict(a)) for k, a in (t.request.approvals or {}).items()}})
 
     def _instructions(self, t: _Turn) -> str:
         return t.request.system_prompt or self.system_prompt or DEFAULT_INSTRUCTIONS

@@ -24,12 +24,13 @@ import itertools
 import json
 import os
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import bob
-from bob import (AgentEvent, AgentRequest, AgentRuntime, BobError, CancelToken, FinishReason,
-                 InMemorySessionStore, Message, ReplayLlm, ReplayTools, SessionState,
-                 SessionStore, State, ToolPort, TurnPolicy, read_trace, request_digest)
+from bob import (AgentEvent, AgentRequest, AgentRuntime, Approval, BobError, CancelToken,
+                 FinishReason, InMemorySessionStore, Message, ReplayLlm, ReplayTools, SessionState,
+                 SessionStore, State, ToolCall, ToolPort, TurnPolicy, read_trace,
+                 request_digest)
 
 __all__ = ["ReplayReport", "replay"]
 
@@ -72,23 +73,30 @@ def _compared(e: dict[str, Any]) -> bool:
 
 
 def _turns(events: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
-    """The events grouped by turn, turn_started first; TraceError for a turn cut short."""
+    """The events grouped by turn (what a turn emits before turn_started, such as
+    session_loaded, included); TraceError for a turn cut short."""
     turns: list[list[dict[str, Any]]] = []
-    open_turns: dict[Any, list[dict[str, Any]]] = {}
+    open_turns: dict[Any, list[dict[str, Any]]] = {}   # session -> its turn so far
     for e in events:
-        sid = e.get("session_id")
+        turn = open_turns.setdefault(e.get("session_id"), [])
         if e["kind"] == "turn_started":
-            if e["data"].get("format") != bob.TRACE_FORMAT or sid in open_turns:
+            if e["data"].get("format") != bob.TRACE_FORMAT or _start(turn):
                 raise bob.TraceError(f"line {e['line']}: not a turn this bob replays (format "
                                      f"{e['data'].get('format')}, or the last turn never ended)")
-            turns.append(open_turns.setdefault(sid, []))
-        open_turns.get(sid, []).append(e)
+            turns.append(turn)
+        turn.append(e)
         if e["kind"] == "turn_completed":
-            open_turns.pop(sid, None)
+            open_turns.pop(e.get("session_id"))
     for turn in open_turns.values():
-        raise bob.TraceError(f"the turn that starts at line {turn[0]['line']} has no "
-                             "turn_completed: the trace is cut short")
+        if _start(turn):
+            raise bob.TraceError(f"the turn that starts at line {turn[0]['line']} has no "
+                                 "turn_completed: the trace is cut short")
     return turns
+
+
+def _start(turn: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The data of a turn's turn_started, if it has one yet."""
+    return next((e["data"] for e in turn if e["kind"] == "turn_started"), None)
 
 
 def _cancel_point(events: list[dict[str, Any]]) -> int | None:
@@ -139,14 +147,22 @@ def _first_difference(recorded: list[dict[str, Any]], new: list[dict[str, Any]]
     return None
 
 
+def _approver(events: list[dict[str, Any]]) -> Callable[[ToolCall], Approval]:
+    """An approver that gives the decisions recorded in a turn, by call id."""
+    decided = {d["call_id"]: Approval(d["allow"], d.get("reason", ""), d.get("arguments"))
+               for d in (e["data"] for e in events if e["kind"] == "approval_decided")}
+    return lambda call: decided.get(call.id, Approval(False, "replay: no recorded decision"))
+
+
 def _replay_turn(events: list[dict[str, Any]], store: SessionStore, tools: ToolPort | None,
                  deny_tools: Sequence[str], overrides: dict[str, Any]
                  ) -> tuple[list[dict[str, Any]], ReplayLlm]:
     """Run one recorded turn again; returns the compared events it emitted and its ReplayLlm."""
-    start, sid = events[0]["data"], events[0]["session_id"]
+    start, sid = _start(events) or {}, events[0]["session_id"]
     for e in events:
         if e["kind"] == "session_loaded":
-            store.save(sid, SessionState([Message.from_dict(m) for m in e["data"]["messages"]]))
+            store.save(sid, SessionState([Message.from_dict(m) for m in e["data"]["messages"]],
+                                         paused=e["data"].get("paused")))
     caller, llm = CancelToken(), ReplayLlm(events)
     sink = _Recorder(caller, _cancel_point([e for e in events if _compared(e)]))
     settings = {"policy": TurnPolicy(**start["policy"]), "system_prompt": start["system_prompt"],
@@ -154,9 +170,12 @@ def _replay_turn(events: list[dict[str, Any]], store: SessionStore, tools: ToolP
     settings.update((k, v) for k, v in overrides.items() if v is not None)
     deny = (*deny_tools, *start.get("deny_tools", ()))   # what the recording denied stays denied
     runtime = AgentRuntime(llm, tools if tools is not None else ReplayTools(events, caller.cancel),
-                           store=store, events=sink, deny_tools=deny, **settings)
+                           store=store, events=sink, deny_tools=deny, **settings,
+                           ask_tools=start.get("ask_tools", ()),
+                           approver=_approver(events) if start.get("approver") else None)
+    given = {k: Approval(**a) for k, a in start.get("approvals", {}).items()}
     with contextlib.suppress(BobError):  # an error that ends the turn is an event
-        runtime.run(AgentRequest(start["input"], sid), caller)
+        runtime.run(AgentRequest(start["input"], sid, approvals=given or None), caller)
     return sink.events, llm
 
 

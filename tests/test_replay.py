@@ -102,7 +102,7 @@ def test_the_trace_is_a_complete_record(tmp_path):
     assert start["input"] == "sum" and start["tools"][0] == {
         "name": "add", "description": "Add two integers.",
         "input_schema": tools().list_tools()[0].input_schema}
-    assert of(path, "session_loaded") == [{"messages": []}]
+    assert of(path, "session_loaded") == [{"paused": None, "messages": []}]
     digests = [d["digest"] for d in of(path, "llm_call_started")]
     assert len(digests) == 2 and all(len(d) == 64 for d in digests)
     first = of(path, "llm_call_completed")[0]
@@ -401,3 +401,46 @@ def test_a_trace_with_a_malformed_turn_is_a_trace_error(tmp_path):
     path.write_text(lines)
     with pytest.raises(TraceError, match="the turn that starts at line 1 cannot be replayed"):
         bob.replay(path)
+
+
+# ---- 6. Approvals -------------------------------------------------------------------------------
+
+def test_approver_decisions_replay_the_same(tmp_path):
+    path = tmp_path / "t.jsonl"
+
+    def approver(call):
+        if call.arguments["text"] == "no":
+            return bob.Approval(False, "not today")
+        return bob.Approval(True, arguments={"text": "changed"})
+
+    replies = [calls(("c1", "shout", {"text": "no"}), ("c2", "shout", {"text": "yes"}),
+                     ("c3", "add", {"a": 1, "b": 1})), "done"]
+    [r] = record(path, replies, ["go"], ask_tools=["shout"], approver=approver)
+    assert [m.content for m in r.history[2:5]] == [
+        "the user declined this call: not today", "CHANGED", "2"]
+    report = bob.replay(path)
+    assert report.ok, str(report)
+    edited = path.read_text().replace('"reason": "not today"', '"reason": "never"')
+    path.write_text(edited)
+    report = bob.replay(path)
+    assert not report.ok and report.what == "tool_call_completed content"
+    assert report.new == "the user declined this call: never"
+
+
+def test_a_paused_turn_and_its_resume_replay_the_same_even_alone(tmp_path):
+    path, second = tmp_path / "t.jsonl", tmp_path / "resume.jsonl"
+    store = bob.JsonFileSessionStore(tmp_path / "sessions")
+    rt = AgentRuntime(ScriptedLlm([calls(("c1", "shout", {"text": "a"}))]), tools(),
+                      store=store, events=JsonlEventSink(path), action_mode="native",
+                      ask_tools=["shout"])
+    paused = rt.run(AgentRequest("go", "s1"))
+    assert paused.finish_reason is FinishReason.NEEDS_APPROVAL
+    later = AgentRuntime(ScriptedLlm(["A it is"]), tools(), store=store,
+                         events=JsonlEventSink(second), action_mode="native", ask_tools=["shout"])
+    done = later.run(AgentRequest(None, "s1", approvals={"c1": bob.Approval(True)}))
+    assert done.content == "A it is"
+    path.write_text(path.read_text() + second.read_text())
+    report = bob.replay(path)
+    assert report.ok and report.turns[0].endswith("needs_approval)"), str(report)
+    alone = bob.replay(second)        # the paused batch comes from session_loaded
+    assert alone.ok, str(alone)
