@@ -1008,9 +1008,8 @@ def request_digest(req: LlmRequest, cache: dict[int, tuple[Message, str]] | None
 
 def _reply_data(reply: LlmResponse, duration_ms: float) -> dict[str, Any]:
     """llm_call_completed: the reply as the port gave it (ids before bob fixes them), masked."""
-    return redact({"content": reply.content, "finish_reason": reply.finish_reason,
-                   "tool_calls": [dataclasses.asdict(c) for c in reply.tool_calls],
-                   "usage": dict(vars(reply.usage)), "duration_ms": duration_ms})
+    return redact({**vars(reply), "tool_calls": [vars(c) for c in reply.tool_calls],
+                   "usage": vars(reply.usage), "duration_ms": duration_ms})
 
 
 # ---- 8. Workers: threads with deadlines and cancel ----------------------------------------------
