@@ -669,6 +669,8 @@ def run_replay(argv: list[str]) -> int:
         report = bob.replay(args.trace, tools=tools, deny_tools=deny)
     except (bob.TraceError, bob.ConfigError) as e:
         return _fail(e, 2, False)
+    except KeyboardInterrupt:
+        return 130
     finally:
         if mcp is not None:
             mcp.close()

@@ -228,8 +228,11 @@ def replay(trace: str | os.PathLike[str] | Sequence[dict[str, Any]], *,
     minus `deny_tools` and the recorded ones), until the first divergence; the overrides
     replace the recorded settings. TraceError for a trace that cannot be read or is cut short."""
     overrides = {"policy": policy, "system_prompt": system_prompt, "action_mode": action_mode}
-    store, lines = InMemorySessionStore(), []
-    for n, events in enumerate(_turns(read_trace(trace)), 1):
+    store, lines, turns = InMemorySessionStore(), [], _turns(read_trace(trace))
+    if not turns:
+        raise bob.TraceError(f"{trace if isinstance(trace, (str, os.PathLike)) else 'the trace'}"
+                             " has no turn_started: it is not a bob trace, or it is empty")
+    for n, events in enumerate(turns, 1):
         try:
             outcome = _check_turn(events, store, tools, deny_tools, overrides)
         except (TypeError, KeyError, ValueError, AttributeError, IndexError) as e:

@@ -325,6 +325,9 @@ def test_replay_never_calls_the_model_and_reads_only_events(tmp_path):
         bob.replay(path)
     with pytest.raises(TraceError, match="cannot read"):
         bob.replay(tmp_path / "missing.jsonl")
+    path.write_text("")
+    with pytest.raises(TraceError, match="has no turn_started"):
+        bob.replay(path)
 
 
 # ---- 5. The OpenAI adapter ----------------------------------------------------------------------
