@@ -23,6 +23,7 @@ import atexit
 import concurrent.futures
 import contextlib
 import difflib
+import io
 import json
 import logging
 import os
@@ -74,11 +75,13 @@ _SCHEMA: dict[str, dict[str, str]] = {
                     "args": "a list of strings", "env": "a table of strings", "cwd": "a string",
                     "url": "a string", "headers": "a table of strings",
                     "tool_timeout_ms": "an integer", "startup_timeout_ms": "an integer",
-                    "required": "a boolean", "roots": "a list of strings"},
+                    "required": "a boolean", "roots": "a list of strings",
+                    "secret_env": "a list of strings"},
 }
 _RANGES = {"retry_max": (0, 10), "max_tokens": (1, 10**7), "temperature": (0, 2)}  # [llm]
 _VAR = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
 _NEEDS = {"stdio": "command", "streamable_http": "url"}   # MCP transport -> its required key
+_DAY_MS = 86_400_000   # longer timeouts overflow thread waits; TurnPolicy caps its own the same
 
 
 @dataclass(frozen=True)
@@ -125,6 +128,29 @@ def _expand(value: Any, where: str, environ: dict[str, str]) -> Any:
     return _VAR.sub(lambda m: environ[m.group(1)], value)
 
 
+def _path(value: str, what: str, base: Path) -> Path:
+    """`value` (~ expanded) relative to `base`; a NUL or an unknown ~user is a ConfigError."""
+    if "\0" in value:
+        raise bob.ConfigError(f"{what} holds a NUL character; fix the path")
+    try:
+        return base / Path(value).expanduser()
+    except RuntimeError as e:   # "Could not determine home directory."
+        raise bob.ConfigError(f"{what}: {e} ({value.split('/')[0]}); fix the path") from None
+
+
+def _check_url(url: str, what: str) -> None:
+    """An http(s) URL with a host, or a ConfigError; the URL is not echoed (it may hold a key)."""
+    import urllib.parse
+    try:
+        parts = urllib.parse.urlsplit(url)
+        ok = parts.scheme in ("http", "https") and bool(parts.hostname) and parts.port != -1
+    except ValueError:   # a bad port or a broken [IPv6] literal
+        ok = False
+    if not ok:
+        raise bob.ConfigError(f"{what} must be an http:// or https:// URL with a host and a "
+                              "valid port, like http://127.0.0.1:8080/v1")
+
+
 def _mcp_server(raw: Any, n: int, where: str, base: Path,
                 environ: dict[str, str]) -> dict[str, Any]:
     """One [[mcp.servers]] entry: keys checked, required keys present, ${VAR}s expanded."""
@@ -143,21 +169,21 @@ def _mcp_server(raw: Any, n: int, where: str, base: Path,
         if key in server:
             server[key] = _expand(server[key], f"{here} {key}", environ)
     for key in ("tool_timeout_ms", "startup_timeout_ms"):
-        if server.get(key, 1) < 1:
-            raise bob.ConfigError(f"{here} {key} must be at least 1")
-    if transport == "streamable_http" and not server["url"].startswith(("http://", "https://")):
-        raise bob.ConfigError(f"{here} url must start with http:// or https://")
+        if not 1 <= server.get(key, 1) <= _DAY_MS:
+            raise bob.ConfigError(f"{here} {key} must be between 1 and {_DAY_MS} (a day)")
+    if transport == "streamable_http":
+        _check_url(server["url"], f"{here} url")
     for table in ("env", "headers"):   # e.g. a stray CR from a ${VAR}; the value stays unsaid
         for name, value in server.get(table, {}).items():
             if not value.isprintable() or (table == "headers" and not value.isascii()):
                 raise bob.ConfigError(f"{here} {table}.{name} holds a control character "
                                       "(a stray CR or LF?); fix the value")
     if "cwd" in server:  # like [store] path: relative to the config file
-        server["cwd"] = str(base / Path(server["cwd"]).expanduser())
+        server["cwd"] = str(_path(server["cwd"], f"{here} cwd", base))
         if not Path(server["cwd"]).is_dir():
             raise bob.ConfigError(f"{here} cwd {server['cwd']} is not a directory")
     if "roots" in server:
-        server["roots"] = tuple(str(base / Path(r).expanduser()) for r in server["roots"])
+        server["roots"] = tuple(str(_path(r, f"{here} roots", base)) for r in server["roots"])
     return server
 
 
@@ -172,13 +198,15 @@ def _read_toml(path: Path) -> dict[str, Any]:
                               ) from None
     except tomllib.TOMLDecodeError as e:
         raise bob.ConfigError(f"{path}: invalid TOML: {e}") from None
+    except RecursionError:
+        raise bob.ConfigError(f"{path}: invalid TOML: arrays or tables nested too deeply") from None
     except (OSError, UnicodeDecodeError) as e:
         raise bob.ConfigError(f"cannot read config file {path}: {e}") from None
 
 
 def load_config(path: str | os.PathLike[str], environ: dict[str, str] | None = None) -> Config:
     """Read and check an agent.toml; every problem is a ConfigError naming file, table and key."""
-    path = Path(path).expanduser().absolute()
+    path = _path(os.fspath(path), "--config", Path()).absolute()
     where, env = str(path), dict(os.environ if environ is None else environ)
     doc = _checked(_read_toml(path), "the top level", where, "top level")
     t = {name: _checked(doc.get(name, {}), f"[{name}]", where, name)
@@ -186,6 +214,8 @@ def load_config(path: str | os.PathLike[str], environ: dict[str, str] | None = N
     for key, (low, high) in _RANGES.items():
         if key in t["llm"] and not low <= t["llm"][key] <= high:
             raise bob.ConfigError(f"{where}: [llm] {key} must be between {low} and {high}")
+    if "base_url" in t["llm"]:
+        _check_url(t["llm"]["base_url"], f"{where}: [llm] base_url")
     servers = tuple(_mcp_server(s, n, where, path.parent, env)
                     for n, s in enumerate(t["mcp"].get("servers", []), 1))
     ids = [s["id"] for s in servers]
@@ -200,7 +230,8 @@ def load_config(path: str | os.PathLike[str], environ: dict[str, str] | None = N
         raise bob.ConfigError(f"{where}: [runtime] {e}") from None
     return Config(path, **{k: v for k, v in rt.items() if k not in _POLICY_KEYS}, policy=policy,
                   llm=t["llm"], deny_tools=tuple(t["policy"].get("deny_tools", ())),
-                  store_path=None if store is None else path.parent / Path(store).expanduser(),
+                  store_path=None if store is None else _path(store, f"{where}: [store] path",
+                                                            path.parent),
                   mcp_servers=servers)
 
 
@@ -298,6 +329,14 @@ _FINAL_HEAD = re.compile(r'\s*(```(json)?\s*)?\{\s*"type"\s*:\s*"final"\s*,\s*"c
 _WHOLE_CHARS = re.compile(r'(?:[^"\\]|\\["\\/bfnrt]|\\u[0-9a-fA-F]{4})*')  # no half escape
 
 
+_SURROGATE = re.compile("[\ud800-\udfff]")   # in a str, only a lone one: unencodable
+
+
+def printable(text: str) -> str:
+    """`text` with any lone surrogate (e.g. half of a cut emoji) as U+FFFD, so it can be printed."""
+    return _SURROGATE.sub("\ufffd", text)
+
+
 def _final_so_far(raw: str) -> str:
     """The content of a json-mode `final` action that is still streaming in, decoded so far.
     It only grows as `raw` does: a half escape or half a surrogate pair waits for the rest."""
@@ -329,7 +368,7 @@ class StreamPrinter:
             self.raw += event.data["text"]
             text = _final_so_far(self.raw) if self.json_mode else self.raw
             if len(text) > len(self.shown):
-                self.out.write(text[len(self.shown):])
+                self.out.write(printable(text[len(self.shown):]))
                 self.out.flush()
                 self.shown = text
 
@@ -351,7 +390,10 @@ class McpTools:
     def _start(self, servers: list[dict[str, Any]]) -> None:
         try:
             import bob_mcp
-            port = bob_mcp.McpToolPort([bob_mcp.McpServerConfig(**s) for s in servers])
+            known = {f.name for f in fields(bob_mcp.McpServerConfig)}   # secret_env is new
+            port = bob_mcp.McpToolPort([bob_mcp.McpServerConfig(
+                **{k: v for k, v in s.items() if k in known or k != "secret_env"})
+                for s in servers])
             with self._lock:   # a close() that came first wins: then nothing is started
                 self._started = None if self._closed else port.start(wait=False)
             self._port.set_result(port)
@@ -406,6 +448,18 @@ def _note(text: str) -> None:
     print(f"bob: {text}", file=sys.stderr, flush=True)
 
 
+class SaveWatch:
+    """An EventSink noting a failed session save (the runtime reports it as an `error` event)."""
+
+    def __init__(self) -> None:
+        self.error: str | None = None
+
+    def emit(self, event: bob.AgentEvent) -> None:
+        """Keep the cause of a failed save."""
+        if event.kind == "error" and event.data.get("where") == "store.save":
+            self.error = str(event.data.get("error", "")).removeprefix("StoreError: ")
+
+
 def new_session_id() -> str:
     """A fresh session id, safe as a file name: cli-YYYYmmdd-HHMMSS-xxxxxx."""
     return f"cli-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
@@ -421,21 +475,38 @@ class Shell:
     status: StatusLine | None = None
     printer: StreamPrinter | None = None
     cancel: bob.CancelToken = field(default_factory=bob.CancelToken)
+    saves: SaveWatch = field(default_factory=SaveWatch)
 
     def turn(self, text: str) -> bob.AgentRunResult:
-        """Run one turn, print its answer (stdout) and any notice (stderr), return the result."""
-        result = self._run(text)
-        shown, content = (self.printer.shown if self.printer else ""), result.content
-        print(content[len(shown):] if content.startswith(shown) else "\n" + content, flush=True)
+        """Run one turn, print its answer (stdout) and any notice (stderr), return the result.
+        A session that could not be saved raises StoreError once the answer is shown."""
+        self.saves.error = None
+        try:
+            result = self._run(text)
+        except bob.StoreError as e:   # a runtime that raises on a failed save
+            self.saves.error = _one_line(e)
+            raise self._unsaved() from None
+        shown = printable(self.printer.shown if self.printer else "")
+        content = printable(result.content)
+        if result.finish_reason is bob.FinishReason.CANCELLED:   # one line says it all
+            if shown:
+                print(flush=True)
+            _note("warning: turn cancelled; the session is kept")
+        else:
+            print(content[len(shown):] if content.startswith(shown) else "\n" + content,
+                  flush=True)
         if self.printer:
             self.printer.shown = ""
-        if result.finish_reason is bob.FinishReason.CANCELLED:
-            _note("turn cancelled; the session is kept")
-        elif result.guard_reason is not None:
+        if result.guard_reason is not None:
             guard = result.guard_reason.value
-            _note(f"turn stopped by the {guard} guard; raise {_GUARD_KEYS.get(guard, guard)} "
-                  f"under [runtime] in {self.config_name}")
+            _note(f"warning: turn stopped by the {guard} guard; raise "
+                  f"{_GUARD_KEYS.get(guard, guard)} under [runtime] in {self.config_name}")
+        if self.saves.error is not None:
+            raise self._unsaved()
         return result
+
+    def _unsaved(self) -> bob.StoreError:
+        return bob.StoreError(f"could not save session {self.session_id}: {self.saves.error}")
 
     def _run(self, text: str) -> bob.AgentRunResult:
         """runtime.run on a worker thread: SIGINT, which Python handles on the main thread, then
@@ -595,13 +666,25 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+class _Voice(logging.Formatter):
+    """Without -v, log warnings read like bob's own: `bob: warning: ...`, no traceback."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        return f"bob: {record.levelname.lower()}: {' '.join(record.getMessage().split())}"
+
+
 def _sinks(args: argparse.Namespace) -> list[Any]:
-    """What the flags ask for: -v logs every event, --trace writes them as JSON lines."""
+    """What the flags ask for: -v logs every event, --trace writes them as JSON lines. Without
+    -v only warnings are logged (MCP servers' stderr is logged at INFO: shown only with -v)."""
     sinks: list[Any] = []
     if args.verbose:
         logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                             format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         sinks.append(bob.LoggingEventSink())
+    else:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(_Voice())
+        logging.basicConfig(level=logging.WARNING, handlers=[handler])
     if args.trace:
         try:  # the sink opens it at the first event: find a bad path now, not once per event
             open(args.trace, "a", encoding="utf-8").close()
@@ -631,11 +714,13 @@ def build_shell(cfg: Config, args: argparse.Namespace) -> Shell:
         sys.stderr.isatty() and not args.verbose) else None
     printer = StreamPrinter(sys.stdout, cfg.action_mode == "json") if stream else None
     mcp = McpTools(cfg.mcp_servers) if cfg.mcp_servers else None
+    saves = SaveWatch()
     runtime = bob.AgentRuntime(llm, mcp, store=store, policy=cfg.policy,
-                               events=[s for s in (status, printer) if s] + _sinks(args),
+                               events=[s for s in (status, printer, saves) if s] + _sinks(args),
                                system_prompt=cfg.system_prompt, action_mode=cfg.action_mode,
                                deny_tools=cfg.deny_tools)
-    return Shell(runtime, session_id, Path(cfg.path or "agent.toml").name, mcp, status, printer)
+    return Shell(runtime, session_id, Path(cfg.path or "agent.toml").name, mcp, status, printer,
+                 saves=saves)
 
 
 def _fail(e: BaseException, code: int, verbose: bool) -> int:
@@ -650,6 +735,9 @@ def _fail(e: BaseException, code: int, verbose: bool) -> int:
 def main(argv: list[str] | None = None) -> int:
     """Run the CLI on `argv` (default sys.argv[1:]); returns the exit code."""
     args = _parser().parse_args(argv)
+    for stream in (sys.stdout, sys.stderr):   # a stray lone surrogate never ends a run
+        if isinstance(stream, io.TextIOWrapper):
+            stream.reconfigure(errors="replace")
     for signum in (signal.SIGTERM, signal.SIGHUP):   # a closed terminal sends SIGHUP; the
         signal.signal(signum, lambda n, frame: sys.exit(128 + n))  # exit stops MCP servers
     shell: Shell | None = None
