@@ -36,6 +36,7 @@ import time
 import tomllib
 import typing
 import uuid
+import dataclasses
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Callable, Iterable, Literal, TextIO
@@ -43,6 +44,7 @@ from typing import Any, Callable, Iterable, Literal, TextIO
 import bob
 
 __all__ = ["Config", "Shell", "load_config", "main"]
+__version__ = "0.1.0"   # as in pyproject.toml
 
 
 # ---- 1. Configuration: agent.toml -> Config ----------------------------------------------------
@@ -192,10 +194,8 @@ def _read_toml(path: Path) -> dict[str, Any]:
     try:
         return tomllib.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
-        example = Path(__file__).resolve().parent / "agent.toml"
-        raise bob.ConfigError(f"config file {path} not found; start from the example: "
-                              f"cp {example} {path} (or pass --config PATH; or try --demo)"
-                              ) from None
+        raise bob.ConfigError(f"config file {path} not found; fix --config, or leave it out "
+                              "to run on ./agent.toml or the built-in defaults") from None
     except tomllib.TOMLDecodeError as e:
         raise bob.ConfigError(f"{path}: invalid TOML: {e}") from None
     except RecursionError:
@@ -448,16 +448,30 @@ def _note(text: str) -> None:
     print(f"bob: {text}", file=sys.stderr, flush=True)
 
 
-class SaveWatch:
-    """An EventSink noting a failed session save (the runtime reports it as an `error` event)."""
+class TurnNotes:
+    """An EventSink noting what is said after a turn: a failed save (an `error` event), a reply
+    cut by the token limit, the time taken."""
 
     def __init__(self) -> None:
         self.error: str | None = None
+        self.cut, self.t0 = False, time.monotonic()
 
     def emit(self, event: bob.AgentEvent) -> None:
-        """Keep the cause of a failed save."""
-        if event.kind == "error" and event.data.get("where") == "store.save":
+        """Keep the cause of a failed save; note a `length` finish."""
+        if event.kind == "turn_started":
+            self.error, self.cut, self.t0 = None, False, time.monotonic()
+        elif event.kind == "error" and event.data.get("where") == "store.save":
             self.error = str(event.data.get("error", "")).removeprefix("StoreError: ")
+        elif event.kind == "llm_call_completed" and event.data.get("finish_reason") == "length":
+            self.cut = True
+
+    def stats(self, r: bob.AgentRunResult) -> str:
+        """steps, tool calls, tokens in/out (? when the server said nothing), elapsed."""
+        u = r.usage
+        tokens = (f"{u.prompt_tokens} in / {u.completion_tokens} out" if u.total_tokens
+                  else "? in / ? out")
+        return (f"{r.steps} LLM calls, {r.tool_calls} tool calls, {tokens} tokens, "
+                f"{time.monotonic() - self.t0:.1f} s")
 
 
 def new_session_id() -> str:
@@ -475,16 +489,15 @@ class Shell:
     status: StatusLine | None = None
     printer: StreamPrinter | None = None
     cancel: bob.CancelToken = field(default_factory=bob.CancelToken)
-    saves: SaveWatch = field(default_factory=SaveWatch)
+    notes: TurnNotes = field(default_factory=TurnNotes)
 
     def turn(self, text: str) -> bob.AgentRunResult:
         """Run one turn, print its answer (stdout) and any notice (stderr), return the result.
         A session that could not be saved raises StoreError once the answer is shown."""
-        self.saves.error = None
         try:
             result = self._run(text)
         except bob.StoreError as e:   # a runtime that raises on a failed save
-            self.saves.error = _one_line(e)
+            self.notes.error = _one_line(e)
             raise self._unsaved() from None
         shown = printable(self.printer.shown if self.printer else "")
         content = printable(result.content)
@@ -501,12 +514,17 @@ class Shell:
             guard = result.guard_reason.value
             _note(f"warning: turn stopped by the {guard} guard; raise "
                   f"{_GUARD_KEYS.get(guard, guard)} under [runtime] in {self.config_name}")
-        if self.saves.error is not None:
+        if self.notes.cut:
+            _note("warning: the reply was cut by the token limit; raise max_tokens under [llm] "
+                  f"in {self.config_name}")
+        if self.status and result.finish_reason is not bob.FinishReason.CANCELLED:
+            print(f"\x1b[2m  {self.notes.stats(result)}\x1b[0m", file=sys.stderr, flush=True)
+        if self.notes.error is not None:
             raise self._unsaved()
         return result
 
     def _unsaved(self) -> bob.StoreError:
-        return bob.StoreError(f"could not save session {self.session_id}: {self.saves.error}")
+        return bob.StoreError(f"could not save session {self.session_id}: {self.notes.error}")
 
     def _run(self, text: str) -> bob.AgentRunResult:
         """runtime.run on a worker thread: SIGINT, which Python handles on the main thread, then
@@ -597,6 +615,26 @@ def run_piped(shell: Shell, lines: Iterable[str]) -> int:
     return code
 
 
+def _prompt(prompt: str, stdin: TextIO) -> str:
+    """-p's text: `-` is all of stdin; piped text follows the prompt after a blank line."""
+    if prompt == "-":
+        return stdin.read()
+    piped = "" if stdin.isatty() else stdin.read()
+    return f"{prompt}\n\n{piped}" if piped.strip() else prompt
+
+
+def list_sessions(store: bob.JsonFileSessionStore) -> int:
+    """--sessions: id, last used, turns, the first user line; newest last."""
+    for path in sorted(store.directory.glob("*.json"), key=lambda f: f.stat().st_mtime):
+        with contextlib.suppress(bob.StoreError):
+            state = store.load(path.stem)
+            users = [m.content for m in (state.messages if state else []) if m.role == "user"]
+            first = " ".join((users or [""])[0].split())[:60]
+            used = time.strftime("%Y-%m-%d %H:%M", time.localtime(path.stat().st_mtime))
+            print(f"{path.stem}  {used}  {len(users):>3} turns  {first}")
+    return 0
+
+
 def _save_history(readline: Any, path: str) -> None:
     with contextlib.suppress(OSError):  # e.g. a read-only HOME: not worth a traceback at exit
         readline.write_history_file(path)
@@ -652,17 +690,28 @@ def _parser() -> argparse.ArgumentParser:
         prog="bob", description="Run the bob agent: a REPL on a terminal, one turn with -p, or "
         "one turn per line of piped stdin.", epilog="exit codes: 0 ok, 1 runtime error, "
         "2 usage or config error, 3 a guard or a cancel ended the turn")
-    p.add_argument("--config", metavar="PATH", default="agent.toml",
-                   help="the agent.toml to read (default: ./agent.toml)")
-    p.add_argument("-p", "--prompt", help="run one turn, print the answer, exit")
-    p.add_argument("--session", metavar="ID",
-                   help="session id; with [store] path set, resumes the session across runs")
-    p.add_argument("--model", help="provider:model; overrides [runtime] default_model")
-    p.add_argument("--trace", metavar="FILE", help="append every event to FILE as JSON lines")
-    p.add_argument("-v", "--verbose", action="store_true",
-                   help="log every event, and error tracebacks, on stderr")
-    p.add_argument("--demo", action="store_true",
-                   help="watch a scripted session drive real tools; needs no key or config")
+    add = p.add_argument
+    add("--config", metavar="PATH", help="the agent.toml to read (default: ./agent.toml, else "
+        "$XDG_CONFIG_HOME/bob/agent.toml, else built-in defaults)")
+    add("-p", "--prompt", help="run one turn, print the answer, exit; piped stdin is appended "
+        "to PROMPT; '-' reads the whole prompt from stdin")
+    add("--session", metavar="ID", help="the session to resume or start (kept across runs)")
+    add("-c", "--continue", dest="resume", action="store_true",
+        help="resume the most recent session")
+    add("--sessions", action="store_true", help="list the stored sessions and exit")
+    add("--model", help="provider:model (default: $BOB_MODEL, else [runtime] default_model)")
+    add("--base-url", metavar="URL", help="an OpenAI-compatible endpoint, e.g. "
+        "http://127.0.0.1:8080/v1 (default: [llm] base_url, else $OPENAI_BASE_URL)")
+    add("--api-key-env", metavar="NAME", help="the environment variable holding the API key")
+    add("--system", metavar="TEXT", help="the system prompt for this run")
+    add("--stream", action=argparse.BooleanOptionalAction, help="print the answer as it streams")
+    add("--max-steps", metavar="N", type=int, help="LLM calls per turn at most")
+    add("--trace", metavar="FILE", help="append every event to FILE as JSON lines")
+    add("-v", "--verbose", action="store_true",
+        help="log every event, and error tracebacks, on stderr")
+    add("--demo", action="store_true",
+        help="watch a scripted session drive real tools; needs no key or config")
+    add("--version", action="version", version=f"bob {__version__}")
     return p
 
 
@@ -694,33 +743,82 @@ def _sinks(args: argparse.Namespace) -> list[Any]:
     return sinks
 
 
+def find_config(arg: str | None) -> Path | None:
+    """--config PATH, else ./agent.toml, else $XDG_CONFIG_HOME/bob/agent.toml; None: defaults."""
+    if arg is not None:
+        return Path(arg)
+    xdg = Path(os.environ.get("XDG_CONFIG_HOME") or Path.home() / ".config") / "bob"
+    found = [p for p in (Path("agent.toml"), xdg / "agent.toml") if p.is_file()]
+    if not found:
+        _note(f"no agent.toml here or in {xdg}: running on built-in defaults")
+    return found[0] if found else None
+
+
+def _llm(cfg: Config, args: argparse.Namespace) -> bob.OpenAICompatLlm:
+    """The adapter: flags first, then the environment people already use, then [llm]."""
+    options, env = dict(cfg.llm), os.environ
+    options.pop("stream_default", None)
+    model = args.model or env.get("BOB_MODEL") or cfg.default_model
+    provider = model.partition(":")[0]
+    url = args.base_url or options.get("base_url") or (
+        env.get("OPENAI_BASE_URL") if provider not in bob.PROVIDERS or provider == "openai"
+        else None)
+    if url:
+        _check_url(url, "--base-url" if args.base_url else "OPENAI_BASE_URL"
+                   if url == env.get("OPENAI_BASE_URL") else f"{cfg.path}: [llm] base_url")
+    key_env = args.api_key_env or options.get("api_key_env") or (
+        "OPENAI_API_KEY" if provider not in bob.PROVIDERS and env.get("OPENAI_API_KEY") else None)
+    options.update(base_url=url, api_key_env=key_env)
+    stream = cfg.llm.get("stream_default", False) if args.stream is None else args.stream
+    try:
+        return bob.OpenAICompatLlm(model, stream=stream, **options)
+    except bob.ConfigError as e:
+        hint = ("; for a local server pass --base-url URL; --demo shows bob without any key"
+                if "no API key" in str(e) else "")
+        where = "--model: " if args.model else f"{cfg.path}: " if cfg.path else ""
+        raise bob.ConfigError(f"{where}{e}{hint}") from None
+
+
+def _store(cfg: Config, args: argparse.Namespace) -> tuple[bob.JsonFileSessionStore, str]:
+    """The session store ([store] path, else $XDG_DATA_HOME/bob/sessions) and the session id."""
+    data = Path(os.environ.get("XDG_DATA_HOME") or Path.home() / ".local" / "share")
+    store = bob.JsonFileSessionStore(cfg.store_path or data / "bob" / "sessions")
+    session_id = args.session
+    if args.resume and not session_id:
+        recent = sorted(store.directory.glob("*.json"), key=lambda f: f.stat().st_mtime)
+        session_id = recent[-1].stem if recent else None
+        if not recent:
+            _note(f"--continue: no session in {store.directory} yet; starting a new one")
+    try:  # a bad --session id is a usage error, found before any turn
+        store.path_for(session_id or "x")
+    except bob.StoreError as e:
+        raise bob.ConfigError(f"--session: {e}") from None
+    state = store.load(session_id) if session_id else None
+    if state is not None:
+        _note(f"resumed session {session_id} ({len(state.messages)} messages)")
+    return store, session_id or new_session_id()
+
+
 def build_shell(cfg: Config, args: argparse.Namespace) -> Shell:
     """Wire what the config names: the LLM (its key checked now), store, sinks, MCP servers."""
-    options = dict(cfg.llm)
-    stream = options.pop("stream_default", False)
-    try:
-        llm = bob.OpenAICompatLlm(args.model or cfg.default_model, stream=stream, **options)
-    except bob.ConfigError as e:
-        raise bob.ConfigError(f"{'--model' if args.model else cfg.path}: {e}") from None
-    session_id = args.session or new_session_id()
-    store: Any = bob.InMemorySessionStore()
-    if cfg.store_path is not None:
-        store = bob.JsonFileSessionStore(cfg.store_path)
-        try:  # a bad --session id is a usage error, found before any turn
-            store.path_for(session_id)
-        except bob.StoreError as e:
-            raise bob.ConfigError(f"--session: {e}") from None
-    status = StatusLine(sys.stderr, cfg.policy.max_steps) if (
+    llm, (store, session_id) = _llm(cfg, args), _store(cfg, args)
+    policy = cfg.policy
+    if args.max_steps is not None:
+        try:
+            policy = dataclasses.replace(policy, max_steps=args.max_steps)
+        except bob.ConfigError as e:
+            raise bob.ConfigError(f"--max-steps: {e}") from None
+    status = StatusLine(sys.stderr, policy.max_steps) if (
         sys.stderr.isatty() and not args.verbose) else None
-    printer = StreamPrinter(sys.stdout, cfg.action_mode == "json") if stream else None
+    printer = StreamPrinter(sys.stdout, cfg.action_mode == "json") if llm.stream else None
     mcp = McpTools(cfg.mcp_servers) if cfg.mcp_servers else None
-    saves = SaveWatch()
-    runtime = bob.AgentRuntime(llm, mcp, store=store, policy=cfg.policy,
-                               events=[s for s in (status, printer, saves) if s] + _sinks(args),
-                               system_prompt=cfg.system_prompt, action_mode=cfg.action_mode,
-                               deny_tools=cfg.deny_tools)
+    notes = TurnNotes()
+    runtime = bob.AgentRuntime(llm, mcp, store=store, policy=policy,
+                               events=[s for s in (status, printer, notes) if s] + _sinks(args),
+                               system_prompt=args.system or cfg.system_prompt,
+                               action_mode=cfg.action_mode, deny_tools=cfg.deny_tools)
     return Shell(runtime, session_id, Path(cfg.path or "agent.toml").name, mcp, status, printer,
-                 saves=saves)
+                 notes=notes)
 
 
 def _fail(e: BaseException, code: int, verbose: bool) -> int:
@@ -734,7 +832,10 @@ def _fail(e: BaseException, code: int, verbose: bool) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the CLI on `argv` (default sys.argv[1:]); returns the exit code."""
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.prompt is not None and not args.prompt.strip():
+        parser.error("-p needs a prompt (or '-' to read it from stdin)")
     for stream in (sys.stdout, sys.stderr):   # a stray lone surrogate never ends a run
         if isinstance(stream, io.TextIOWrapper):
             stream.reconfigure(errors="replace")
@@ -744,10 +845,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.demo:
             return run_demo(_sinks(args))
-        cfg = load_config(args.config)
+        found = find_config(args.config)
+        cfg = load_config(found) if found else Config()
         shell = build_shell(cfg, args)
+        if args.sessions:
+            return list_sessions(typing.cast(bob.JsonFileSessionStore, shell.runtime.store))
         if args.prompt is not None:
-            return exit_code(shell.turn(args.prompt))
+            return exit_code(shell.turn(_prompt(args.prompt, sys.stdin)))
         if not sys.stdin.isatty():
             return run_piped(shell, sys.stdin)
         servers = f"; {len(cfg.mcp_servers)} MCP server(s) starting" if cfg.mcp_servers else ""

@@ -363,9 +363,10 @@ def test_help_names_the_flags_and_imports_neither_mcp_nor_requests(tmp_path):
 # ---- 4. Configuration errors and their exit codes ----
 
 def test_missing_config_file_says_how_to_start(tmp_path):
-    r = run_cli(tmp_path, "-p", "hi")
+    r = run_cli(tmp_path, "--config", "agent.toml", "-p", "hi")
     assert r.returncode == 2
-    assert "agent.toml not found" in r.stderr and "cp " in r.stderr and "--demo" in r.stderr
+    assert "agent.toml not found" in r.stderr and "--config" in r.stderr
+    assert "site-packages" not in r.stderr and "cp " not in r.stderr
 
 
 def test_toml_syntax_error_gives_line_and_column(tmp_path):
