@@ -55,7 +55,8 @@ __all__ = [
     # domain
     "Message", "ToolDescriptor", "ToolCall", "ToolResult", "Final", "CallTools", "AskUser",
     "AgentAction", "TurnPolicy", "Usage", "FinishReason", "GuardReason", "AgentRequest",
-    "AgentRunResult", "CancelToken", "SessionState", "AgentEvent", "LlmRequest", "LlmResponse",
+    "Approval", "AgentRunResult", "CancelToken", "SessionState", "AgentEvent", "LlmRequest",
+    "LlmResponse",
     # ports
     "LlmPort", "ToolPort", "SessionStore", "EventSink",
     # machinery and adapters
@@ -239,6 +240,7 @@ class FinishReason(str, enum.Enum):
     ASK_USER = "ask_user"
     GUARD_EXCEEDED = "guard_exceeded"
     CANCELLED = "cancelled"
+    NEEDS_APPROVAL = "needs_approval"   # paused on tool calls waiting for a person's decision
 
 
 class GuardReason(str, enum.Enum):
@@ -251,14 +253,25 @@ class GuardReason(str, enum.Enum):
     STAGNATION = "stagnation"
 
 
+@dataclass(frozen=True)
+class Approval:
+    """A person's decision on one tool call: `reason` is told to the model when declined,
+    `arguments` (when allowed) replace the call's arguments."""
+    allow: bool
+    reason: str = ""
+    arguments: dict[str, Any] | None = None
+
+
 @dataclass
 class AgentRequest:
-    """One user turn. A given `history` replaces the stored one for this turn."""
-    input: str
+    """One user turn. A given `history` replaces the stored one for this turn. `input=None` with
+    `approvals={call_id: Approval}` resumes a turn paused with NEEDS_APPROVAL."""
+    input: str | None
     session_id: str = "default"
     system_prompt: str | None = None
     policy: TurnPolicy | None = None
     history: list[Message] | None = None
+    approvals: dict[str, Approval] | None = None
 
 
 @dataclass
@@ -271,6 +284,7 @@ class AgentRunResult:
     steps: int
     tool_calls: int
     history: list[Message]
+    pending: tuple[ToolCall, ...] = ()  # the calls waiting for a decision (NEEDS_APPROVAL)
 
 
 @dataclass
@@ -279,17 +293,18 @@ class SessionState:
     messages: list[Message] = field(default_factory=list)
     usage: Usage = field(default_factory=Usage)
     version: int = 0
+    paused: dict[str, Any] | None = None  # a turn waiting for approvals: its counts, decisions
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-ready dict."""
         return {"version": self.version, "usage": dataclasses.asdict(self.usage),
-                "messages": [m.to_dict() for m in self.messages]}
+                "messages": [m.to_dict() for m in self.messages], "paused": self.paused}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> SessionState:
         """Reverse of `to_dict`."""
         return cls([Message.from_dict(m) for m in d["messages"]], Usage(**d.get("usage", {})),
-                   int(d.get("version", 0)))
+                   int(d.get("version", 0)), d.get("paused"))
 
 
 class CancelToken:
@@ -473,58 +488,53 @@ def build_system_prompt(instructions: str, tools: Sequence[ToolDescriptor], mode
     return "\n".join(parts)
 
 
-class _Grouping:
-    """History grouped into units: an assistant tool-call message with its results, or any other
-    message alone. It is extended as a turn appends messages, so each step pays only for what is
-    new; tool results whose call is not right before them are orphans and never sent."""
+def _units(messages: Sequence[Message]) -> list[list[int]]:
+    """Indices of the non-system messages, grouped: an assistant tool call with the results
+    right after it, or one other message. A tool result whose call is not right before it is
+    an orphan (its call was cut off) and belongs to no unit."""
+    units: list[list[int]] = []
+    open_ids: set[str | None] = set()        # calls of the last unit still without a result
+    for i, m in enumerate(messages):
+        if m.role == "tool":
+            if m.tool_call_id in open_ids:
+                units[-1].append(i)
+                open_ids.discard(m.tool_call_id)
+        elif m.role != "system":
+            units.append([i])
+            open_ids = {c.id for c in m.tool_calls}
+        else:
+            open_ids = set()
+    return units
 
-    def __init__(self) -> None:
-        self.units: list[list[int]] = []   # non-system units, oldest first
-        self.systems: list[int] = []       # system messages: always kept, never counted
-        self._open: set[str] = set()       # call ids of the last unit still without a result
-        self._seen = 0
 
-    def update(self, messages: Sequence[Message]) -> _Grouping:
-        """Group the messages appended since the last update."""
-        for i in range(self._seen, len(messages)):
-            m = messages[i]
-            if m.role == "tool":
-                if m.tool_call_id in self._open:
-                    self.units[-1].append(i)
-                    self._open.discard(m.tool_call_id)
-                continue
-            self._open = {c.id for c in m.tool_calls} if m.role == "assistant" else set()
-            if m.role == "system":
-                self.systems.append(i)
-            else:
-                self.units.append([i])
-        self._seen = len(messages)
-        return self
-
-    def kept(self, limit: int, keep_from: int | None) -> list[int]:
-        """The newest units that fit in `limit`; the newest one and those from `keep_from` on
-        are kept even past it. Walks back from the end, so it costs O(what is kept)."""
-        tail: list[list[int]] = []
-        count = 0
-        for u in reversed(self.units):
-            forced = not tail or (keep_from is not None and u[-1] >= keep_from)
-            if not forced and count + len(u) > limit:
+def _kept(messages: Sequence[Message], limit: int, keep: int | None) -> list[int]:
+    """Indices of what `truncate_history` sends, in order."""
+    units = _units(messages)
+    forced = next((u for u in units if keep in u), [])
+    room, tail = limit - len(forced), []
+    for u in reversed(units):                 # newest first; the first unit that does not fit
+        if u is not forced:                   # ends the walk, so only the oldest are dropped
+            if len(u) > room:
                 break
-            tail.append(u)
-            count += len(u)
-        kept = [i for u in reversed(tail) for i in u]
-        return sorted(self.systems + kept) if self.systems else kept
+            room -= len(u)
+            tail += u
+    sent = set(tail + forced)
+    return [i for i, m in enumerate(messages) if m.role == "system" or i in sent]
 
 
-def truncate_history(messages: Sequence[Message], limit: int, keep_from: int | None = None
+def truncate_history(messages: Sequence[Message], limit: int, keep: int | None = None
                      ) -> list[Message]:
-    """Drop the oldest non-system messages until at most `limit` remain.
+    """At most `limit` non-system messages: the newest whole units (an assistant tool call with
+    its results, or one other message), oldest dropped first, plus the unit holding index `keep`
+    (the current question), which is always sent. System messages are always sent and not
+    counted; a tool result whose call is not right before it is never sent."""
+    return [messages[i] for i in _kept(messages, limit, keep)]
 
-    Never splits an assistant tool call from its results; tool results whose call is gone are
-    dropped too. The unit holding index `keep_from` (the current user input) and everything after
-    it are always kept, even past the limit, so the model never loses the question it is answering.
-    """
-    return [messages[i] for i in _Grouping().update(messages).kept(limit, keep_from)]
+
+# An endpoint's words for "the request is too long for the model's context" (OpenAI, vLLM,
+# llama.cpp): the adapter names the fix, the scheduler retries the step with half the history.
+_CONTEXT_TOO_LONG = re.compile(r"context.(length|window|size)|maximum context|too many tokens|"
+                               r"prompt is too long|input is too long|reduce the length", re.I)
 
 
 def render_for_wire(m: Message, mode: str) -> Message:
@@ -848,13 +858,12 @@ class InMemorySessionStore:
         """A copy of the stored state, or None."""
         with self._lock:
             s = self._sessions.get(session_id)
-            return None if s is None else SessionState(list(s.messages), s.usage, s.version)
+            return None if s is None else dataclasses.replace(s, messages=list(s.messages))
 
     def save(self, session_id: str, state: SessionState) -> None:
         """Store a copy of `state`."""
         with self._lock:
-            self._sessions[session_id] = SessionState(list(state.messages), state.usage,
-                                                      state.version)
+            self._sessions[session_id] = dataclasses.replace(state, messages=list(state.messages))
 
 
 _SESSION_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
@@ -1080,7 +1089,7 @@ class State(str, enum.Enum):
 
 
 TRANSITIONS: dict[State, frozenset[State]] = {
-    State.START: frozenset({State.BUILD_PROMPT, State.DONE}),
+    State.START: frozenset({State.BUILD_PROMPT, State.CALL_TOOL, State.DONE}),  # CALL_TOOL: resume
     State.BUILD_PROMPT: frozenset({State.LLM_INFER}),
     State.LLM_INFER: frozenset({State.PARSE_ACTION, State.DONE}),
     State.PARSE_ACTION: frozenset({State.BUILD_PROMPT, State.CALL_TOOL, State.DONE}),
@@ -1102,7 +1111,6 @@ class _Turn:
     input_index: int = 0                    # where this turn's user message sits in history
     system: Message | None = None
     wire: dict[int, Message] = field(default_factory=dict)  # rendered messages, by index
-    grouping: _Grouping = field(default_factory=_Grouping)  # of session.messages
     wake: queue.SimpleQueue[None] = field(default_factory=queue.SimpleQueue)  # see _wait_all
     prompt: LlmRequest | None = None
     reply: LlmResponse | None = None
@@ -1113,6 +1121,9 @@ class _Turn:
     finish: FinishReason = FinishReason.FINAL
     guard_reason: GuardReason | None = None
     error: BaseException | None = None
+    approvals: dict[str, Approval] = field(default_factory=dict)  # decisions, by call id
+    resumed: bool = False                   # took up a paused batch (its guards already ran)
+    pending: tuple[ToolCall, ...] = ()      # calls left waiting for a decision
     closed: bool = False                    # set at the end: late worker events are dropped
 
 
@@ -1123,7 +1134,9 @@ class AgentRuntime:
                  store: SessionStore | None = None,
                  events: EventSink | Sequence[EventSink] | None = None,
                  policy: TurnPolicy | None = None, system_prompt: str | None = None,
-                 action_mode: Literal["json", "native"] = "json", deny_tools: Sequence[str] = ()):
+                 action_mode: Literal["json", "native"] = "json", deny_tools: Sequence[str] = (),
+                 ask_tools: Sequence[str] = (),
+                 approver: Callable[[ToolCall], Approval] | None = None):
         if action_mode not in ("json", "native"):
             raise ConfigError(f"action_mode must be 'json' or 'native', got {action_mode!r}")
         self.llm, self.tools, self.action_mode = llm, tools, action_mode
@@ -1133,7 +1146,8 @@ class AgentRuntime:
             else [typing.cast(EventSink, events)])
         self.policy = policy or TurnPolicy()
         self.system_prompt = system_prompt
-        self.deny_tools = tuple(deny_tools)
+        self.deny_tools, self.ask_tools = tuple(deny_tools), tuple(ask_tools)
+        self.approver = approver
         self._failing: set[int] = set()   # ids of sinks that raised (logged once each)
         self._states: dict[State, Callable[[_Turn], State]] = {
             State.START: self._start, State.BUILD_PROMPT: self._build_prompt,
@@ -1188,20 +1202,20 @@ class AgentRuntime:
     # -- the states, in the order a turn visits them --
 
     def _start(self, t: _Turn) -> State:
-        """Load the session, append the user's message, list tools once (bounded like any port)."""
+        """Load the session, append the user's message (or take up a paused batch: a resume goes
+        straight to CallTool), list tools once (bounded like any port)."""
         stored = self.store.load(t.request.session_id)
         t.session = stored or SessionState()
         if t.request.history is not None:
             t.session.messages = list(t.request.history)
-        t.session.messages.append(Message("user", t.request.input))
-        t.input_index = len(t.session.messages) - 1
+        resume = self._take_up(t)
         worker = self._call_port(t, self.tools.list_tools) if self.tools is not None else None
         if worker is not None and worker.done and worker.error is None:
             t.tools = [d for d in worker.value if not is_denied(d.name, self.deny_tools)]
         self._emit(t, "turn_started", {"input": t.request.input,
                                        "tools": [d.name for d in t.tools]})
         stop = worker and self._stopped(t, worker, "listing the tools")
-        return stop or State.BUILD_PROMPT
+        return stop or (State.CALL_TOOL if resume else State.BUILD_PROMPT)
 
     def _build_prompt(self, t: _Turn) -> State:
         """System message + history cut to max_history_messages, in the mode's wire shape."""
@@ -1209,15 +1223,7 @@ class AgentRuntime:
             instructions = t.request.system_prompt or self.system_prompt or DEFAULT_INSTRUCTIONS
             t.system = Message("system", build_system_prompt(instructions, t.tools,
                                                              self.action_mode))
-        messages = t.session.messages  # only grows during a turn: render each message once
-        kept = t.grouping.update(messages).kept(t.policy.max_history_messages, t.input_index)
-        for i in kept:
-            if i not in t.wire:
-                t.wire[i] = render_for_wire(messages[i], self.action_mode)
-        json_mode = self.action_mode == "json"
-        t.prompt = LlmRequest([t.system, *(t.wire[i] for i in kept)],
-                              [] if json_mode else t.tools, "json" if json_mode else None,
-                              t.guard.deadline)
+        t.prompt = self._prompt(t, t.policy.max_history_messages)
         return State.LLM_INFER
 
     def _llm_infer(self, t: _Turn) -> State:
@@ -1231,8 +1237,12 @@ class AgentRuntime:
         prompt = t.prompt
         self._emit(t, "llm_call_started", {"messages": len(prompt.messages)})
         t0 = time.perf_counter()
-        worker = self._call_port(t, lambda: self.llm.complete(
-            prompt, t.cancel, functools.partial(self._delta, t)))
+        worker = self._complete(t, prompt)
+        if _too_long(worker.error) and len(prompt.messages) > 2 and not t.cancel.cancelled:
+            sent = len(prompt.messages) - 1  # once per step, with half the history
+            t.prompt = prompt = self._prompt(t, sent // 2)
+            self._emit(t, "history_truncated", {"from": sent, "to": len(prompt.messages) - 1})
+            worker = self._complete(t, prompt)
         stop = self._stopped(t, worker, "the model")
         if stop:
             return stop
@@ -1280,27 +1290,31 @@ class AgentRuntime:
         return State.CALL_TOOL
 
     def _call_tool(self, t: _Turn) -> State:
-        """Check the batch against the guards, run it, append results in call order."""
+        """Guard the batch, get the decisions it needs, run it, append results in call order."""
         assert isinstance(t.action, CallTools)
-        calls = t.action.calls
+        calls, t.session.paused = t.action.calls, None  # answered below, or paused afresh
         if t.caller_cancel.cancelled:  # cancelled while the model answered: start nothing
-            self._append_results(t, [_error(c, "interrupted: the turn was cancelled before this "
-                                            "call started") for c in calls])
-            return self._cancelled(t)
-        trip = t.guard.check_loop(calls)
-        if trip is None and len(calls) > t.policy.max_parallel_tools:
+            return self._interrupted(t)
+        if not t.resumed:  # a resumed batch passed these two before it paused
             n = t.policy.max_parallel_tools
-            self._append_results(t, [_error(c, f"not run: this batch has {len(calls)} calls and "
-                                            f"at most max_parallel_tools={n} may run at once; "
-                                            f"call at most {n} tools at a time") for c in calls])
-            t.guard.record_refusal()
-            return State.BUILD_PROMPT
+            if len(calls) > n:  # first: refusing costs O(1) per call, hashing would not
+                self._append_results(t, [_error(c, f"not run: this batch has {len(calls)} calls "
+                                                f"and at most max_parallel_tools={n} may run at "
+                                                f"once; call at most {n} tools at a time")
+                                         for c in calls])
+                t.guard.record_refusal()
+                return State.BUILD_PROMPT
+            trip = t.guard.check_loop(calls)
+            if trip:
+                return self._not_run(t, trip)
         refusals = [self._refusal(t, c) for c in calls]
-        trip = trip or t.guard.check_budget(sum(r is None for r in refusals))
-        if trip:  # keep history well-formed: every call gets a result
-            self._append_results(t, [_error(c, f"not run: {trip.detail}") for c in calls])
-            return self._trip(t, trip)
-        results, ran = self._run_batch(t, calls, refusals)
+        decided = self._decide(t, refusals)
+        if isinstance(decided, State):
+            return decided
+        trip = t.guard.check_budget(sum(r is None for r in refusals))
+        if trip:
+            return self._not_run(t, trip)
+        results, ran = self._run_batch(t, decided, refusals)
         t.guard.record_results(results, ran)
         self._append_results(t, results)
         if t.caller_cancel.cancelled:
@@ -1326,9 +1340,132 @@ class AgentRuntime:
         if t.error is not None:
             raise t.error
         return AgentRunResult(t.content, t.finish, t.guard_reason, t.usage, t.guard.steps,
-                              t.guard.tool_calls, list(t.session.messages))
+                              t.guard.tool_calls, list(t.session.messages), t.pending)
 
     # -- helpers of the states --
+
+    def _prompt(self, t: _Turn, limit: int) -> LlmRequest:
+        """The system message and the history cut to `limit`, in the mode's wire shape. A turn
+        only appends to history (an edit comes before rendering), so each message renders once."""
+        messages = t.session.messages
+        kept = _kept(messages, limit, t.input_index)
+        for i in kept:
+            if i not in t.wire:
+                t.wire[i] = render_for_wire(messages[i], self.action_mode)
+        json_mode = self.action_mode == "json"
+        return LlmRequest([typing.cast(Message, t.system), *(t.wire[i] for i in kept)],
+                          [] if json_mode else t.tools, "json" if json_mode else None,
+                          t.guard.deadline)
+
+    def _complete(self, t: _Turn, prompt: LlmRequest) -> _Worker:
+        return self._call_port(t, lambda: self.llm.complete(
+            prompt, t.cancel, functools.partial(self._delta, t)))
+
+    def _take_up(self, t: _Turn) -> bool:
+        """Append the user's message; or, for `input=None`, take up the batch a paused turn left
+        waiting, with its counts and decisions (True). The pause is kept until CallTool answers
+        the batch. New input answers waiting calls "not run" first."""
+        paused = t.session.paused if t.request.history is None else None
+        waiting = t.session.messages[-1].tool_calls if paused else ()
+        if t.request.input is None:
+            if not waiting:
+                raise AgentError(f"session {t.request.session_id!r} has no tool calls waiting "
+                                 "for approval: give an input to start a turn")
+            assert paused is not None
+            vars(t.guard).update(paused["guard"])
+            t.input_index = paused["input_index"]
+            t.approvals = {k: Approval(**a) for k, a in paused["approvals"].items()}
+            given = t.request.approvals or {}
+            for call in (c for c in waiting if c.id in given):
+                if not isinstance(given[call.id], Approval):
+                    raise ConfigError(f"approvals[{call.id!r}] must be an Approval, "
+                                      f"got {given[call.id]!r}")
+                self._decided(t, call, given[call.id])
+            t.action, t.resumed = CallTools(waiting), True
+            return True
+        t.session.paused = None
+        self._append_results(t, [_error(c, "not run: the user sent a new message instead of "
+                                           "deciding on this call") for c in waiting])
+        t.session.messages.append(Message("user", t.request.input))
+        t.input_index = len(t.session.messages) - 1
+        return False
+
+    def _decide(self, t: _Turn, refusals: list[ToolResult | None]) -> State | list[ToolCall]:
+        """The batch as it will run. Each call matching ask_tools and not refused (deny wins)
+        needs a decision: a declined call gets its error result in `refusals`, an allowed one
+        maybe new arguments. Without an approver, undecided calls pause the turn."""
+        assert isinstance(t.action, CallTools)
+        calls, waiting = list(t.action.calls), []
+        for i, call in enumerate(calls):
+            if refusals[i] is not None or not is_denied(call.name, self.ask_tools):
+                continue
+            if call.id not in t.approvals:
+                self._emit(t, "approval_requested", {"call_id": call.id, "name": call.name,
+                                                     "arguments": redact(call.arguments)})
+                if self.approver is None:
+                    waiting.append(call)
+                    continue
+                decision = self._ask(t, call)
+                if isinstance(decision, State):
+                    return decision
+                self._decided(t, call, decision)
+            approval = t.approvals[call.id]
+            if not approval.allow:
+                refusals[i] = _error(call, "the user declined this call" + (
+                    f": {approval.reason}" if approval.reason else ""))
+            elif approval.arguments is not None:
+                calls[i] = dataclasses.replace(call, arguments=dict(approval.arguments))
+        if waiting:
+            return self._pause(t, waiting)
+        if calls != list(t.action.calls):  # the history records the arguments that ran
+            t.session.messages[-1] = dataclasses.replace(t.session.messages[-1],
+                                                         tool_calls=tuple(calls))
+        return calls
+
+    def _ask(self, t: _Turn, call: ToolCall) -> Approval | State:
+        """The approver's decision, on a worker: its time counts against the deadline and cancel
+        holds. Cancelled from it ends the turn; any other exception declines with its text."""
+        approver = typing.cast(Callable[[ToolCall], Approval], self.approver)
+        worker = self._call_port(t, lambda: approver(call))
+        if t.caller_cancel.cancelled or isinstance(worker.error, Cancelled):
+            return self._interrupted(t)
+        if not worker.done:
+            return self._not_run(t, Trip(GuardReason.TURN_TIMEOUT, "the approver did not answer "
+                                         f"within turn_timeout_ms={t.policy.turn_timeout_ms}"))
+        e, value = worker.error, worker.value
+        if e is not None:
+            return Approval(False, f"the approver failed: {type(e).__name__}: {e}")
+        if isinstance(value, Approval):
+            return value
+        return Approval(False, f"the approver returned {type(value).__name__}, not an Approval")
+
+    def _decided(self, t: _Turn, call: ToolCall, approval: Approval) -> None:
+        t.approvals[call.id] = approval
+        changed = approval.allow and approval.arguments not in (None, call.arguments)
+        self._emit(t, "approval_decided", {"call_id": call.id, "allow": approval.allow,
+                                           "arguments_changed": changed})
+
+    def _pause(self, t: _Turn, waiting: list[ToolCall]) -> State:
+        """End the turn NEEDS_APPROVAL with the batch unrun, saving what a resume needs."""
+        counts = {k: v for k, v in vars(t.guard).items() if k not in ("policy", "deadline")}
+        t.session.paused = {"guard": counts, "input_index": t.input_index, "approvals":
+                            {k: dataclasses.asdict(a) for k, a in t.approvals.items()}}
+        t.pending, t.finish = tuple(waiting), FinishReason.NEEDS_APPROVAL
+        t.content = "Waiting for approval: " + ", ".join(c.name for c in waiting) + "."
+        return State.DONE
+
+    def _not_run(self, t: _Turn, trip: Trip) -> State:
+        """A guard stopped the batch: every call gets a result, so history stays well-formed."""
+        assert isinstance(t.action, CallTools)
+        self._append_results(t, [_error(c, f"not run: {trip.detail}") for c in t.action.calls])
+        return self._trip(t, trip)
+
+    def _interrupted(self, t: _Turn) -> State:
+        """Cancelled with the batch unrun: each call gets an "interrupted" result."""
+        assert isinstance(t.action, CallTools)
+        self._append_results(t, [_error(c, "interrupted: the turn was cancelled before this call "
+                                           "started") for c in t.action.calls])
+        return self._cancelled(t)
 
     def _call_port(self, t: _Turn, fn: Callable[[], Any]) -> _Worker:
         """Run a port call on a worker; wait until it ends, the turn deadline, or a cancel."""
@@ -1356,10 +1493,11 @@ class AgentRuntime:
         if self.action_mode == "json":
             return parse_action(reply.content, call_id)
         if reply.tool_calls:  # native: ids must be unique; some servers omit or repeat them
-            calls: list[ToolCall] = []
+            calls, seen = [], set()
             for i, c in enumerate(reply.tool_calls):
-                if not c.id or any(c.id == d.id for d in calls):
+                if not c.id or c.id in seen:
                     c = dataclasses.replace(c, id=f"{call_id}_{i}")
+                seen.add(c.id)
                 calls.append(c)
             return CallTools(tuple(calls))
         if not reply.content.strip():
@@ -1456,6 +1594,12 @@ def _error(call: ToolCall, text: str) -> ToolResult:
     return ToolResult(call.id, call.name, text, True)
 
 
+def _too_long(e: BaseException | None) -> bool:
+    """The endpoint refused the request as too long for the model's context."""
+    return (isinstance(e, LlmError) and e.status_code == 400
+            and bool(_CONTEXT_TOO_LONG.search(e.body)))
+
+
 # ---- 10. LLM adapters: ScriptedLlm, OpenAICompatLlm ---------------------------------------------
 
 class ScriptedLlm:
@@ -1506,8 +1650,6 @@ PROVIDERS: dict[str, tuple[str, str | None]] = {
 }
 RETRYABLE_STATUSES = frozenset({408, 409, 429, 500, 502, 503, 504})
 _TOOL_NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
-_CONTEXT_TOO_LONG = re.compile(r"context.length|context.window|maximum context|too many tokens|"
-                               r"prompt is too long|input is too long|reduce the length", re.I)
 _OPTIONAL_FIELDS = ("response_format", "stream_options")  # dropped if a server rejects them
 
 

@@ -583,7 +583,7 @@ def histories(draw):
 @given(histories())
 def test_truncate_history_never_orphans_tool_results(case):
     msgs, blocks, limit, keep_from = case
-    out = bob.truncate_history(msgs, limit, keep_from)
+    out = bob.truncate_history(msgs, limit, keep=keep_from)
     index = {id(m): i for i, m in enumerate(msgs)}
     kept = [index[id(m)] for m in out]
     assert kept == sorted(set(kept)), "output is not a subsequence of the input"
@@ -599,11 +599,9 @@ def test_truncate_history_never_orphans_tool_results(case):
                 q -= 1
             assert m.tool_call_id in [c.id for c in out[q].tool_calls]
     body = [i for i in kept if msgs[i].role != "system"]
-    last_start = blocks[-1][0] if blocks else len(msgs)
-    must = min([s for s, e in blocks if keep_from is not None and s <= keep_from < e]
-               + [last_start])
-    if len(body) > limit:            # only the tail that must be kept may pass the limit
-        assert body == [i for i in range(must, len(msgs)) if msgs[i].role != "system"]
+    forced = [list(range(s, e)) for s, e in blocks if keep_from is not None and s <= keep_from < e]
+    if len(body) > limit:            # only the unit holding keep_from may pass the limit
+        assert [body] == forced
     dropped = [(s, e) for s, e in blocks if s not in kept]
     if dropped:                      # and nothing is dropped that need not be
         assert len(body) + dropped[-1][1] - dropped[-1][0] > limit
@@ -618,7 +616,7 @@ def test_truncate_history_keeps_the_unit_holding_keep_from():
     call = ToolCall("a", "t", {})
     msgs = [Message("user", "u0"), Message("assistant", "", (call,)),
             Message("tool", "r", tool_call_id="a", name="t"), Message("user", "u1")]
-    out = bob.truncate_history(msgs, 1, keep_from=2)
+    out = bob.truncate_history(msgs, 1, keep=2)
     assert msgs[2] in out and msgs[1] in out
 
 
