@@ -46,7 +46,7 @@ import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Literal, Protocol, Sequence, Union
+from typing import Any, Callable, Iterable, Iterator, Literal, Protocol, Sequence, Union
 
 __all__ = [
     # errors
@@ -115,6 +115,7 @@ class ToolCall:
     id: str
     name: str
     arguments: dict[str, Any]
+    error: str | None = None  # why the model's arguments are unusable: not run, the model is told
 
 
 @dataclass(frozen=True)
@@ -149,7 +150,8 @@ class Message:
         """Plain JSON-ready dict; `Message.from_dict` reverses it exactly."""
         d: dict[str, Any] = {"role": self.role, "content": self.content}
         if self.tool_calls:
-            d["tool_calls"] = [dataclasses.asdict(c) for c in self.tool_calls]
+            d["tool_calls"] = [{k: v for k, v in dataclasses.asdict(c).items() if v is not None}
+                               for c in self.tool_calls]
         if self.tool_call_id is not None:
             d["tool_call_id"] = self.tool_call_id
         if self.name is not None:
@@ -161,7 +163,7 @@ class Message:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Message:
         """Build a Message from `to_dict` output."""
-        calls = tuple(ToolCall(c["id"], c["name"], dict(c["arguments"]))
+        calls = tuple(ToolCall(c["id"], c["name"], dict(c["arguments"]), c.get("error"))
                       for c in d.get("tool_calls", ()))
         return cls(d["role"], d["content"], calls, d.get("tool_call_id"), d.get("name"),
                    bool(d.get("is_error", False)))
@@ -1149,6 +1151,7 @@ class AgentRuntime:
         self.deny_tools, self.ask_tools = tuple(deny_tools), tuple(ask_tools)
         self.approver = approver
         self._failing: set[int] = set()   # ids of sinks that raised (logged once each)
+        self._probe: _Worker | None = None  # health()'s list_tools call
         self._states: dict[State, Callable[[_Turn], State]] = {
             State.START: self._start, State.BUILD_PROMPT: self._build_prompt,
             State.LLM_INFER: self._llm_infer, State.PARSE_ACTION: self._parse_action,
@@ -1188,8 +1191,11 @@ class AgentRuntime:
                                   "action_mode": self.action_mode,
                                   "abandoned_workers": abandoned_workers()}
         if self.tools is not None:
-            worker = _call(self.tools.list_tools, time.monotonic() + timeout_s,
-                           queue.SimpleQueue(), CancelToken())
+            # One probe at a time: a later call waits on a hung one rather than leak a thread.
+            if self._probe is None or self._probe.done:
+                self._probe = _Worker(self.tools.list_tools, queue.SimpleQueue())
+            worker = self._probe
+            _wait_all([worker], [time.monotonic() + timeout_s], worker.wake, CancelToken())
             if not worker.done:
                 report.update(ok=False, tools_error=f"list_tools did not answer in {timeout_s} s")
             elif worker.error is not None:
@@ -1526,6 +1532,8 @@ class AgentRuntime:
 
     def _refusal(self, t: _Turn, call: ToolCall) -> ToolResult | None:
         """An error result for a call that must not run, or None."""
+        if call.error:
+            return _error(call, call.error)
         if is_denied(call.name, self.deny_tools):
             return _error(call, f"tool {call.name!r} is denied by policy (deny_tools)")
         if all(d.name != call.name for d in t.tools):
@@ -1653,24 +1661,31 @@ _TOOL_NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
 _OPTIONAL_FIELDS = ("response_format", "stream_options")  # dropped if a server rejects them
 
 
-def _json(raw: str | bytes) -> Any:
-    """Parsed JSON, or None when it is not JSON."""
-    try:
-        return json.loads(raw)
-    except ValueError:
-        return None
+_json = functools.partial(json.loads, strict=False)  # raw newlines and tabs in strings pass
+_BAD_JSON = (ValueError, RecursionError)              # what _json raises on bad or too deep JSON
+
+
+def _want(value: Any, kind: type, what: str) -> Any:
+    """`value` if it is a `kind` (dict: a JSON object, list: an array), else ValueError."""
+    if not isinstance(value, kind):
+        raise ValueError(f"{what} is not a JSON {'object' if kind is dict else 'array'}")
+    return value
 
 
 def _text(content: Any) -> str:
     """Message content as text: a string, null, or a list of {"type": "text"} parts."""
-    if isinstance(content, list):
-        return "".join(p.get("text") or "" for p in content if isinstance(p, dict))
-    return content if isinstance(content, str) else ""
+    if isinstance(content, list) and all(isinstance(p, dict) for p in content):
+        return "".join(p["text"] for p in content if isinstance(p.get("text"), str))
+    if content is not None and not isinstance(content, str):
+        raise ValueError("the content is neither text nor a list of parts")
+    return content or ""
 
 
 def _usage(u: Any) -> Usage:
-    u = u if isinstance(u, dict) else {}
-    return Usage(int(u.get("prompt_tokens") or 0), int(u.get("completion_tokens") or 0))
+    """Token counts; Usage() (unknown) when the server sent none or nonsense."""
+    n = ([u.get("prompt_tokens") or 0, u.get("completion_tokens") or 0]
+         if isinstance(u, dict) else [-1])
+    return Usage(*n) if all(type(i) is int and i >= 0 for i in n) else Usage()
 
 
 def _message_to_wire(m: Message) -> dict[str, Any]:
@@ -1687,20 +1702,29 @@ def _message_to_wire(m: Message) -> dict[str, Any]:
 
 
 def _call_from_wire(call_id: Any, name: Any, arguments: Any) -> ToolCall:
-    """A ToolCall; arguments that are not a JSON object become {}, with a warning."""
-    # Why {}: inventing keys (e.g. {"_raw": ...}) could pass a lax schema and run the tool on
-    # garbage; with {} the tool's argument check tells the model what is missing. A missing id
-    # stays "": the runtime gives it a unique one.
-    args = arguments
+    """A ToolCall; arguments that are not a JSON object give one with `error` set (not run)."""
+    # Why not {}: the model must learn its arguments were lost, not see the tool complain of
+    # missing keys. A missing id stays "": the runtime gives it a unique one.
+    name, args, problem = str(name or ""), arguments, "are not a JSON object"
     if isinstance(args, str):
-        args = _json(args) if args.strip() else {}
+        try:
+            args = _json(args) if args.strip() else {}
+        except _BAD_JSON as e:
+            problem = f"are not valid JSON ({e})"
         if isinstance(args, str):  # some models double-encode
-            args = _json(args)
-    if not isinstance(args, dict):
-        log.warning("tool call %s: arguments are not a JSON object, using {}: %.200r",
-                    name, arguments)
-        args = {}
-    return ToolCall(str(call_id or ""), str(name or ""), args)
+            with contextlib.suppress(*_BAD_JSON):
+                args = _json(args)
+    if isinstance(args, dict):
+        return ToolCall(str(call_id or ""), name, args)
+    shown = _excerpt(arguments if isinstance(arguments, str) else repr(arguments))
+    return ToolCall(str(call_id or ""), name, {}, f"the arguments of {name!r} {problem}: "
+                    f"{shown!r}; call it again with one JSON object that fits its schema")
+
+
+def _wire_call(c: Any) -> ToolCall:
+    """One tool call of a completion's message; ValueError when it is malformed."""
+    fn = _want(_want(c, dict, "a tool call").get("function") or {}, dict, "its function")
+    return _call_from_wire(c.get("id"), fn.get("name"), fn.get("arguments"))
 
 
 class _Stream:
@@ -1715,18 +1739,19 @@ class _Stream:
         self.done = False  # [DONE] was seen
 
     def add(self, chunk: dict[str, Any]) -> None:
-        """Fold one chat.completion.chunk in; text deltas go to on_delta."""
+        """Fold one chat.completion.chunk in; text deltas go to on_delta. Raises if malformed."""
         if chunk.get("usage"):
             self.usage = _usage(chunk["usage"])
-        for choice in chunk.get("choices") or ():
-            delta = choice.get("delta") or {}
+        for choice in _want(chunk.get("choices") or [], list, "'choices'"):
+            delta = _want(_want(choice, dict, "a choice").get("delta") or {}, dict, "a delta")
             if piece := _text(delta.get("content")):
                 self.text.append(piece)
                 if self.on_delta:
                     self.on_delta(piece)
-            for i, tc in enumerate(delta.get("tool_calls") or ()):
-                slot = self.calls.setdefault(tc.get("index", i), ["", "", ""])
-                fn = tc.get("function") or {}
+            for i, tc in enumerate(_want(delta.get("tool_calls") or [], list, "tool_calls")):
+                slot = self.calls.setdefault(_want(tc, dict, "a tool call").get("index", i),
+                                             ["", "", ""])
+                fn = _want(tc.get("function") or {}, dict, "its function")
                 slot[0] = tc.get("id") or slot[0]           # ids may repeat: keep one
                 if fn.get("name") and fn["name"] != slot[1]:  # names may repeat: keep one
                     slot[1] += fn["name"]
@@ -1742,14 +1767,15 @@ class _Stream:
         return LlmResponse("".join(self.text), calls, self.usage, self.finish_reason)
 
 
-def _sse_data(resp: Any) -> Any:
+def _sse_data(pieces: Iterable[bytes]) -> Iterator[str]:
     """Yield the data field of each Server-Sent Event, as soon as its line arrives."""
-    read1 = getattr(resp.raw, "read1", None)  # what has arrived: no waiting for 512 bytes
-    pieces = (iter(lambda: read1(65536, decode_content=True), b"") if read1
-              else resp.iter_content(512))
-    buf = b""
+    pending: list[bytes] = []  # a line not ended yet, in pieces (joining each time is quadratic)
     for piece in pieces:
-        *lines, buf = (buf + piece).split(b"\n")
+        pending.append(piece)
+        if b"\n" not in piece:
+            continue
+        *lines, rest = b"".join(pending).split(b"\n")
+        pending = [rest]
         for line in lines:
             if line.startswith(b"data:"):
                 yield line[5:].strip().decode("utf-8", "replace")
@@ -1757,16 +1783,11 @@ def _sse_data(resp: Any) -> Any:
 
 def _retry_after(value: str | None) -> float | None:
     """Retry-After in seconds: a number or an HTTP date; None when absent or unreadable."""
-    if not value:
-        return None
-    try:
-        return max(0.0, float(value))
-    except ValueError:
-        pass
-    try:
+    with contextlib.suppress(TypeError, ValueError):
+        return max(0.0, float(value or ""))
+    with contextlib.suppress(TypeError, ValueError):
         return max(0.0, email.utils.parsedate_to_datetime(value).timestamp() - time.time())
-    except (TypeError, ValueError):
-        return None
+    return None
 
 
 def _cause(e: BaseException) -> str:
@@ -1857,7 +1878,8 @@ class OpenAICompatLlm:
                  temperature: float | None = None, seed: int | None = None,
                  max_tokens: int | None = None, json_response_format: bool = True, *,
                  timeout_s: float = 120.0, backoff_base_s: float = 0.5,
-                 stream_usage: bool = True):
+                 stream_usage: bool = True, max_response_bytes: int = 16 * 1024 * 1024,
+                 tool_choice: str = "auto"):
         provider, _, name = model.partition(":")
         if not provider or not name:
             raise ConfigError(f"model {model!r} must be 'provider:model', e.g. "
@@ -1866,23 +1888,27 @@ class OpenAICompatLlm:
             raise ConfigError(f"unknown provider {provider!r} in model {model!r}: known "
                               f"providers are {', '.join(PROVIDERS)}; for another "
                               "OpenAI-compatible server give base_url")
-        if not isinstance(retry_max, int) or retry_max < 0:
-            raise ConfigError(f"retry_max must be an integer >= 0, got {retry_max!r}")
+        for key, value, low in (("retry_max", retry_max, 0),
+                                ("max_response_bytes", max_response_bytes, 1)):
+            if type(value) is not int or value < low:
+                raise ConfigError(f"{key} must be an integer >= {low}, got {value!r}")
+        if tool_choice not in ("auto", "required", "none"):
+            raise ConfigError(f"tool_choice must be auto, required or none, got {tool_choice!r}")
         default_url, default_env = PROVIDERS.get(provider, ("", None))
         self.provider, self.model = provider, name
         self.base_url = (base_url or default_url).rstrip("/")
         self.api_key_env = api_key_env or default_env
         self.retry_max, self.stream, self.stream_usage = retry_max, stream, stream_usage
         self.temperature, self.seed, self.max_tokens = temperature, seed, max_tokens
-        self.json_response_format = json_response_format
+        self.json_response_format, self.tool_choice = json_response_format, tool_choice
+        self.max_response_bytes = max_response_bytes
         self.timeout_s, self.backoff_base_s = timeout_s, backoff_base_s
         self._api_key, self._key_source = self._find_key(model, api_key)
         self._url = self.base_url + "/chat/completions"
         # For messages, repr and describe(): user:password@ in a URL is a secret too.
         self._shown = re.sub(r"//[^/@]*@", "//***@", self._url)
-        self._headers = {"Content-Type": "application/json"}
-        if self._api_key:
-            self._headers["Authorization"] = f"Bearer {self._api_key}"
+        self._headers = {"Content-Type": "application/json", **(
+            {"Authorization": f"Bearer {self._api_key}"} if self._api_key else {})}
         self._rejected: set[str] = set()       # optional fields this server refused
         self._inflight: dict[int, Any] = {}    # thread id -> connection it is using
         self._cancels: dict[int, CancelToken] = {}  # thread id -> the token of its call
@@ -1917,15 +1943,17 @@ class OpenAICompatLlm:
 
     def complete(self, req: LlmRequest, cancel: CancelToken,
                  on_delta: Callable[[str], None] | None = None) -> LlmResponse:
-        """One chat completion, with retries; LlmError after the last try, Cancelled on cancel."""
+        """One chat completion, with retries, all within timeout_s (or the request's deadline);
+        LlmError after the last try, Cancelled on cancel."""
         body = self._to_wire(req)
+        end = time.monotonic() + self.timeout_s if req.deadline is None else req.deadline
         me = threading.get_ident()
         self._cancels[me] = cancel
         unhook = cancel.on_cancel(lambda: _abort(self._inflight.pop(me, None)))
         try:
             tries = 0
             while not cancel.cancelled:
-                outcome = self._attempt(body, req.deadline, cancel, on_delta)
+                outcome = self._attempt(body, end, cancel, on_delta)
                 if isinstance(outcome, LlmResponse):
                     return outcome
                 e = outcome.error
@@ -1935,8 +1963,7 @@ class OpenAICompatLlm:
                 delay = outcome.retry_after  # else back off exponentially, with jitter
                 if delay is None:
                     delay = self.backoff_base_s * 2 ** (tries - 1) * random.uniform(0.5, 1.0)
-                left = self.timeout_s if req.deadline is None else req.deadline - time.monotonic()
-                if delay >= left:  # fail now rather than sleep into the deadline
+                if delay >= end - time.monotonic():  # fail now, not sleep into the deadline
                     raise LlmError(f"{e} (no time left to retry: the next try would start in "
                                    f"{delay:.2f} s)", e.status_code, e.body)
                 cancel.wait(delay)  # a cancel ends the wait at once
@@ -1947,23 +1974,23 @@ class OpenAICompatLlm:
 
     # -- one HTTP exchange --
 
-    def _attempt(self, body: dict[str, Any], deadline: float | None, cancel: CancelToken,
+    def _attempt(self, body: dict[str, Any], end: float, cancel: CancelToken,
                  on_delta: Callable[[str], None] | None) -> LlmResponse | _Retry:
-        """Send once. Returns the reply or a _Retry; raises LlmError when retrying is useless."""
-        timeout = self.timeout_s if deadline is None else deadline - time.monotonic()
+        """Send once, done by `end`. The reply or a _Retry; LlmError when retrying is useless."""
+        timeout = end - time.monotonic()
         if timeout <= 0:
-            raise LlmError(f"no time left in the turn for a request to {self._shown}")
+            raise LlmError(f"no time left for a request to {self._shown}")
         data = json.dumps(body, separators=(",", ":")).encode()
         acc = _Stream(on_delta)
         try:
             resp = self._session.post(self._url, data=data, headers=self._headers,
-                                      timeout=(timeout, timeout), stream=self.stream)
+                                      timeout=(timeout, timeout), stream=True)
             try:
                 if resp.status_code != 200:
-                    return self._http_failure(resp, body)
+                    return self._http_failure(resp, body, b"".join(self._body(resp, end)))
                 if "text/event-stream" not in resp.headers.get("Content-Type", ""):
-                    return self._from_wire(resp.content)  # also when a server ignores stream
-                self._read_stream(resp, acc, deadline)
+                    return self._from_wire(b"".join(self._body(resp, end)))  # "stream" ignored
+                self._read_stream(resp, acc, end)
                 if not (acc.done or acc.finish_reason or acc.text or acc.calls):
                     return _Retry(LlmError(f"the stream from {self._shown} ended before any "
                                            "data"))  # nothing shown yet: safe to try again
@@ -1977,7 +2004,8 @@ class OpenAICompatLlm:
                 return acc.response(self._shown)
             import requests  # already loaded by _tracking_session
             what = ("timed out connecting to" if isinstance(e, requests.ConnectTimeout) else
-                    "no answer in time from" if isinstance(e, requests.Timeout) else
+                    "no answer in time from" if isinstance(e, requests.Timeout)
+                    or _cause(e) == "Read timed out" else  # urllib3's, reading the body
                     "cannot reach" if isinstance(e, requests.ConnectionError) else
                     "transport error on")
             hint = (" (is the server running? check base_url)"
@@ -1986,9 +2014,9 @@ class OpenAICompatLlm:
         finally:  # a cancel from now on must not shut a connection another call may be using
             self._inflight.pop(threading.get_ident(), None)
 
-    def _http_failure(self, resp: Any, body: dict[str, Any]) -> _Retry:
+    def _http_failure(self, resp: Any, body: dict[str, Any], raw: bytes) -> _Retry:
         """A non-200 answer: a _Retry when the status may pass, else raise LlmError at once."""
-        status, text = resp.status_code, resp.text
+        status, text = resp.status_code, raw.decode("utf-8", "replace")
         hint = ""
         if status in (401, 403):
             fix = (f"check the key in {self._key_source}" if self._key_source
@@ -2033,6 +2061,7 @@ class OpenAICompatLlm:
             body["tools"] = [{"type": "function", "function": {
                 "name": t.name, "description": t.description, "parameters": t.input_schema}}
                 for t in req.tools]
+            body["tool_choice"] = self.tool_choice  # llama.cpp calls no tool without it
         json_mode = req.response_format == "json" and self.json_response_format
         options = {"temperature": self.temperature, "seed": self.seed,
                    "max_tokens": self.max_tokens, "stream": self.stream or None,
@@ -2044,28 +2073,56 @@ class OpenAICompatLlm:
         return body
 
     def _from_wire(self, raw: bytes) -> LlmResponse:
-        """A non-streamed completion body -> LlmResponse; LlmError quoting it if malformed."""
-        data = _json(raw)
-        choices = data.get("choices") if isinstance(data, dict) else None
-        if not (isinstance(choices, list) and choices and isinstance(choices[0], dict)):
-            what = "is not JSON" if data is None else "has no 'choices'"
-            raise self._error(200, f"answered HTTP 200 but the body {what}", raw)
-        msg = choices[0].get("message") or {}
-        calls = tuple(_call_from_wire(c.get("id"), (c.get("function") or {}).get("name"),
-                                      (c.get("function") or {}).get("arguments"))
-                      for c in msg.get("tool_calls") or ())
-        return LlmResponse(_text(msg.get("content")), calls, _usage(data.get("usage")),
-                           choices[0].get("finish_reason"))
+        """A non-streamed completion body -> LlmResponse; LlmError saying what is malformed."""
+        try:
+            data = _want(_json(raw), dict, "the body")
+            choices = data.get("choices")
+            if not (isinstance(choices, list) and choices):
+                raise ValueError("the body has no 'choices' list with a choice in it")
+            choice = _want(choices[0], dict, "the first choice")
+            msg = _want(choice.get("message"), dict, "the message")
+            calls = tuple(map(_wire_call, _want(msg.get("tool_calls") or [], list, "tool_calls")))
+            content = _text(msg.get("content"))
+        except _BAD_JSON as e:  # the decoder's own words say where, not what
+            what = "the body is not JSON" if isinstance(e, json.JSONDecodeError) else e
+            raise self._error(200, f"answered HTTP 200 but {what}", raw) from None
+        finish = choice.get("finish_reason")
+        return LlmResponse(content, calls, _usage(data.get("usage")),
+                           finish if isinstance(finish, str) else None)
 
-    def _read_stream(self, resp: Any, acc: _Stream, deadline: float | None) -> None:
-        """Fold Server-Sent Events into `acc`; read on after [DONE], so the connection is reused."""
-        for payload in _sse_data(resp):
-            if acc.done or payload == "[DONE]":
+    def _body(self, resp: Any, end: float) -> Iterator[bytes]:
+        """The inflated body in pieces as they come; LlmError past max_response_bytes or `end`."""
+        sock, total = getattr(resp.raw.connection, "sock", None), 0
+        while True:
+            left = end - time.monotonic()
+            if left <= 0:
+                raise LlmError(f"the answer from {self._shown} was still coming when the time "
+                               f"for the call ran out ({total} bytes came)")
+            if sock is not None:
+                sock.settimeout(left)  # a socket read waits no longer than the call may
+            piece = resp.raw.read1(65536, decode_content=True)  # what has come, inflated
+            total += len(piece)
+            if total > self.max_response_bytes:
+                raise LlmError(f"the answer from {self._shown} is over max_response_bytes="
+                               f"{self.max_response_bytes}; if that is expected, raise it (the "
+                               "keyword, or [llm] max_response_bytes in agent.toml)")
+            if not piece:
+                return
+            yield piece
+
+    def _read_stream(self, resp: Any, acc: _Stream, end: float) -> None:
+        """Fold Server-Sent Events into `acc` until [DONE] or the end of the body."""
+        for payload in _sse_data(self._body(resp, end)):
+            if payload == "[DONE]":  # the end, even if the server keeps the connection open
                 acc.done = True
-                continue
-            chunk = _json(payload)
-            if not isinstance(chunk, dict) or "error" in chunk:
-                raise self._error(200, "sent a bad stream event", payload)
-            acc.add(chunk)
-            if deadline is not None and time.monotonic() > deadline:
-                raise LlmError(f"the stream from {self._shown} ran past the turn deadline")
+                with contextlib.suppress(AttributeError, *self._transport_errors):  # keep-alive:
+                    resp.raw.connection.sock.settimeout(0.05)  # take the body's end if it is near
+                    resp.raw.read1(65536, decode_content=True)
+                return
+            try:
+                chunk = _want(_json(payload), dict, "the event")
+                if "error" in chunk:
+                    raise ValueError("it reports an error")
+                acc.add(chunk)
+            except (*_BAD_JSON, TypeError) as e:
+                raise self._error(200, f"sent a bad stream event ({e})", payload) from None

@@ -35,6 +35,12 @@ Replies (what a request gets)
                              every chunk after the first. Then "data: [DONE]\\n\\n" unless
                              "done" is False (the stream then ends cleanly without it) or "drop"
                              is True (the connection is cut mid-response, no [DONE], no end).
+                             "hold": True sends [DONE] and then keeps the connection open
+                             without ending the response, until .release() or .close().
+    {"raw": fn}              misbehave at the byte level: fn(write, stop) is called instead of
+                             a response; write(bytes) sends bytes as they are (status line and
+                             headers included), stop is a threading.Event set by .close() (wait
+                             on it to pace writes). The connection is closed afterwards.
     FakeOpenAI.HANG          the handler blocks (no response at all) until .release() or
                              .close(); then the connection is dropped.
     any other dict           sent as the 200 JSON body as is.
@@ -297,6 +303,9 @@ def _make_handler(server: FakeOpenAI) -> type[BaseHTTPRequestHandler]:
                 server._hang()
             elif isinstance(reply, str):
                 self._send(200, {}, completion(reply))
+            elif isinstance(reply, dict) and "raw" in reply:
+                self.close_connection = True
+                reply["raw"](self.wfile.write, server._closed)
             elif isinstance(reply, dict) and "stream" in reply:
                 self._stream(reply)
             elif isinstance(reply, dict) and "status" in reply:
@@ -332,6 +341,8 @@ def _make_handler(server: FakeOpenAI) -> type[BaseHTTPRequestHandler]:
                 raise _Drop()
             if reply.get("done", True):
                 self._chunk("data: [DONE]\n\n")
+            if reply.get("hold"):
+                server._hang()
             self.wfile.write(b"0\r\n\r\n")
 
         def _chunk(self, text: str) -> None:
