@@ -27,6 +27,7 @@ import io
 import json
 import logging
 import os
+import queue
 import re
 import shutil
 import signal
@@ -69,9 +70,10 @@ _SCHEMA: dict[str, dict[str, str]] = {
                 "system_prompt": "a string", **dict.fromkeys(_POLICY_KEYS, "an integer")},
     "llm": {"retry_max": "an integer", "stream_default": "a boolean", "base_url": "a string",
             "api_key_env": "a string", "temperature": "a number", "seed": "an integer",
-            "max_tokens": "an integer", "json_response_format": "a boolean"},
+            "max_tokens": "an integer", "json_response_format": "a boolean",
+            "max_response_bytes": "an integer", "tool_choice": "a string"},
     "store": {"path": "a string"},
-    "policy": {"deny_tools": "a list of strings"},
+    "policy": {"deny_tools": "a list of strings", "ask_tools": "a list of strings"},
     "mcp": {"servers": "an array of tables"},
     "mcp.servers": {"id": "a string", "transport": "a string", "command": "a string",
                     "args": "a list of strings", "env": "a table of strings", "cwd": "a string",
@@ -97,6 +99,7 @@ class Config:
     llm: dict[str, Any] = field(default_factory=dict)   # [llm] as given; OpenAICompatLlm defaults
     store_path: Path | None = None
     deny_tools: tuple[str, ...] = ()
+    ask_tools: tuple[str, ...] = ()
     mcp_servers: tuple[dict[str, Any], ...] = field(default=(), repr=False)  # holds secrets
 
 
@@ -230,6 +233,7 @@ def load_config(path: str | os.PathLike[str], environ: dict[str, str] | None = N
         raise bob.ConfigError(f"{where}: [runtime] {e}") from None
     return Config(path, **{k: v for k, v in rt.items() if k not in _POLICY_KEYS}, policy=policy,
                   llm=t["llm"], deny_tools=tuple(t["policy"].get("deny_tools", ())),
+                  ask_tools=tuple(t["policy"].get("ask_tools", ())),
                   store_path=None if store is None else _path(store, f"{where}: [store] path",
                                                             path.parent),
                   mcp_servers=servers)
@@ -265,6 +269,10 @@ _DEMO_REPLIES = (
 )
 
 
+def _cut(text: str, room: int) -> str:
+    return text if len(text) <= room else text[:room - 3] + "..."
+
+
 class EventPrinter:
     """An EventSink printing each event on stdout as one line, `[step] kind  summary` (--demo)."""
 
@@ -273,19 +281,27 @@ class EventPrinter:
         d = event.data
         text = (f"{d['from']} -> {d['to']}" if event.kind == "state"
                 else json.dumps(d, default=str, ensure_ascii=False))
-        text = text if len(text) <= 90 else text[:87] + "..."
-        print(f"  [{event.step}] {event.kind:<20} {text}", flush=True)
+        print(f"  [{event.step}] {event.kind:<20} {_cut(text, 90)}", flush=True)
 
 
 # ---- 3. Terminal sinks: status line, streaming --------------------------------------------------
+
+_SURROGATE = re.compile("[\ud800-\udfff]")   # in a str, only a lone one: unencodable
+
+
+def printable(text: str) -> str:
+    """`text` with any lone surrogate (e.g. half of a cut emoji) as U+FFFD, so it can be printed."""
+    return _SURROGATE.sub("\ufffd", text)
+
 
 class StatusLine:
     """An EventSink keeping one stderr line current while a turn runs: state, step n/max, tools
     running, elapsed. The Shell calls begin(), then tick() every 100 ms, then clear(); streamed
     answer text clears it too. Only used when stderr is a terminal."""
 
-    def __init__(self, out: TextIO, max_steps: int):
+    def __init__(self, out: TextIO, max_steps: int, calls: bool = True):
         self.out, self.max_steps, self._lock = out, max_steps, threading.Lock()
+        self.calls = calls   # show each tool call as it starts and ends (-q: not)
         self._t0: float | None = None          # None: nothing to draw until begin()
         self._state, self._step = "start", 0
         self._tools: list[str] = []
@@ -304,8 +320,20 @@ class StatusLine:
             self._state = d["to"]
         elif kind == "tool_call_started":
             self._tools.append(d["name"])
-        elif kind == "tool_call_completed" and d["name"] in self._tools:
-            self._tools.remove(d["name"])
+            self.say(f"-> {d['name']} {_cut(json.dumps(d.get('arguments', {})), 100)}")
+        elif kind == "tool_call_completed":
+            if d["name"] in self._tools:
+                self._tools.remove(d["name"])
+            first = (str(d.get("content", "")).strip().splitlines() or [""])[0]
+            mark = "error: " if d.get("is_error") else ""
+            self.say(f"<- {d['name']}: {mark}{_cut(first, 60)} ({d['duration_ms']:.0f} ms)")
+
+    def say(self, line: str) -> None:
+        """A line above the status line (which the next tick redraws)."""
+        if self.calls:
+            with self._lock:
+                self.out.write(f"\r\x1b[K  {printable(line)}\n")
+                self.out.flush()
 
     def tick(self) -> None:
         """Redraw: the elapsed time moves on."""
@@ -327,14 +355,6 @@ class StatusLine:
 
 _FINAL_HEAD = re.compile(r'\s*(```(json)?\s*)?\{\s*"type"\s*:\s*"final"\s*,\s*"content"\s*:\s*"')
 _WHOLE_CHARS = re.compile(r'(?:[^"\\]|\\["\\/bfnrt]|\\u[0-9a-fA-F]{4})*')  # no half escape
-
-
-_SURROGATE = re.compile("[\ud800-\udfff]")   # in a str, only a lone one: unencodable
-
-
-def printable(text: str) -> str:
-    """`text` with any lone surrogate (e.g. half of a cut emoji) as U+FFFD, so it can be printed."""
-    return _SURROGATE.sub("\ufffd", text)
 
 
 def _final_so_far(raw: str) -> str:
@@ -474,6 +494,55 @@ class TurnNotes:
                 f"{time.monotonic() - self.t0:.1f} s")
 
 
+class Approvals:
+    """The approver for [policy] ask_tools. In the REPL the person decides at a prompt on the
+    main thread (Shell._run hands the call over); -p and piped runs allow all with --yes, else
+    decline and say how to allow."""
+
+    def __init__(self, interactive: bool, yes: bool):
+        self.interactive, self.yes, self.always = interactive, yes, set[str]()
+        self.asks: queue.SimpleQueue[tuple[bob.ToolCall, queue.SimpleQueue[Any]]] = (
+            queue.SimpleQueue())
+        self.cancel = bob.CancelToken()   # the running turn's
+
+    def __call__(self, call: bob.ToolCall) -> bob.Approval:
+        """On the runtime's worker: decide now, or wait for the person's answer."""
+        if self.yes or call.name in self.always:
+            return bob.Approval(True)
+        if not self.interactive:
+            _note(f"warning: {call.name} not run: [policy] ask_tools needs a person's approval; "
+                  "pass --yes to allow such calls")
+            return bob.Approval(False, "declined: no one can approve tool calls in this run")
+        answer: queue.SimpleQueue[bob.Approval] = queue.SimpleQueue()
+        self.asks.put((call, answer))
+        while not self.cancel.cancelled:
+            with contextlib.suppress(queue.Empty):
+                return answer.get(timeout=0.1)
+        raise bob.Cancelled("cancelled at the approval prompt")
+
+    def ask(self, call: bob.ToolCall) -> bob.Approval:
+        """On the main thread: show the call, read y / n (and a reason) / a; Ctrl-C cancels."""
+        lines = json.dumps(call.arguments, indent=2, ensure_ascii=False).splitlines()
+        shown = "\n    ".join([_cut(x, 96) for x in lines[:6]] + ["..."] * (len(lines) > 6))
+        print(printable(f"bob: {call.name} wants to run with\n    {shown}"), file=sys.stderr)
+        previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+        try:
+            while (reply := input("[y]es / [n]o / [a]lways for this tool this session? ")
+                   .strip().lower()) not in ("y", "yes", "n", "no", "a", "always"):
+                pass
+            if reply.startswith("n"):
+                reason = input("why not? (optional, told to the model) ").strip()
+                return bob.Approval(False, reason or "declined by the user")
+            if reply.startswith("a"):
+                self.always.add(call.name)
+            return bob.Approval(True)
+        except (KeyboardInterrupt, EOFError):
+            self.cancel.cancel()
+            return bob.Approval(False, "cancelled")
+        finally:
+            signal.signal(signal.SIGINT, previous)
+
+
 def new_session_id() -> str:
     """A fresh session id, safe as a file name: cli-YYYYmmdd-HHMMSS-xxxxxx."""
     return f"cli-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
@@ -490,6 +559,7 @@ class Shell:
     printer: StreamPrinter | None = None
     cancel: bob.CancelToken = field(default_factory=bob.CancelToken)
     notes: TurnNotes = field(default_factory=TurnNotes)
+    approvals: Approvals | None = None
 
     def turn(self, text: str) -> bob.AgentRunResult:
         """Run one turn, print its answer (stdout) and any notice (stderr), return the result.
@@ -530,6 +600,8 @@ class Shell:
         """runtime.run on a worker thread: SIGINT, which Python handles on the main thread, then
         only sets the cancel token, and the runtime returns within 100 ms of it."""
         cancel = self.cancel = bob.CancelToken()
+        if self.approvals:
+            self.approvals.cancel = cancel
         outcome: list[Any] = []
 
         def work() -> None:
@@ -545,6 +617,7 @@ class Shell:
             worker.start()
             while worker.is_alive():
                 worker.join(0.1)
+                self._answer()
                 if self.status:
                     self.status.tick()
         finally:
@@ -554,6 +627,14 @@ class Shell:
         if isinstance(outcome[0], BaseException):
             raise outcome[0]
         return outcome[0]
+
+    def _answer(self) -> None:
+        """Ask the person about a call waiting for approval, if one is."""
+        with contextlib.suppress(queue.Empty):
+            call, answer = self.approvals.asks.get_nowait() if self.approvals else (None, None)
+            if self.status:   # the prompt goes where the status line was
+                sys.stderr.write("\r\x1b[K")
+            answer.put(typing.cast(Approvals, self.approvals).ask(call))
 
     def command(self, line: str) -> bool:
         """Run a /command; returns False when the user wants to quit."""
@@ -706,6 +787,9 @@ def _parser() -> argparse.ArgumentParser:
     add("--system", metavar="TEXT", help="the system prompt for this run")
     add("--stream", action=argparse.BooleanOptionalAction, help="print the answer as it streams")
     add("--max-steps", metavar="N", type=int, help="LLM calls per turn at most")
+    add("--yes", action="store_true", help="approve every tool call that [policy] ask_tools "
+        "holds for a person (-p and piped runs; else such calls are declined)")
+    add("-q", "--quiet", action="store_true", help="do not show tool calls as they run")
     add("--trace", metavar="FILE", help="append every event to FILE as JSON lines")
     add("-v", "--verbose", action="store_true",
         help="log every event, and error tracebacks, on stderr")
@@ -808,17 +892,19 @@ def build_shell(cfg: Config, args: argparse.Namespace) -> Shell:
             policy = dataclasses.replace(policy, max_steps=args.max_steps)
         except bob.ConfigError as e:
             raise bob.ConfigError(f"--max-steps: {e}") from None
-    status = StatusLine(sys.stderr, policy.max_steps) if (
+    status = StatusLine(sys.stderr, policy.max_steps, not args.quiet) if (
         sys.stderr.isatty() and not args.verbose) else None
     printer = StreamPrinter(sys.stdout, cfg.action_mode == "json") if llm.stream else None
     mcp = McpTools(cfg.mcp_servers) if cfg.mcp_servers else None
     notes = TurnNotes()
+    approvals = Approvals(args.prompt is None and sys.stdin.isatty(), args.yes)
     runtime = bob.AgentRuntime(llm, mcp, store=store, policy=policy,
                                events=[s for s in (status, printer, notes) if s] + _sinks(args),
                                system_prompt=args.system or cfg.system_prompt,
-                               action_mode=cfg.action_mode, deny_tools=cfg.deny_tools)
+                               action_mode=cfg.action_mode, deny_tools=cfg.deny_tools,
+                               ask_tools=cfg.ask_tools, approver=approvals)
     return Shell(runtime, session_id, Path(cfg.path or "agent.toml").name, mcp, status, printer,
-                 notes=notes)
+                 notes=notes, approvals=approvals)
 
 
 def _fail(e: BaseException, code: int, verbose: bool) -> int:

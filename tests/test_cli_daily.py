@@ -164,3 +164,71 @@ def test_the_repl_shows_a_stats_line_with_unknown_tokens_as_a_question_mark(tmp_
         assert b"? in / ? out tokens" in term.expect(b"bob> ")
     finally:
         term.close()
+
+
+# ---- 5. Tool calls: shown as they run, approved by a person ([policy] ask_tools) ----
+
+MCP_SERVER = Path(__file__).resolve().parent / "mcp_server.py"
+
+
+def echo_call(text: str) -> str:
+    return json.dumps({"type": "tool_call", "name": "t__echo", "arguments": {"text": text}})
+
+
+def mcp_config(dirpath: Path, srv: FakeOpenAI) -> Path:
+    return write_config(dirpath, srv, extra=(
+        '[policy]\nask_tools = ["t__echo"]\n'
+        f'[[mcp.servers]]\nid = "t"\ncommand = "{sys.executable}"\nargs = ["{MCP_SERVER}"]\n'))
+
+
+def test_the_repl_asks_yes_no_with_a_reason_and_always(tmp_path, srv):
+    srv.push(echo_call("one"), final("did one"), echo_call("two"), final("did two"),
+             echo_call("three"), final("did three"), echo_call("four"), final("did four"))
+    mcp_config(tmp_path, srv)
+    term = Terminal(tmp_path)
+    try:
+        term.expect(b"bob> ")
+        for text, keys in (("one", b"y\r"), ("two", b"n\rtoo risky\r"), ("three", b"a\r")):
+            term.send(f"run {text}\r".encode())
+            shown = term.expect(b"this session? ", timeout=10)
+            assert b"t__echo wants to run with" in shown and text.encode() in shown
+            term.send(keys)
+            seen = term.expect(b"bob> ", timeout=10)
+            assert f"did {text}".encode() in seen
+        assert b"-> t__echo" in seen and re.search(rb"<- t__echo: .*\(\d+ ms\)", seen), seen
+        term.send(b"run four\r")                      # "always" holds for this session
+        assert b"did four" in term.expect(b"bob> ", timeout=10)
+        assert "too risky" in messages_of(srv.requests[3])
+        assert "two" not in messages_of(srv.requests[3]).split("too risky")[1]
+    finally:
+        term.close()
+
+
+def test_ctrl_c_at_the_approval_prompt_cancels_the_turn(tmp_path, srv):
+    srv.push(echo_call("x"), final("after"))
+    mcp_config(tmp_path, srv)
+    term = Terminal(tmp_path)
+    try:
+        term.expect(b"bob> ")
+        term.send(b"go\r")
+        term.expect(b"this session? ", timeout=10)
+        term.wait_blocked_reading()
+        term.send(b"\x03")
+        assert b"turn cancelled" in term.expect(b"bob> ", timeout=5)
+        term.send(b"again\r")
+        assert b"after" in term.expect(b"bob> ", timeout=10)
+    finally:
+        term.close()
+
+
+def test_one_shot_declines_without_yes_and_says_how_to_allow(tmp_path, srv):
+    srv.push(echo_call("a"), final("declined"), echo_call("b"), final("allowed"))
+    (tmp_path / "work").mkdir()
+    mcp_config(tmp_path / "work", srv)
+    r = bob(tmp_path, "-p", "go")
+    assert r.returncode == 0 and r.stdout == "declined\n", r.stderr
+    assert "bob: warning: t__echo not run" in r.stderr and "--yes" in r.stderr
+    assert "no one can approve" in messages_of(srv.requests[1])
+    r = bob(tmp_path, "--yes", "-p", "go")
+    assert r.returncode == 0 and r.stdout == "allowed\n" and "warning" not in r.stderr
+    assert "no one can approve" not in messages_of(srv.requests[3])
