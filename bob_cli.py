@@ -739,7 +739,7 @@ def run_repl(shell: Shell, banner: str) -> int:
                 return 0
             if line and not line.startswith("/"):
                 asked = shell.turn(line).finish_reason is bob.FinishReason.ASK_USER
-                prompt = "answer> " if asked else "bob> "  # the next line answers the question
+                prompt = "your answer to bob's question> " if asked else "bob> "
         except KeyboardInterrupt:   # Ctrl-C at the prompt drops the line (in a turn: cancels)
             print()
         except EOFError:
@@ -916,6 +916,37 @@ def _fail(e: BaseException, code: int, verbose: bool) -> int:
     return code
 
 
+def _start(args: argparse.Namespace, opened: list[Shell]) -> int:
+    """Pick the mode: --demo, --sessions, -p, piped stdin or the REPL."""
+    if args.demo:
+        return run_demo(_sinks(args))
+    found = find_config(args.config)
+    cfg = load_config(found) if found else Config()
+    if args.sessions:   # needs no key
+        return list_sessions(_store(cfg, args)[0])
+    shell = build_shell(cfg, args)
+    opened.append(shell)
+    if args.prompt is not None:
+        return exit_code(shell.turn(_prompt(args.prompt, sys.stdin)))
+    if not sys.stdin.isatty():
+        return run_piped(shell, sys.stdin)
+    servers = f"; {len(cfg.mcp_servers)} MCP server(s) starting" if cfg.mcp_servers else ""
+    llm = typing.cast(bob.OpenAICompatLlm, shell.runtime.llm)
+    return run_repl(shell, f"bob: {llm.describe()}, session "
+                    f"{shell.session_id}{servers}. /help lists commands, Ctrl-D quits.")
+
+
+def _close(shell: Shell) -> None:
+    """Stop the shell's servers; close() is bounded, so a second Ctrl-C must not cut it short."""
+    held = {s: signal.signal(s, signal.SIG_IGN)
+            for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    try:
+        shell.close()
+    finally:
+        for signum, handler in held.items():
+            signal.signal(signum, handler)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the CLI on `argv` (default sys.argv[1:]); returns the exit code."""
     parser = _parser()
@@ -927,23 +958,9 @@ def main(argv: list[str] | None = None) -> int:
             stream.reconfigure(errors="replace")
     for signum in (signal.SIGTERM, signal.SIGHUP):   # a closed terminal sends SIGHUP; the
         signal.signal(signum, lambda n, frame: sys.exit(128 + n))  # exit stops MCP servers
-    shell: Shell | None = None
+    opened: list[Shell] = []
     try:
-        if args.demo:
-            return run_demo(_sinks(args))
-        found = find_config(args.config)
-        cfg = load_config(found) if found else Config()
-        shell = build_shell(cfg, args)
-        if args.sessions:
-            return list_sessions(typing.cast(bob.JsonFileSessionStore, shell.runtime.store))
-        if args.prompt is not None:
-            return exit_code(shell.turn(_prompt(args.prompt, sys.stdin)))
-        if not sys.stdin.isatty():
-            return run_piped(shell, sys.stdin)
-        servers = f"; {len(cfg.mcp_servers)} MCP server(s) starting" if cfg.mcp_servers else ""
-        llm = typing.cast(bob.OpenAICompatLlm, shell.runtime.llm)
-        return run_repl(shell, f"bob: {llm.describe()}, session "
-                        f"{shell.session_id}{servers}. /help lists commands, Ctrl-D quits.")
+        return _start(args, opened)
     except bob.ConfigError as e:
         return _fail(e, 2, args.verbose)
     except BrokenPipeError:  # e.g. `bob -p ... | head -1`: the reader left; say nothing more
@@ -954,14 +971,8 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         return 130
     finally:
-        if shell is not None:  # close() is bounded: a second Ctrl-C must not cut it short
-            held = {s: signal.signal(s, signal.SIG_IGN)
-                    for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
-            try:
-                shell.close()
-            finally:
-                for signum, handler in held.items():
-                    signal.signal(signum, handler)
+        for shell in opened:
+            _close(shell)
 
 
 if __name__ == "__main__":

@@ -481,7 +481,7 @@ def test_repl_exit_command_and_ask_user(tmp_path, srv):
     try:
         term.expect(b"bob> ")
         term.send(b"weather please\r")
-        assert b"Which city?" in term.expect(b"answer> ")
+        assert b"Which city?" in term.expect(b"your answer to bob's question> ")
         term.send(b"Paris\r")
         assert b"Paris it is." in term.expect(b"bob> ")
         assert "Which city?" in messages_of(srv.requests[1])
