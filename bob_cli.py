@@ -37,8 +37,7 @@ import time
 import tomllib
 import typing
 import uuid
-import dataclasses
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Callable, Iterable, Literal, TextIO
 
@@ -469,8 +468,7 @@ def _note(text: str) -> None:
 
 
 class TurnNotes:
-    """An EventSink noting what is said after a turn: a failed save (an `error` event), a reply
-    cut by the token limit, the time taken."""
+    """An EventSink noting what is said after a turn: a failed save, a cut reply, the time."""
 
     def __init__(self) -> None:
         self.error: str | None = None
@@ -501,8 +499,7 @@ class Approvals:
 
     def __init__(self, interactive: bool, yes: bool):
         self.interactive, self.yes, self.always = interactive, yes, set[str]()
-        self.asks: queue.SimpleQueue[tuple[bob.ToolCall, queue.SimpleQueue[Any]]] = (
-            queue.SimpleQueue())
+        self.asks: queue.SimpleQueue[tuple[bob.ToolCall, Any]] = queue.SimpleQueue()
         self.cancel = bob.CancelToken()   # the running turn's
 
     def __call__(self, call: bob.ToolCall) -> bob.Approval:
@@ -772,13 +769,12 @@ def _parser() -> argparse.ArgumentParser:
         "one turn per line of piped stdin.", epilog="exit codes: 0 ok, 1 runtime error, "
         "2 usage or config error, 3 a guard or a cancel ended the turn")
     add = p.add_argument
-    add("--config", metavar="PATH", help="the agent.toml to read (default: ./agent.toml, else "
-        "$XDG_CONFIG_HOME/bob/agent.toml, else built-in defaults)")
+    add("--config", metavar="PATH", help="the agent.toml (default: ./agent.toml, else "
+        "$XDG_CONFIG_HOME/bob/agent.toml, else none)")
     add("-p", "--prompt", help="run one turn, print the answer, exit; piped stdin is appended "
         "to PROMPT; '-' reads the whole prompt from stdin")
     add("--session", metavar="ID", help="the session to resume or start (kept across runs)")
-    add("-c", "--continue", dest="resume", action="store_true",
-        help="resume the most recent session")
+    add("-c", "--continue", dest="resume", action="store_true", help="resume the last session")
     add("--sessions", action="store_true", help="list the stored sessions and exit")
     add("--model", help="provider:model (default: $BOB_MODEL, else [runtime] default_model)")
     add("--base-url", metavar="URL", help="an OpenAI-compatible endpoint, e.g. "
@@ -791,10 +787,8 @@ def _parser() -> argparse.ArgumentParser:
         "holds for a person (-p and piped runs; else such calls are declined)")
     add("-q", "--quiet", action="store_true", help="do not show tool calls as they run")
     add("--trace", metavar="FILE", help="append every event to FILE as JSON lines")
-    add("-v", "--verbose", action="store_true",
-        help="log every event, and error tracebacks, on stderr")
-    add("--demo", action="store_true",
-        help="watch a scripted session drive real tools; needs no key or config")
+    add("-v", "--verbose", action="store_true", help="log every event and traceback on stderr")
+    add("--demo", action="store_true", help="a scripted session with real tools; needs no key")
     add("--version", action="version", version=f"bob {__version__}")
     return p
 
@@ -844,12 +838,12 @@ def _llm(cfg: Config, args: argparse.Namespace) -> bob.OpenAICompatLlm:
     options.pop("stream_default", None)
     model = args.model or env.get("BOB_MODEL") or cfg.default_model
     provider = model.partition(":")[0]
-    url = args.base_url or options.get("base_url") or (
-        env.get("OPENAI_BASE_URL") if provider not in bob.PROVIDERS or provider == "openai"
-        else None)
-    if url:
-        _check_url(url, "--base-url" if args.base_url else "OPENAI_BASE_URL"
-                   if url == env.get("OPENAI_BASE_URL") else f"{cfg.path}: [llm] base_url")
+    env_url = env.get("OPENAI_BASE_URL") if provider == "openai" or (
+        provider not in bob.PROVIDERS) else None   # ollama and the like keep their own
+    for name, value in (("--base-url", args.base_url), ("OPENAI_BASE_URL", env_url)):
+        if value:   # [llm] base_url was checked at load time
+            _check_url(value, name)
+    url = args.base_url or options.get("base_url") or env_url
     key_env = args.api_key_env or options.get("api_key_env") or (
         "OPENAI_API_KEY" if provider not in bob.PROVIDERS and env.get("OPENAI_API_KEY") else None)
     options.update(base_url=url, api_key_env=key_env)
@@ -889,7 +883,7 @@ def build_shell(cfg: Config, args: argparse.Namespace) -> Shell:
     policy = cfg.policy
     if args.max_steps is not None:
         try:
-            policy = dataclasses.replace(policy, max_steps=args.max_steps)
+            policy = replace(policy, max_steps=args.max_steps)
         except bob.ConfigError as e:
             raise bob.ConfigError(f"--max-steps: {e}") from None
     status = StatusLine(sys.stderr, policy.max_steps, not args.quiet) if (

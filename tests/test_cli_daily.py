@@ -232,3 +232,10 @@ def test_one_shot_declines_without_yes_and_says_how_to_allow(tmp_path, srv):
     r = bob(tmp_path, "--yes", "-p", "go")
     assert r.returncode == 0 and r.stdout == "allowed\n" and "warning" not in r.stderr
     assert "no one can approve" not in messages_of(srv.requests[3])
+
+
+def test_a_malformed_base_url_flag_or_environment_is_a_usage_error(tmp_path):
+    r = bob(tmp_path, "--base-url", "localhost:8080", "--model", "x:y", "-p", "hi")
+    assert r.returncode == 2 and "--base-url must be an http" in r.stderr
+    r = bob(tmp_path, "-p", "hi", OPENAI_BASE_URL="ftp://h/v1", OPENAI_API_KEY=KEY)
+    assert r.returncode == 2 and "OPENAI_BASE_URL must be an http" in r.stderr
