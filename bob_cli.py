@@ -294,20 +294,19 @@ def printable(text: str) -> str:
 
 
 class StatusLine:
-    """An EventSink keeping one stderr line current while a turn runs: state, step n/max, tools
-    running, elapsed. The Shell calls begin(), then tick() every 100 ms, then clear(); streamed
-    answer text clears it too. Only used when stderr is a terminal."""
+    """An EventSink keeping one stderr line current while a turn runs (state, step n/max,
+    elapsed), with each tool call shown above it as it starts and ends. The Shell calls begin(),
+    then tick() every 100 ms, then clear(); streamed text clears it too. Terminals only."""
 
     def __init__(self, out: TextIO, max_steps: int, calls: bool = True):
         self.out, self.max_steps, self._lock = out, max_steps, threading.Lock()
         self.calls = calls   # show each tool call as it starts and ends (-q: not)
         self._t0: float | None = None          # None: nothing to draw until begin()
         self._state, self._step = "start", 0
-        self._tools: list[str] = []
 
     def begin(self) -> None:
         """A turn starts (loading the session and, at first, waiting for MCP servers)."""
-        self._t0, self._state, self._step, self._tools = time.monotonic(), "start", 0, []
+        self._t0, self._state, self._step = time.monotonic(), "start", 0
 
     def emit(self, event: bob.AgentEvent) -> None:
         """Note what the event changes; the next tick() draws it."""
@@ -318,11 +317,8 @@ class StatusLine:
         if kind == "state":
             self._state = d["to"]
         elif kind == "tool_call_started":
-            self._tools.append(d["name"])
             self.say(f"-> {d['name']} {_cut(json.dumps(d.get('arguments', {})), 100)}")
         elif kind == "tool_call_completed":
-            if d["name"] in self._tools:
-                self._tools.remove(d["name"])
             first = (str(d.get("content", "")).strip().splitlines() or [""])[0]
             mark = "error: " if d.get("is_error") else ""
             self.say(f"<- {d['name']}: {mark}{_cut(first, 60)} ({d['duration_ms']:.0f} ms)")
@@ -338,9 +334,8 @@ class StatusLine:
         """Redraw: the elapsed time moves on."""
         with self._lock:
             if self._t0 is not None:
-                tools = f"  running {', '.join(self._tools)}" if self._tools else ""
                 self.out.write(f"\r\x1b[K  {self._state}  step {self._step}/{self.max_steps}"
-                               f"{tools}  {time.monotonic() - self._t0:.1f}s")
+                               f"  {time.monotonic() - self._t0:.1f}s")
                 self.out.flush()
 
     def clear(self) -> None:
