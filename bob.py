@@ -1569,8 +1569,8 @@ class AgentRuntime:
     def _append_results(self, t: _Turn, results: Sequence[ToolResult]) -> None:
         for r in results:
             self._emit(t, "tool_call_completed", {"call_id": r.call_id, "name": r.name,
-                                                  "is_error": r.is_error,
-                                                  "duration_ms": r.duration_ms})
+                                                  "is_error": r.is_error, "content": redact(
+                                                      r.content), "duration_ms": r.duration_ms})
             t.session.messages.append(Message("tool", r.content, tool_call_id=r.call_id,
                                               name=r.name, is_error=r.is_error))
 

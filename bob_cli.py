@@ -23,9 +23,11 @@ import atexit
 import concurrent.futures
 import contextlib
 import difflib
+import io
 import json
 import logging
 import os
+import queue
 import re
 import shutil
 import signal
@@ -35,13 +37,14 @@ import time
 import tomllib
 import typing
 import uuid
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Callable, Iterable, Literal, TextIO
 
 import bob
 
 __all__ = ["Config", "Shell", "load_config", "main"]
+__version__ = "0.1.0"   # as in pyproject.toml
 
 
 # ---- 1. Configuration: agent.toml -> Config ----------------------------------------------------
@@ -66,19 +69,22 @@ _SCHEMA: dict[str, dict[str, str]] = {
                 "system_prompt": "a string", **dict.fromkeys(_POLICY_KEYS, "an integer")},
     "llm": {"retry_max": "an integer", "stream_default": "a boolean", "base_url": "a string",
             "api_key_env": "a string", "temperature": "a number", "seed": "an integer",
-            "max_tokens": "an integer", "json_response_format": "a boolean"},
+            "max_tokens": "an integer", "json_response_format": "a boolean",
+            "max_response_bytes": "an integer", "tool_choice": "a string"},
     "store": {"path": "a string"},
-    "policy": {"deny_tools": "a list of strings"},
+    "policy": {"deny_tools": "a list of strings", "ask_tools": "a list of strings"},
     "mcp": {"servers": "an array of tables"},
     "mcp.servers": {"id": "a string", "transport": "a string", "command": "a string",
                     "args": "a list of strings", "env": "a table of strings", "cwd": "a string",
                     "url": "a string", "headers": "a table of strings",
                     "tool_timeout_ms": "an integer", "startup_timeout_ms": "an integer",
-                    "required": "a boolean", "roots": "a list of strings"},
+                    "required": "a boolean", "roots": "a list of strings",
+                    "secret_env": "a list of strings"},
 }
 _RANGES = {"retry_max": (0, 10), "max_tokens": (1, 10**7), "temperature": (0, 2)}  # [llm]
 _VAR = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
 _NEEDS = {"stdio": "command", "streamable_http": "url"}   # MCP transport -> its required key
+_DAY_MS = 86_400_000   # longer timeouts overflow thread waits; TurnPolicy caps its own the same
 
 
 @dataclass(frozen=True)
@@ -92,6 +98,7 @@ class Config:
     llm: dict[str, Any] = field(default_factory=dict)   # [llm] as given; OpenAICompatLlm defaults
     store_path: Path | None = None
     deny_tools: tuple[str, ...] = ()
+    ask_tools: tuple[str, ...] = ()
     mcp_servers: tuple[dict[str, Any], ...] = field(default=(), repr=False)  # holds secrets
 
 
@@ -125,6 +132,29 @@ def _expand(value: Any, where: str, environ: dict[str, str]) -> Any:
     return _VAR.sub(lambda m: environ[m.group(1)], value)
 
 
+def _path(value: str, what: str, base: Path) -> Path:
+    """`value` (~ expanded) relative to `base`; a NUL or an unknown ~user is a ConfigError."""
+    if "\0" in value:
+        raise bob.ConfigError(f"{what} holds a NUL character; fix the path")
+    try:
+        return base / Path(value).expanduser()
+    except RuntimeError as e:   # "Could not determine home directory."
+        raise bob.ConfigError(f"{what}: {e} ({value.split('/')[0]}); fix the path") from None
+
+
+def _check_url(url: str, what: str) -> None:
+    """An http(s) URL with a host, or a ConfigError; the URL is not echoed (it may hold a key)."""
+    import urllib.parse
+    try:
+        parts = urllib.parse.urlsplit(url)
+        ok = parts.scheme in ("http", "https") and bool(parts.hostname) and parts.port != -1
+    except ValueError:   # a bad port or a broken [IPv6] literal
+        ok = False
+    if not ok:
+        raise bob.ConfigError(f"{what} must be an http:// or https:// URL with a host and a "
+                              "valid port, like http://127.0.0.1:8080/v1")
+
+
 def _mcp_server(raw: Any, n: int, where: str, base: Path,
                 environ: dict[str, str]) -> dict[str, Any]:
     """One [[mcp.servers]] entry: keys checked, required keys present, ${VAR}s expanded."""
@@ -143,21 +173,21 @@ def _mcp_server(raw: Any, n: int, where: str, base: Path,
         if key in server:
             server[key] = _expand(server[key], f"{here} {key}", environ)
     for key in ("tool_timeout_ms", "startup_timeout_ms"):
-        if server.get(key, 1) < 1:
-            raise bob.ConfigError(f"{here} {key} must be at least 1")
-    if transport == "streamable_http" and not server["url"].startswith(("http://", "https://")):
-        raise bob.ConfigError(f"{here} url must start with http:// or https://")
+        if not 1 <= server.get(key, 1) <= _DAY_MS:
+            raise bob.ConfigError(f"{here} {key} must be between 1 and {_DAY_MS} (a day)")
+    if transport == "streamable_http":
+        _check_url(server["url"], f"{here} url")
     for table in ("env", "headers"):   # e.g. a stray CR from a ${VAR}; the value stays unsaid
         for name, value in server.get(table, {}).items():
             if not value.isprintable() or (table == "headers" and not value.isascii()):
                 raise bob.ConfigError(f"{here} {table}.{name} holds a control character "
                                       "(a stray CR or LF?); fix the value")
     if "cwd" in server:  # like [store] path: relative to the config file
-        server["cwd"] = str(base / Path(server["cwd"]).expanduser())
+        server["cwd"] = str(_path(server["cwd"], f"{here} cwd", base))
         if not Path(server["cwd"]).is_dir():
             raise bob.ConfigError(f"{here} cwd {server['cwd']} is not a directory")
     if "roots" in server:
-        server["roots"] = tuple(str(base / Path(r).expanduser()) for r in server["roots"])
+        server["roots"] = tuple(str(_path(r, f"{here} roots", base)) for r in server["roots"])
     return server
 
 
@@ -166,19 +196,19 @@ def _read_toml(path: Path) -> dict[str, Any]:
     try:
         return tomllib.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
-        example = Path(__file__).resolve().parent / "agent.toml"
-        raise bob.ConfigError(f"config file {path} not found; start from the example: "
-                              f"cp {example} {path} (or pass --config PATH; or try --demo)"
-                              ) from None
+        raise bob.ConfigError(f"config file {path} not found; fix --config, or leave it out "
+                              "to run on ./agent.toml or the built-in defaults") from None
     except tomllib.TOMLDecodeError as e:
         raise bob.ConfigError(f"{path}: invalid TOML: {e}") from None
+    except RecursionError:
+        raise bob.ConfigError(f"{path}: invalid TOML: arrays or tables nested too deeply") from None
     except (OSError, UnicodeDecodeError) as e:
         raise bob.ConfigError(f"cannot read config file {path}: {e}") from None
 
 
 def load_config(path: str | os.PathLike[str], environ: dict[str, str] | None = None) -> Config:
     """Read and check an agent.toml; every problem is a ConfigError naming file, table and key."""
-    path = Path(path).expanduser().absolute()
+    path = _path(os.fspath(path), "--config", Path()).absolute()
     where, env = str(path), dict(os.environ if environ is None else environ)
     doc = _checked(_read_toml(path), "the top level", where, "top level")
     t = {name: _checked(doc.get(name, {}), f"[{name}]", where, name)
@@ -186,6 +216,8 @@ def load_config(path: str | os.PathLike[str], environ: dict[str, str] | None = N
     for key, (low, high) in _RANGES.items():
         if key in t["llm"] and not low <= t["llm"][key] <= high:
             raise bob.ConfigError(f"{where}: [llm] {key} must be between {low} and {high}")
+    if "base_url" in t["llm"]:
+        _check_url(t["llm"]["base_url"], f"{where}: [llm] base_url")
     servers = tuple(_mcp_server(s, n, where, path.parent, env)
                     for n, s in enumerate(t["mcp"].get("servers", []), 1))
     ids = [s["id"] for s in servers]
@@ -200,7 +232,9 @@ def load_config(path: str | os.PathLike[str], environ: dict[str, str] | None = N
         raise bob.ConfigError(f"{where}: [runtime] {e}") from None
     return Config(path, **{k: v for k, v in rt.items() if k not in _POLICY_KEYS}, policy=policy,
                   llm=t["llm"], deny_tools=tuple(t["policy"].get("deny_tools", ())),
-                  store_path=None if store is None else path.parent / Path(store).expanduser(),
+                  ask_tools=tuple(t["policy"].get("ask_tools", ())),
+                  store_path=None if store is None else _path(store, f"{where}: [store] path",
+                                                            path.parent),
                   mcp_servers=servers)
 
 
@@ -234,6 +268,10 @@ _DEMO_REPLIES = (
 )
 
 
+def _cut(text: str, room: int) -> str:
+    return text if len(text) <= room else text[:room - 3] + "..."
+
+
 class EventPrinter:
     """An EventSink printing each event on stdout as one line, `[step] kind  summary` (--demo)."""
 
@@ -242,26 +280,33 @@ class EventPrinter:
         d = event.data
         text = (f"{d['from']} -> {d['to']}" if event.kind == "state"
                 else json.dumps(d, default=str, ensure_ascii=False))
-        text = text if len(text) <= 90 else text[:87] + "..."
-        print(f"  [{event.step}] {event.kind:<20} {text}", flush=True)
+        print(f"  [{event.step}] {event.kind:<20} {_cut(text, 90)}", flush=True)
 
 
 # ---- 3. Terminal sinks: status line, streaming --------------------------------------------------
 
-class StatusLine:
-    """An EventSink keeping one stderr line current while a turn runs: state, step n/max, tools
-    running, elapsed. The Shell calls begin(), then tick() every 100 ms, then clear(); streamed
-    answer text clears it too. Only used when stderr is a terminal."""
+_SURROGATE = re.compile("[\ud800-\udfff]")   # in a str, only a lone one: unencodable
 
-    def __init__(self, out: TextIO, max_steps: int):
+
+def printable(text: str) -> str:
+    """`text` with any lone surrogate (e.g. half of a cut emoji) as U+FFFD, so it can be printed."""
+    return _SURROGATE.sub("\ufffd", text)
+
+
+class StatusLine:
+    """An EventSink keeping one stderr line current while a turn runs (state, step n/max,
+    elapsed), with each tool call shown above it as it starts and ends. The Shell calls begin(),
+    then tick() every 100 ms, then clear(); streamed text clears it too. Terminals only."""
+
+    def __init__(self, out: TextIO, max_steps: int, calls: bool = True):
         self.out, self.max_steps, self._lock = out, max_steps, threading.Lock()
+        self.calls = calls   # show each tool call as it starts and ends (-q: not)
         self._t0: float | None = None          # None: nothing to draw until begin()
         self._state, self._step = "start", 0
-        self._tools: list[str] = []
 
     def begin(self) -> None:
         """A turn starts (loading the session and, at first, waiting for MCP servers)."""
-        self._t0, self._state, self._step, self._tools = time.monotonic(), "start", 0, []
+        self._t0, self._state, self._step = time.monotonic(), "start", 0
 
     def emit(self, event: bob.AgentEvent) -> None:
         """Note what the event changes; the next tick() draws it."""
@@ -272,17 +317,25 @@ class StatusLine:
         if kind == "state":
             self._state = d["to"]
         elif kind == "tool_call_started":
-            self._tools.append(d["name"])
-        elif kind == "tool_call_completed" and d["name"] in self._tools:
-            self._tools.remove(d["name"])
+            self.say(f"-> {d['name']} {_cut(json.dumps(d.get('arguments', {})), 100)}")
+        elif kind == "tool_call_completed":
+            first = (str(d.get("content", "")).strip().splitlines() or [""])[0]
+            mark = "error: " if d.get("is_error") else ""
+            self.say(f"<- {d['name']}: {mark}{_cut(first, 60)} ({d['duration_ms']:.0f} ms)")
+
+    def say(self, line: str) -> None:
+        """A line above the status line (which the next tick redraws)."""
+        if self.calls:
+            with self._lock:
+                self.out.write(f"\r\x1b[K  {printable(line)}\n")
+                self.out.flush()
 
     def tick(self) -> None:
         """Redraw: the elapsed time moves on."""
         with self._lock:
             if self._t0 is not None:
-                tools = f"  running {', '.join(self._tools)}" if self._tools else ""
                 self.out.write(f"\r\x1b[K  {self._state}  step {self._step}/{self.max_steps}"
-                               f"{tools}  {time.monotonic() - self._t0:.1f}s")
+                               f"  {time.monotonic() - self._t0:.1f}s")
                 self.out.flush()
 
     def clear(self) -> None:
@@ -329,7 +382,7 @@ class StreamPrinter:
             self.raw += event.data["text"]
             text = _final_so_far(self.raw) if self.json_mode else self.raw
             if len(text) > len(self.shown):
-                self.out.write(text[len(self.shown):])
+                self.out.write(printable(text[len(self.shown):]))
                 self.out.flush()
                 self.shown = text
 
@@ -351,7 +404,10 @@ class McpTools:
     def _start(self, servers: list[dict[str, Any]]) -> None:
         try:
             import bob_mcp
-            port = bob_mcp.McpToolPort([bob_mcp.McpServerConfig(**s) for s in servers])
+            known = {f.name for f in fields(bob_mcp.McpServerConfig)}   # secret_env is new
+            port = bob_mcp.McpToolPort([bob_mcp.McpServerConfig(
+                **{k: v for k, v in s.items() if k in known or k != "secret_env"})
+                for s in servers])
             with self._lock:   # a close() that came first wins: then nothing is started
                 self._started = None if self._closed else port.start(wait=False)
             self._port.set_result(port)
@@ -407,6 +463,79 @@ def _note(text: str) -> None:
     print(f"bob: {text}", file=sys.stderr, flush=True)
 
 
+class TurnNotes:
+    """An EventSink noting what is said after a turn: a failed save, a cut reply, the time."""
+
+    def __init__(self) -> None:
+        self.error: str | None = None
+        self.cut, self.t0 = False, time.monotonic()
+
+    def emit(self, event: bob.AgentEvent) -> None:
+        """Keep the cause of a failed save; note a `length` finish."""
+        if event.kind == "turn_started":
+            self.error, self.cut, self.t0 = None, False, time.monotonic()
+        elif event.kind == "error" and event.data.get("where") == "store.save":
+            self.error = str(event.data.get("error", "")).removeprefix("StoreError: ")
+        elif event.kind == "llm_call_completed" and event.data.get("finish_reason") == "length":
+            self.cut = True
+
+    def stats(self, r: bob.AgentRunResult) -> str:
+        """steps, tool calls, tokens in/out (? when the server said nothing), elapsed."""
+        u = r.usage
+        tokens = (f"{u.prompt_tokens} in / {u.completion_tokens} out" if u.total_tokens
+                  else "? in / ? out")
+        return (f"{r.steps} LLM calls, {r.tool_calls} tool calls, {tokens} tokens, "
+                f"{time.monotonic() - self.t0:.1f} s")
+
+
+class Approvals:
+    """The approver for [policy] ask_tools. In the REPL the person decides at a prompt on the
+    main thread (Shell._run hands the call over); -p and piped runs allow all with --yes, else
+    decline and say how to allow."""
+
+    def __init__(self, interactive: bool, yes: bool):
+        self.interactive, self.yes, self.always = interactive, yes, set[str]()
+        self.asks: queue.SimpleQueue[tuple[bob.ToolCall, Any]] = queue.SimpleQueue()
+        self.cancel = bob.CancelToken()   # the running turn's
+
+    def __call__(self, call: bob.ToolCall) -> bob.Approval:
+        """On the runtime's worker: decide now, or wait for the person's answer."""
+        if self.yes or call.name in self.always:
+            return bob.Approval(True)
+        if not self.interactive:
+            _note(f"warning: {call.name} not run: [policy] ask_tools needs a person's approval; "
+                  "pass --yes to allow such calls")
+            return bob.Approval(False, "declined: no one can approve tool calls in this run")
+        answer: queue.SimpleQueue[bob.Approval] = queue.SimpleQueue()
+        self.asks.put((call, answer))
+        while not self.cancel.cancelled:
+            with contextlib.suppress(queue.Empty):
+                return answer.get(timeout=0.1)
+        raise bob.Cancelled("cancelled at the approval prompt")
+
+    def ask(self, call: bob.ToolCall) -> bob.Approval:
+        """On the main thread: show the call, read y / n (and a reason) / a; Ctrl-C cancels."""
+        lines = json.dumps(call.arguments, indent=2, ensure_ascii=False).splitlines()
+        shown = "\n    ".join([_cut(x, 96) for x in lines[:6]] + ["..."] * (len(lines) > 6))
+        print(printable(f"bob: {call.name} wants to run with\n    {shown}"), file=sys.stderr)
+        previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+        try:
+            while (reply := input("[y]es / [n]o / [a]lways for this tool this session? ")
+                   .strip().lower()) not in ("y", "yes", "n", "no", "a", "always"):
+                pass
+            if reply.startswith("n"):
+                reason = input("why not? (optional, told to the model) ").strip()
+                return bob.Approval(False, reason or "declined by the user")
+            if reply.startswith("a"):
+                self.always.add(call.name)
+            return bob.Approval(True)
+        except (KeyboardInterrupt, EOFError):
+            self.cancel.cancel()
+            return bob.Approval(False, "cancelled")
+        finally:
+            signal.signal(signal.SIGINT, previous)
+
+
 def new_session_id() -> str:
     """A fresh session id, safe as a file name: cli-YYYYmmdd-HHMMSS-xxxxxx."""
     return f"cli-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
@@ -422,26 +551,50 @@ class Shell:
     status: StatusLine | None = None
     printer: StreamPrinter | None = None
     cancel: bob.CancelToken = field(default_factory=bob.CancelToken)
+    notes: TurnNotes = field(default_factory=TurnNotes)
+    approvals: Approvals | None = None
 
     def turn(self, text: str) -> bob.AgentRunResult:
-        """Run one turn, print its answer (stdout) and any notice (stderr), return the result."""
-        result = self._run(text)
-        shown, content = (self.printer.shown if self.printer else ""), result.content
-        print(content[len(shown):] if content.startswith(shown) else "\n" + content, flush=True)
+        """Run one turn, print its answer (stdout) and any notice (stderr), return the result.
+        A session that could not be saved raises StoreError once the answer is shown."""
+        try:
+            result = self._run(text)
+        except bob.StoreError as e:   # a runtime that raises on a failed save
+            self.notes.error = _one_line(e)
+            raise self._unsaved() from None
+        shown = printable(self.printer.shown if self.printer else "")
+        content = printable(result.content)
+        if result.finish_reason is bob.FinishReason.CANCELLED:   # one line says it all
+            if shown:
+                print(flush=True)
+            _note("warning: turn cancelled; the session is kept")
+        else:
+            print(content[len(shown):] if content.startswith(shown) else "\n" + content,
+                  flush=True)
         if self.printer:
             self.printer.shown = ""
-        if result.finish_reason is bob.FinishReason.CANCELLED:
-            _note("turn cancelled; the session is kept")
-        elif result.guard_reason is not None:
+        if result.guard_reason is not None:
             guard = result.guard_reason.value
-            _note(f"turn stopped by the {guard} guard; raise {_GUARD_KEYS.get(guard, guard)} "
-                  f"under [runtime] in {self.config_name}")
+            _note(f"warning: turn stopped by the {guard} guard; raise "
+                  f"{_GUARD_KEYS.get(guard, guard)} under [runtime] in {self.config_name}")
+        if self.notes.cut:
+            _note("warning: the reply was cut by the token limit; raise max_tokens under [llm] "
+                  f"in {self.config_name}")
+        if self.status and result.finish_reason is not bob.FinishReason.CANCELLED:
+            print(f"\x1b[2m  {self.notes.stats(result)}\x1b[0m", file=sys.stderr, flush=True)
+        if self.notes.error is not None:
+            raise self._unsaved()
         return result
+
+    def _unsaved(self) -> bob.StoreError:
+        return bob.StoreError(f"could not save session {self.session_id}: {self.notes.error}")
 
     def _run(self, text: str) -> bob.AgentRunResult:
         """runtime.run on a worker thread: SIGINT, which Python handles on the main thread, then
         only sets the cancel token, and the runtime returns within 100 ms of it."""
         cancel = self.cancel = bob.CancelToken()
+        if self.approvals:
+            self.approvals.cancel = cancel
         outcome: list[Any] = []
 
         def work() -> None:
@@ -457,6 +610,7 @@ class Shell:
             worker.start()
             while worker.is_alive():
                 worker.join(0.1)
+                self._answer()
                 if self.status:
                     self.status.tick()
         finally:
@@ -466,6 +620,14 @@ class Shell:
         if isinstance(outcome[0], BaseException):
             raise outcome[0]
         return outcome[0]
+
+    def _answer(self) -> None:
+        """Ask the person about a call waiting for approval, if one is."""
+        with contextlib.suppress(queue.Empty):
+            call, answer = self.approvals.asks.get_nowait() if self.approvals else (None, None)
+            if self.status:   # the prompt goes where the status line was
+                sys.stderr.write("\r\x1b[K")
+            answer.put(typing.cast(Approvals, self.approvals).ask(call))
 
     def command(self, line: str) -> bool:
         """Run a /command; returns False when the user wants to quit."""
@@ -527,6 +689,26 @@ def run_piped(shell: Shell, lines: Iterable[str]) -> int:
     return code
 
 
+def _prompt(prompt: str, stdin: TextIO) -> str:
+    """-p's text: `-` is all of stdin; piped text follows the prompt after a blank line."""
+    if prompt == "-":
+        return stdin.read()
+    piped = "" if stdin.isatty() else stdin.read()
+    return f"{prompt}\n\n{piped}" if piped.strip() else prompt
+
+
+def list_sessions(store: bob.JsonFileSessionStore) -> int:
+    """--sessions: id, last used, turns, the first user line; newest last."""
+    for path in sorted(store.directory.glob("*.json"), key=lambda f: f.stat().st_mtime):
+        with contextlib.suppress(bob.StoreError):
+            state = store.load(path.stem)
+            users = [m.content for m in (state.messages if state else []) if m.role == "user"]
+            first = " ".join((users or [""])[0].split())[:60]
+            used = time.strftime("%Y-%m-%d %H:%M", time.localtime(path.stat().st_mtime))
+            print(f"{path.stem}  {used}  {len(users):>3} turns  {first}")
+    return 0
+
+
 def _save_history(readline: Any, path: str) -> None:
     with contextlib.suppress(OSError):  # e.g. a read-only HOME: not worth a traceback at exit
         readline.write_history_file(path)
@@ -550,7 +732,7 @@ def run_repl(shell: Shell, banner: str) -> int:
                 return 0
             if line and not line.startswith("/"):
                 asked = shell.turn(line).finish_reason is bob.FinishReason.ASK_USER
-                prompt = "answer> " if asked else "bob> "  # the next line answers the question
+                prompt = "your answer to bob's question> " if asked else "bob> "
         except KeyboardInterrupt:   # Ctrl-C at the prompt drops the line (in a turn: cancels)
             print()
         except EOFError:
@@ -582,27 +764,50 @@ def _parser() -> argparse.ArgumentParser:
         prog="bob", description="Run the bob agent: a REPL on a terminal, one turn with -p, or "
         "one turn per line of piped stdin.", epilog="exit codes: 0 ok, 1 runtime error, "
         "2 usage or config error, 3 a guard or a cancel ended the turn")
-    p.add_argument("--config", metavar="PATH", default="agent.toml",
-                   help="the agent.toml to read (default: ./agent.toml)")
-    p.add_argument("-p", "--prompt", help="run one turn, print the answer, exit")
-    p.add_argument("--session", metavar="ID",
-                   help="session id; with [store] path set, resumes the session across runs")
-    p.add_argument("--model", help="provider:model; overrides [runtime] default_model")
-    p.add_argument("--trace", metavar="FILE", help="append every event to FILE as JSON lines")
-    p.add_argument("-v", "--verbose", action="store_true",
-                   help="log every event, and error tracebacks, on stderr")
-    p.add_argument("--demo", action="store_true",
-                   help="watch a scripted session drive real tools; needs no key or config")
+    add = p.add_argument
+    add("--config", metavar="PATH", help="the agent.toml (default: ./agent.toml, else "
+        "$XDG_CONFIG_HOME/bob/agent.toml, else none)")
+    add("-p", "--prompt", help="run one turn, print the answer, exit; piped stdin is appended "
+        "to PROMPT; '-' reads the whole prompt from stdin")
+    add("--session", metavar="ID", help="the session to resume or start (kept across runs)")
+    add("-c", "--continue", dest="resume", action="store_true", help="resume the last session")
+    add("--sessions", action="store_true", help="list the stored sessions and exit")
+    add("--model", help="provider:model (default: $BOB_MODEL, else [runtime] default_model)")
+    add("--base-url", metavar="URL", help="an OpenAI-compatible endpoint, e.g. "
+        "http://127.0.0.1:8080/v1 (default: [llm] base_url, else $OPENAI_BASE_URL)")
+    add("--api-key-env", metavar="NAME", help="the environment variable holding the API key")
+    add("--system", metavar="TEXT", help="the system prompt for this run")
+    add("--stream", action=argparse.BooleanOptionalAction, help="print the answer as it streams")
+    add("--max-steps", metavar="N", type=int, help="LLM calls per turn at most")
+    add("--yes", action="store_true", help="approve every tool call that [policy] ask_tools "
+        "holds for a person (-p and piped runs; else such calls are declined)")
+    add("-q", "--quiet", action="store_true", help="do not show tool calls as they run")
+    add("--trace", metavar="FILE", help="append every event to FILE as JSON lines")
+    add("-v", "--verbose", action="store_true", help="log every event and traceback on stderr")
+    add("--demo", action="store_true", help="a scripted session with real tools; needs no key")
+    add("--version", action="version", version=f"bob {__version__}")
     return p
 
 
+class _Voice(logging.Formatter):
+    """Without -v, log warnings read like bob's own: `bob: warning: ...`, no traceback."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        return f"bob: {record.levelname.lower()}: {' '.join(record.getMessage().split())}"
+
+
 def _sinks(args: argparse.Namespace) -> list[Any]:
-    """What the flags ask for: -v logs every event, --trace writes them as JSON lines."""
+    """What the flags ask for: -v logs every event, --trace writes them as JSON lines. Without
+    -v only warnings are logged (MCP servers' stderr is logged at INFO: shown only with -v)."""
     sinks: list[Any] = []
     if args.verbose:
         logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                             format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         sinks.append(bob.LoggingEventSink())
+    else:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(_Voice())
+        logging.basicConfig(level=logging.WARNING, handlers=[handler])
     if args.trace:
         try:  # the sink opens it at the first event: find a bad path now, not once per event
             open(args.trace, "a", encoding="utf-8").close()
@@ -612,31 +817,84 @@ def _sinks(args: argparse.Namespace) -> list[Any]:
     return sinks
 
 
+def find_config(arg: str | None) -> Path | None:
+    """--config PATH, else ./agent.toml, else $XDG_CONFIG_HOME/bob/agent.toml; None: defaults."""
+    if arg is not None:
+        return Path(arg)
+    xdg = Path(os.environ.get("XDG_CONFIG_HOME") or Path.home() / ".config") / "bob"
+    found = [p for p in (Path("agent.toml"), xdg / "agent.toml") if p.is_file()]
+    if not found:
+        _note(f"no agent.toml here or in {xdg}: running on built-in defaults")
+    return found[0] if found else None
+
+
+def _llm(cfg: Config, args: argparse.Namespace) -> bob.OpenAICompatLlm:
+    """The adapter: flags first, then the environment people already use, then [llm]."""
+    options, env = dict(cfg.llm), os.environ
+    options.pop("stream_default", None)
+    model = args.model or env.get("BOB_MODEL") or cfg.default_model
+    provider = model.partition(":")[0]
+    env_url = env.get("OPENAI_BASE_URL") if provider == "openai" or (
+        provider not in bob.PROVIDERS) else None   # ollama and the like keep their own
+    for name, value in (("--base-url", args.base_url), ("OPENAI_BASE_URL", env_url)):
+        if value:   # [llm] base_url was checked at load time
+            _check_url(value, name)
+    url = args.base_url or options.get("base_url") or env_url
+    key_env = args.api_key_env or options.get("api_key_env") or (
+        "OPENAI_API_KEY" if provider not in bob.PROVIDERS and env.get("OPENAI_API_KEY") else None)
+    options.update(base_url=url, api_key_env=key_env)
+    stream = cfg.llm.get("stream_default", False) if args.stream is None else args.stream
+    try:
+        return bob.OpenAICompatLlm(model, stream=stream, **options)
+    except bob.ConfigError as e:
+        hint = ("; for a local server pass --base-url URL; --demo shows bob without any key"
+                if "no API key" in str(e) else "")
+        where = "--model: " if args.model else f"{cfg.path}: " if cfg.path else ""
+        raise bob.ConfigError(f"{where}{e}{hint}") from None
+
+
+def _store(cfg: Config, args: argparse.Namespace) -> tuple[bob.JsonFileSessionStore, str]:
+    """The session store ([store] path, else $XDG_DATA_HOME/bob/sessions) and the session id."""
+    data = Path(os.environ.get("XDG_DATA_HOME") or Path.home() / ".local" / "share")
+    store = bob.JsonFileSessionStore(cfg.store_path or data / "bob" / "sessions")
+    session_id = args.session
+    if args.resume and not session_id:
+        recent = sorted(store.directory.glob("*.json"), key=lambda f: f.stat().st_mtime)
+        session_id = recent[-1].stem if recent else None
+        if not recent:
+            _note(f"--continue: no session in {store.directory} yet; starting a new one")
+    try:  # a bad --session id is a usage error, found before any turn
+        store.path_for(session_id or "x")
+    except bob.StoreError as e:
+        raise bob.ConfigError(f"--session: {e}") from None
+    state = store.load(session_id) if session_id else None
+    if state is not None:
+        _note(f"resumed session {session_id} ({len(state.messages)} messages)")
+    return store, session_id or new_session_id()
+
+
 def build_shell(cfg: Config, args: argparse.Namespace) -> Shell:
     """Wire what the config names: the LLM (its key checked now), store, sinks, MCP servers."""
-    options = dict(cfg.llm)
-    stream = options.pop("stream_default", False)
-    try:
-        llm = bob.OpenAICompatLlm(args.model or cfg.default_model, stream=stream, **options)
-    except bob.ConfigError as e:
-        raise bob.ConfigError(f"{'--model' if args.model else cfg.path}: {e}") from None
-    session_id = args.session or new_session_id()
-    store: Any = bob.InMemorySessionStore()
-    if cfg.store_path is not None:
-        store = bob.JsonFileSessionStore(cfg.store_path)
-        try:  # a bad --session id is a usage error, found before any turn
-            store.path_for(session_id)
-        except bob.StoreError as e:
-            raise bob.ConfigError(f"--session: {e}") from None
-    status = StatusLine(sys.stderr, cfg.policy.max_steps) if (
+    llm, (store, session_id) = _llm(cfg, args), _store(cfg, args)
+    policy = cfg.policy
+    if args.max_steps is not None:
+        try:
+            policy = replace(policy, max_steps=args.max_steps)
+        except bob.ConfigError as e:
+            raise bob.ConfigError(f"--max-steps: {e}") from None
+    status = StatusLine(sys.stderr, policy.max_steps, not args.quiet) if (
         sys.stderr.isatty() and not args.verbose) else None
-    printer = StreamPrinter(sys.stdout, cfg.action_mode == "json") if stream else None
+    printer = StreamPrinter(sys.stdout, cfg.action_mode == "json") if llm.stream else None
     mcp = McpTools(cfg.mcp_servers) if cfg.mcp_servers else None
-    runtime = bob.AgentRuntime(llm, mcp, store=store, policy=cfg.policy,
-                               events=[s for s in (status, printer) if s] + _sinks(args),
-                               system_prompt=cfg.system_prompt, action_mode=cfg.action_mode,
-                               deny_tools=cfg.deny_tools)
-    return Shell(runtime, session_id, Path(cfg.path or "agent.toml").name, mcp, status, printer)
+    notes = TurnNotes()
+    approvals = Approvals(args.prompt is None and sys.stdin.isatty(), args.yes)
+    runtime = bob.AgentRuntime(llm, mcp, store=store, policy=policy,
+                               events=[s for s in (status, printer, notes) if s] + _sinks(args),
+                               system_prompt=args.system or cfg.system_prompt,
+                               action_mode=cfg.action_mode, deny_tools=cfg.deny_tools,
+                               ask_tools=cfg.ask_tools, approver=approvals)
+    return Shell(runtime, session_id, Path(cfg.path or "agent.toml").name, mcp, status, printer,
+                 notes=notes, approvals=approvals)
 
 
 def _fail(e: BaseException, code: int, verbose: bool) -> int:
@@ -648,25 +906,51 @@ def _fail(e: BaseException, code: int, verbose: bool) -> int:
     return code
 
 
+def _start(args: argparse.Namespace, opened: list[Shell]) -> int:
+    """Pick the mode: --demo, --sessions, -p, piped stdin or the REPL."""
+    if args.demo:
+        return run_demo(_sinks(args))
+    found = find_config(args.config)
+    cfg = load_config(found) if found else Config()
+    if args.sessions:   # needs no key
+        return list_sessions(_store(cfg, args)[0])
+    shell = build_shell(cfg, args)
+    opened.append(shell)
+    if args.prompt is not None:
+        return exit_code(shell.turn(_prompt(args.prompt, sys.stdin)))
+    if not sys.stdin.isatty():
+        return run_piped(shell, sys.stdin)
+    servers = f"; {len(cfg.mcp_servers)} MCP server(s) starting" if cfg.mcp_servers else ""
+    llm = typing.cast(bob.OpenAICompatLlm, shell.runtime.llm)
+    return run_repl(shell, f"bob: {llm.describe()}, session "
+                    f"{shell.session_id}{servers}. /help lists commands, Ctrl-D quits.")
+
+
+def _close(shell: Shell) -> None:
+    """Stop the shell's servers; close() is bounded, so a second Ctrl-C must not cut it short."""
+    held = {s: signal.signal(s, signal.SIG_IGN)
+            for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    try:
+        shell.close()
+    finally:
+        for signum, handler in held.items():
+            signal.signal(signum, handler)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the CLI on `argv` (default sys.argv[1:]); returns the exit code."""
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.prompt is not None and not args.prompt.strip():
+        parser.error("-p needs a prompt (or '-' to read it from stdin)")
+    for stream in (sys.stdout, sys.stderr):   # a stray lone surrogate never ends a run
+        if isinstance(stream, io.TextIOWrapper):
+            stream.reconfigure(errors="replace")
     for signum in (signal.SIGTERM, signal.SIGHUP):   # a closed terminal sends SIGHUP; the
         signal.signal(signum, lambda n, frame: sys.exit(128 + n))  # exit stops MCP servers
-    shell: Shell | None = None
+    opened: list[Shell] = []
     try:
-        if args.demo:
-            return run_demo(_sinks(args))
-        cfg = load_config(args.config)
-        shell = build_shell(cfg, args)
-        if args.prompt is not None:
-            return exit_code(shell.turn(args.prompt))
-        if not sys.stdin.isatty():
-            return run_piped(shell, sys.stdin)
-        servers = f"; {len(cfg.mcp_servers)} MCP server(s) starting" if cfg.mcp_servers else ""
-        llm = typing.cast(bob.OpenAICompatLlm, shell.runtime.llm)
-        return run_repl(shell, f"bob: {llm.describe()}, session "
-                        f"{shell.session_id}{servers}. /help lists commands, Ctrl-D quits.")
+        return _start(args, opened)
     except bob.ConfigError as e:
         return _fail(e, 2, args.verbose)
     except BrokenPipeError:  # e.g. `bob -p ... | head -1`: the reader left; say nothing more
@@ -677,14 +961,8 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         return 130
     finally:
-        if shell is not None:  # close() is bounded: a second Ctrl-C must not cut it short
-            held = {s: signal.signal(s, signal.SIG_IGN)
-                    for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
-            try:
-                shell.close()
-            finally:
-                for signum, handler in held.items():
-                    signal.signal(signum, handler)
+        for shell in opened:
+            _close(shell)
 
 
 if __name__ == "__main__":

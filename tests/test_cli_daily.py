@@ -1,0 +1,241 @@
+"""The CLI for daily use (issue 14): no config needed, flags and environment, pipes, sessions,
+stats. Every run is a real subprocess (or a pty) against fake_openai, in an empty temp dir
+with HOME and XDG_* pointed into it."""
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from fake_openai import FakeOpenAI, completion, stream_reply
+from test_cli import CLI, KEY, Terminal, child_env, final, messages_of, write_config
+
+
+@pytest.fixture
+def srv():
+    with FakeOpenAI() as server:
+        yield server
+
+
+def work_config(tmp_path: Path, srv: FakeOpenAI, **kw: str) -> Path:
+    (tmp_path / "work").mkdir(exist_ok=True)
+    return write_config(tmp_path / "work", srv, **kw)
+
+
+def env_of(tmp_path: Path, **extra: str) -> dict[str, str]:
+    return child_env(tmp_path, XDG_CONFIG_HOME=str(tmp_path / "xc"),
+                     XDG_DATA_HOME=str(tmp_path / "xd"), XDG_STATE_HOME=str(tmp_path / "xs"),
+                     **extra)
+
+
+def bob(tmp_path: Path, *args: str, stdin: str | None = None,
+        **env: str) -> subprocess.CompletedProcess[str]:
+    """The CLI in tmp_path/work (created empty), stdin piped (empty unless given)."""
+    work = tmp_path / "work"
+    work.mkdir(exist_ok=True)
+    return subprocess.run([sys.executable, str(CLI), *args], cwd=work, input=stdin or "",
+                          env=env_of(tmp_path, **env), capture_output=True, text=True,
+                          timeout=15, check=False)
+
+
+# ---- 1. Start anywhere ----
+
+def test_no_config_runs_on_defaults_against_a_local_server(tmp_path, srv):
+    srv.push(final("hello from local"))
+    r = bob(tmp_path, "--base-url", srv.url, "--model", "local:qwen", "-p", "hi")
+    assert r.returncode == 0 and r.stdout == "hello from local\n", r.stderr
+    assert re.search(r"no agent.toml here or in .*/xc/bob", r.stderr)
+    assert r.stderr.count("\n") == 1 and srv.requests[0]["body"]["model"] == "qwen"
+
+
+def test_openai_environment_and_bob_model_are_honoured(tmp_path, srv):
+    srv.push(final("ok"))
+    r = bob(tmp_path, "-p", "hi", OPENAI_BASE_URL=srv.url, OPENAI_API_KEY=KEY,
+            BOB_MODEL="openai:from-env")
+    assert r.returncode == 0 and r.stdout == "ok\n", r.stderr
+    assert srv.requests[0]["headers"]["authorization"] == f"Bearer {KEY}"
+    assert srv.requests[0]["body"]["model"] == "from-env"
+
+
+def test_the_xdg_config_is_found_and_the_local_one_wins(tmp_path, srv):
+    srv.push(final("a"), final("b"))
+    xdg = tmp_path / "xc" / "bob"
+    xdg.mkdir(parents=True)
+    write_config(xdg, srv, runtime='system_prompt = "XDG-PROMPT"\n')
+    assert bob(tmp_path, "-p", "hi").returncode == 0
+    assert "XDG-PROMPT" in messages_of(srv.requests[0])
+    work_config(tmp_path, srv, runtime='system_prompt = "LOCAL-PROMPT"\n')
+    r = bob(tmp_path, "-p", "hi")
+    assert r.returncode == 0 and "LOCAL-PROMPT" in messages_of(srv.requests[1]), r.stderr
+    assert r.stderr == ""
+
+
+def test_a_missing_key_says_what_to_set_and_the_ways_around_it(tmp_path):
+    r = bob(tmp_path, "-p", "hi")
+    assert r.returncode == 2 and "OPENAI_API_KEY" in r.stderr
+    assert "--base-url" in r.stderr and "--demo" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_version_system_max_steps_and_api_key_env(tmp_path, srv):
+    assert re.fullmatch(r"bob \d+\.\d+\.\d+\n", bob(tmp_path, "--version").stdout)
+    srv.push(final("s"), json.dumps({"type": "tool_call", "name": "nope", "arguments": {}}))
+    base = ("--base-url", srv.url, "--model", "x:y", "--api-key-env", "MY_KEY")
+    r = bob(tmp_path, *base, "--system", "SYS-TEXT", "-p", "hi", MY_KEY="k-1")
+    assert r.returncode == 0 and "SYS-TEXT" in messages_of(srv.requests[0])
+    assert srv.requests[0]["headers"]["authorization"] == "Bearer k-1"
+    r = bob(tmp_path, *base, "--max-steps", "1", "-p", "hi", MY_KEY="k-1")
+    assert r.returncode == 3 and "max_steps" in r.stderr
+    assert bob(tmp_path, *base, "--max-steps", "0", "-p", "hi").returncode == 2
+
+
+def test_stream_and_no_stream_override_the_config(tmp_path, srv):
+    srv.push(stream_reply(['{"type": "final", ', '"content": "streamed"}']), final("plain"))
+    work_config(tmp_path, srv)
+    r = bob(tmp_path, "--stream", "-p", "hi")
+    assert r.returncode == 0 and r.stdout == "streamed\n" and srv.requests[0]["body"]["stream"]
+    work_config(tmp_path, srv, extra="stream_default = true\n")
+    r = bob(tmp_path, "--no-stream", "-p", "hi")
+    assert r.returncode == 0 and r.stdout == "plain\n"
+    assert not srv.requests[1]["body"].get("stream")
+
+
+# ---- 2. Pipes ----
+
+def test_piped_text_follows_the_prompt_and_dash_reads_stdin(tmp_path, srv):
+    srv.push(final("summary"), final("whole"))
+    work_config(tmp_path, srv)
+    r = bob(tmp_path, "-p", "summarize this", stdin="line one\nline two\n")
+    assert r.returncode == 0 and r.stdout == "summary\n"
+    assert len(srv.requests) == 1
+    assert "summarize this\\n\\nline one\\nline two" in messages_of(srv.requests[0])
+    r = bob(tmp_path, "-p", "-", stdin="the prompt from stdin")
+    assert r.returncode == 0 and "the prompt from stdin" in messages_of(srv.requests[1])
+    r = bob(tmp_path, "-p", "")
+    assert r.returncode == 2 and "-p needs a prompt" in r.stderr and r.stdout == ""
+
+
+# ---- 3. Sessions ----
+
+def test_sessions_persist_under_xdg_data_and_continue_resumes(tmp_path, srv):
+    srv.push(final("one"), final("two"), final("three"))
+    work_config(tmp_path, srv)
+    assert bob(tmp_path, "--session", "s1", "-p", "first words").returncode == 0
+    assert (tmp_path / "xd" / "bob" / "sessions" / "s1.json").is_file()
+    r = bob(tmp_path, "--session", "s1", "-p", "second")
+    assert "resumed session s1 (2 messages)" in r.stderr
+    assert "first words" in messages_of(srv.requests[1])
+    r = bob(tmp_path, "-c", "-p", "third")
+    assert r.returncode == 0 and "resumed session s1 (4 messages)" in r.stderr
+    assert "second" in messages_of(srv.requests[2])
+    r = bob(tmp_path, "--sessions")
+    assert r.returncode == 0 and re.fullmatch(r"s1  \S+ \S+    3 turns  first words\n", r.stdout)
+
+
+def test_continue_without_sessions_starts_a_new_one(tmp_path, srv):
+    srv.push(final("fresh"))
+    work_config(tmp_path, srv)
+    r = bob(tmp_path, "-c", "-p", "hi")
+    assert r.returncode == 0 and r.stdout == "fresh\n" and "starting a new one" in r.stderr
+
+
+# ---- 4. After a turn: the length warning, the stats line ----
+
+def test_a_reply_cut_by_the_token_limit_is_a_warning(tmp_path, srv):
+    srv.push(completion(final("cut"), finish_reason="length"))
+    work_config(tmp_path, srv)
+    r = bob(tmp_path, "-p", "hi")
+    assert r.returncode == 0 and r.stdout == "cut\n"
+    assert "bob: warning: the reply was cut by the token limit; raise max_tokens" in r.stderr
+
+
+def test_the_repl_shows_a_stats_line_with_unknown_tokens_as_a_question_mark(tmp_path, srv):
+    srv.push(completion(final("counted"), prompt_tokens=7, completion_tokens=3),
+             completion(final("uncounted"), prompt_tokens=None))
+    write_config(tmp_path, srv)
+    term = Terminal(tmp_path)
+    try:
+        term.expect(b"bob> ")
+        term.send(b"hi\r")
+        assert b"1 LLM calls, 0 tool calls, 7 in / 3 out tokens" in term.expect(b"bob> ")
+        term.send(b"again\r")
+        assert b"? in / ? out tokens" in term.expect(b"bob> ")
+    finally:
+        term.close()
+
+
+# ---- 5. Tool calls: shown as they run, approved by a person ([policy] ask_tools) ----
+
+MCP_SERVER = Path(__file__).resolve().parent / "mcp_server.py"
+
+
+def echo_call(text: str) -> str:
+    return json.dumps({"type": "tool_call", "name": "t__echo", "arguments": {"text": text}})
+
+
+def mcp_config(dirpath: Path, srv: FakeOpenAI) -> Path:
+    return write_config(dirpath, srv, extra=(
+        '[policy]\nask_tools = ["t__echo"]\n'
+        f'[[mcp.servers]]\nid = "t"\ncommand = "{sys.executable}"\nargs = ["{MCP_SERVER}"]\n'))
+
+
+def test_the_repl_asks_yes_no_with_a_reason_and_always(tmp_path, srv):
+    srv.push(echo_call("one"), final("did one"), echo_call("two"), final("did two"),
+             echo_call("three"), final("did three"), echo_call("four"), final("did four"))
+    mcp_config(tmp_path, srv)
+    term = Terminal(tmp_path)
+    try:
+        term.expect(b"bob> ")
+        for text, keys in (("one", b"y\r"), ("two", b"n\rtoo risky\r"), ("three", b"a\r")):
+            term.send(f"run {text}\r".encode())
+            shown = term.expect(b"this session? ", timeout=10)
+            assert b"t__echo wants to run with" in shown and text.encode() in shown
+            term.send(keys)
+            seen = term.expect(b"bob> ", timeout=10)
+            assert f"did {text}".encode() in seen
+        assert b"-> t__echo" in seen and re.search(rb"<- t__echo: three \(\d+ ms\)", seen), seen
+        term.send(b"run four\r")                      # "always" holds for this session
+        assert b"did four" in term.expect(b"bob> ", timeout=10)
+        assert "too risky" in messages_of(srv.requests[3])
+        assert "two" not in messages_of(srv.requests[3]).split("too risky")[1]
+    finally:
+        term.close()
+
+
+def test_ctrl_c_at_the_approval_prompt_cancels_the_turn(tmp_path, srv):
+    srv.push(echo_call("x"), final("after"))
+    mcp_config(tmp_path, srv)
+    term = Terminal(tmp_path)
+    try:
+        term.expect(b"bob> ")
+        term.send(b"go\r")
+        term.expect(b"this session? ", timeout=10)
+        term.wait_blocked_reading()
+        term.send(b"\x03")
+        assert b"turn cancelled" in term.expect(b"bob> ", timeout=5)
+        term.send(b"again\r")
+        assert b"after" in term.expect(b"bob> ", timeout=10)
+    finally:
+        term.close()
+
+
+def test_one_shot_declines_without_yes_and_says_how_to_allow(tmp_path, srv):
+    srv.push(echo_call("a"), final("declined"), echo_call("b"), final("allowed"))
+    (tmp_path / "work").mkdir()
+    mcp_config(tmp_path / "work", srv)
+    r = bob(tmp_path, "-p", "go")
+    assert r.returncode == 0 and r.stdout == "declined\n", r.stderr
+    assert "bob: warning: t__echo not run" in r.stderr and "--yes" in r.stderr
+    assert "no one can approve" in messages_of(srv.requests[1])
+    r = bob(tmp_path, "--yes", "-p", "go")
+    assert r.returncode == 0 and r.stdout == "allowed\n" and "warning" not in r.stderr
+    assert "no one can approve" not in messages_of(srv.requests[3])
+
+
+def test_a_malformed_base_url_flag_or_environment_is_a_usage_error(tmp_path):
+    r = bob(tmp_path, "--base-url", "localhost:8080", "--model", "x:y", "-p", "hi")
+    assert r.returncode == 2 and "--base-url must be an http" in r.stderr
+    r = bob(tmp_path, "-p", "hi", OPENAI_BASE_URL="ftp://h/v1", OPENAI_API_KEY=KEY)
+    assert r.returncode == 2 and "OPENAI_BASE_URL must be an http" in r.stderr
