@@ -951,7 +951,8 @@ class JsonlEventSink:
 
     def emit(self, event: AgentEvent) -> None:
         """Append the event as one JSON line and flush it."""
-        line = json.dumps(dataclasses.asdict(event), default=str, ensure_ascii=False)
+        # ASCII with escapes: text with a lone surrogate (a cut emoji) is written too
+        line = json.dumps(dataclasses.asdict(event), default=str, ensure_ascii=True)
         with self._lock:
             if self._file is None:
                 self._file = open(self.path, "a", encoding="utf-8")  # opened on first event
