@@ -440,6 +440,26 @@ Call one tool at a time; you will see its result, then reply again."""
 DEFAULT_INSTRUCTIONS = "You are a helpful assistant. Use the tools when they help."
 
 _FENCE = re.compile(r"^```(?:json)?\s*\n?(.*?)\n?```$", re.DOTALL | re.IGNORECASE)
+_json = functools.partial(json.loads, strict=False)  # raw newlines and tabs in strings pass
+_BAD_JSON = (ValueError, RecursionError)  # bad JSON, an int past the digit limit, deep nesting
+_MAX_DEPTH = 100  # nesting a model's JSON may have: no tool needs more, and near Python's
+_TOO_DEEP = f"nests deeper than {_MAX_DEPTH} levels"  # recursion limit a session holding it
+_TOO_LONG = "holds an integer over 4,000 digits long"  # could not be saved or loaded again
+
+
+def _json_problem(value: Any) -> str | None:
+    """Why a parsed JSON value is unfit to keep (_TOO_DEEP, _TOO_LONG: json could not write it
+    back or read it again), or None. Not recursive: the value may be as deep as json parses."""
+    stack = [(value, 0)]
+    while stack:
+        v, depth = stack.pop()
+        if isinstance(v, (dict, list)):
+            if depth >= _MAX_DEPTH:
+                return _TOO_DEEP
+            stack.extend((x, depth + 1) for x in (v.values() if isinstance(v, dict) else v))
+        elif isinstance(v, int) and v.bit_length() > 14_000:  # ~4,200 digits; the limit: 4,300
+            return _TOO_LONG
+    return None
 
 
 def parse_action(text: str, call_id: str = "call_1") -> AgentAction:
@@ -451,10 +471,16 @@ def parse_action(text: str, call_id: str = "call_1") -> AgentAction:
     if not body:
         raise ActionParseError("the reply was empty")
     try:
-        obj = json.loads(body)
-    except json.JSONDecodeError as e:
-        raise ActionParseError(f"the reply is not valid JSON ({e.msg} at line {e.lineno} "
-                               f"column {e.colno})") from None
+        obj = _json(body)
+    except json.JSONDecodeError as e:  # some messages end in "at" ("string starting at")
+        raise ActionParseError(f"the reply is not valid JSON ({e.msg.removesuffix(' at')} at "
+                               f"line {e.lineno} column {e.colno})") from None
+    except _BAD_JSON as e:
+        raise ActionParseError("the reply " + (
+            _TOO_DEEP if isinstance(e, RecursionError) else _TOO_LONG)) from None
+    problem = _json_problem(obj)
+    if problem:
+        raise ActionParseError(f"the reply {problem}")
     if not isinstance(obj, dict):
         raise ActionParseError(f"the reply must be a JSON object, not {type(obj).__name__}")
     kind = obj.get("type")
@@ -1509,6 +1535,10 @@ class AgentRuntime:
             for i, c in enumerate(reply.tool_calls):
                 if not c.id or c.id in seen:
                     c = dataclasses.replace(c, id=f"{call_id}_{i}")
+                problem = _json_problem(c.arguments)
+                if problem:  # not run, like arguments that are not JSON (see _call_from_wire)
+                    c = dataclasses.replace(c, arguments={}, error=f"the arguments of {c.name!r} "
+                                            f"{problem}; call it again with smaller arguments")
                 seen.add(c.id)
                 calls.append(c)
             return CallTools(tuple(calls))
@@ -1666,10 +1696,6 @@ PROVIDERS: dict[str, tuple[str, str | None]] = {
 RETRYABLE_STATUSES = frozenset({408, 409, 429, 500, 502, 503, 504})
 _TOOL_NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
 _OPTIONAL_FIELDS = ("response_format", "stream_options")  # dropped if a server rejects them
-
-
-_json = functools.partial(json.loads, strict=False)  # raw newlines and tabs in strings pass
-_BAD_JSON = (ValueError, RecursionError)              # what _json raises on bad or too deep JSON
 
 
 def _want(value: Any, kind: type, what: str) -> Any:

@@ -1,0 +1,142 @@
+"""Tests of actions, sessions and sinks under hostile input: sloppy and huge JSON from the model,
+big sessions and cancel, concurrent turns on one session (threads and real processes), corrupt
+session files, saves killed with SIGKILL, events a sink cannot encode as they are.
+
+Real threads, real processes and real files; no mocks, no sleeps to synchronise.
+
+Sections: 1. Helpers  2. Sloppy and huge JSON  3. Corrupt session files  4. Event sinks
+          5. Concurrent turns  6. Killed saves  7. Big sessions and cancel
+"""
+from __future__ import annotations
+
+import json
+import logging
+import re
+import sys
+
+import pytest
+
+import bob
+from bob import (ActionParseError, AgentRequest, AgentRuntime, Final, FinishReason, FunctionTools,
+                 JsonFileSessionStore, JsonlEventSink, LlmResponse, LoggingEventSink, ScriptedLlm,
+                 ToolCall, parse_action)
+from test_core import ListSink, assert_well_formed, final
+
+
+# ---- 1. Helpers ---------------------------------------------------------------------------------
+
+def nested(depth: int, leaf=1):
+    """`leaf` inside `depth` lists (built without recursion)."""
+    value = leaf
+    for _ in range(depth):
+        value = [value]
+    return value
+
+
+def deep_text(depth: int) -> str:
+    return "[" * depth + "1" + "]" * depth
+
+
+HUGE_INT = "9" * 5000   # past Python's int-string limit (4,300 digits)
+
+
+def echo(x: object = None) -> str:
+    """Say what you got."""
+    return "got it"
+
+
+def run_logged(tmp_path, replies, mode="json", tools=(echo,), session="s"):
+    """A turn with a file store, a JSONL sink, a logging sink and a list sink: returns the result
+    and the events each sink wrote."""
+    sink, jsonl = ListSink(), JsonlEventSink(tmp_path / "events.jsonl")
+    logger = logging.getLogger("test.events")
+    rt = AgentRuntime(ScriptedLlm(replies), FunctionTools(list(tools)), action_mode=mode,
+                      store=JsonFileSessionStore(tmp_path), events=[
+                          sink, jsonl, LoggingEventSink(logger)])
+    result = rt.run(AgentRequest("go", session_id=session))
+    jsonl.close()
+    lines = (tmp_path / "events.jsonl").read_text(encoding="ascii").splitlines()
+    return result, sink, [json.loads(line) for line in lines]
+
+
+# ---- 2. Sloppy and huge JSON --------------------------------------------------------------------
+
+def test_raw_newlines_and_tabs_inside_json_strings_are_accepted():
+    action = parse_action('{"type": "final", "content": "line one\nline two\tand a tab"}')
+    assert action == Final("line one\nline two\tand a tab")
+
+
+@pytest.mark.parametrize("reply", ['{"type": "final", "content": "never closed',
+                                   '{"type": "final", "content": "bad \\q escape"}',
+                                   '{"type": "final", "content": "\\ud83d\\u12"}',
+                                   '{"type": "final"', '{"type": "final", }', "nope", "{} {}",
+                                   '["final"]', '{"type": 1}', '{"type": "tool_call"}',
+                                   '{"type": "final", "content": ' + HUGE_INT + '}'])
+def test_every_parse_error_reads_once(reply):
+    with pytest.raises(ActionParseError) as err:
+        parse_action(reply)
+    message = str(err.value)
+    assert not re.search(r"\b(\w+) \1\b", message), message     # e.g. "starting at at line"
+    assert "Traceback" not in message and "set_int_max_str_digits" not in message
+
+
+@pytest.mark.parametrize("reply", [
+    '{"type": "tool_call", "name": "echo", "arguments": {"x": ' + deep_text(1000) + '}}',
+    '{"type": "tool_call", "name": "echo", "arguments": {"x": ' + HUGE_INT + '}}',
+    '{"type": "final", "content": "ok", "extra": ' + deep_text(1000) + '}',
+    '{"type": "final", "content": ' + HUGE_INT + '}',
+], ids=["deep arguments", "huge integer", "deep final", "huge final"])
+def test_deep_or_huge_json_actions_are_a_malformed_reply(tmp_path, reply):
+    r, sink, written = run_logged(tmp_path, [reply, final("fine")])
+    assert (r.finish_reason, r.content) == (FinishReason.FINAL, "fine")
+    [error] = sink.of("parse_error")
+    assert error["attempt"] == 1 and "Traceback" not in error["error"]
+    assert JsonFileSessionStore(tmp_path).load("s").messages == r.history
+    assert [e["kind"] for e in written] == [e.kind for e in sink.events]
+
+
+def test_a_deep_json_text_as_a_final_answer_is_just_text(tmp_path):
+    r, sink, written = run_logged(tmp_path, [json.dumps({"type": "final",
+                                                         "content": deep_text(5000)})])
+    assert r.content == deep_text(5000)
+    assert JsonFileSessionStore(tmp_path).load("s").messages[-1].content == deep_text(5000)
+    assert len(written) == len(sink.events)
+
+
+@pytest.mark.parametrize("arguments", [{"x": nested(1000)}, {"x": 10 ** 5000},
+                                       {"x": nested(50, {"y": nested(950)})}],
+                         ids=["deep", "huge integer", "deep dicts"])
+def test_native_deep_or_huge_arguments_are_refused_not_an_internal_error(tmp_path, arguments):
+    reply = LlmResponse("", (ToolCall("c1", "echo", arguments),))
+    r, sink, written = run_logged(tmp_path, [reply, "done"], mode="native")
+    assert (r.finish_reason, r.content) == (FinishReason.FINAL, "done")
+    result = r.history[2]
+    assert result.is_error and re.search("nests deeper than 100 levels|integer over", result.content)
+    assert_well_formed(r.history)
+    assert JsonFileSessionStore(tmp_path).load("s").messages == r.history
+    assert [e["kind"] for e in written] == [e.kind for e in sink.events]
+
+
+def deep_result() -> list:
+    """A tool result nested 1,000 levels deep."""
+    return nested(1000)
+
+
+def huge_result() -> int:
+    """A tool result with 5,000 digits."""
+    return 10 ** 5000
+
+
+def deep_dict() -> dict:
+    """A result nested 900 levels deep (json can encode it)."""
+    return {"a": nested(900)}
+
+
+@pytest.mark.parametrize("tool", [deep_result, huge_result, deep_dict])
+def test_deep_or_huge_tool_results_are_text_or_the_tools_error(tmp_path, tool):
+    call = json.dumps({"type": "tool_call", "name": tool.__name__, "arguments": {}})
+    r, sink, written = run_logged(tmp_path, [call, final("seen")], tools=[tool])
+    assert (r.finish_reason, r.content) == (FinishReason.FINAL, "seen")
+    assert JsonFileSessionStore(tmp_path).load("s").messages == r.history
+    assert [e["kind"] for e in written] == [e.kind for e in sink.events]
+    assert sys.getrecursionlimit() == 1000
