@@ -109,6 +109,30 @@ class Cancelled(BobError):
 
 # ---- 2. Domain types ----------------------------------------------------------------------------
 
+# JSON read back (a session file, a reply) is checked as it is read: a wrong type is a ValueError
+# naming the field, never a TypeError later (the store turns it into a StoreError naming the file).
+
+def _want(value: Any, kind: type, what: str) -> Any:
+    """`value` if it is a `kind` (dict: a JSON object, list: an array), else ValueError."""
+    if not isinstance(value, kind):
+        raise ValueError(f"{what} is not a JSON {'object' if kind is dict else 'array'}")
+    return value
+
+
+def _excerpt(text: str, n: int = 200) -> str:
+    return text if len(text) <= n else text[:n] + f"... ({len(text)} chars)"
+
+
+def _field(d: dict[str, Any], key: str, kinds: tuple[type, ...], default: Any = None) -> Any:
+    """`d[key]` (`default` when absent) if it is one of `kinds` (a bool is no int), else
+    ValueError."""
+    value = d.get(key, default)
+    if not isinstance(value, kinds) or (type(value) is bool and bool not in kinds):
+        got = type(value).__name__ if key in d else "nothing"
+        raise ValueError(f"{key!r} must be {' or '.join(k.__name__ for k in kinds)}, got {got}")
+    return value
+
+
 @dataclass(frozen=True)
 class ToolCall:
     """One call the model asked for; `arguments` is a JSON object."""
@@ -162,11 +186,20 @@ class Message:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Message:
-        """Build a Message from `to_dict` output."""
-        calls = tuple(ToolCall(c["id"], c["name"], dict(c["arguments"]), c.get("error"))
-                      for c in d.get("tool_calls", ()))
-        return cls(d["role"], d["content"], calls, d.get("tool_call_id"), d.get("name"),
-                   bool(d.get("is_error", False)))
+        """Build a Message from `to_dict` output; ValueError naming a field that is wrong."""
+        role = _field(_want(d, dict, "a message"), "role", (str,))
+        if role not in ("system", "user", "assistant", "tool"):
+            raise ValueError(f"a message has the unknown role {_excerpt(role)!r}")
+        calls = tuple(_call_from_dict(c) for c in _field(d, "tool_calls", (list,), []))
+        text = (str, type(None))
+        return cls(role, _field(d, "content", (str,)), calls, _field(d, "tool_call_id", text),
+                   _field(d, "name", text), _field(d, "is_error", (bool,), False))
+
+
+def _call_from_dict(c: Any) -> ToolCall:
+    c = _want(c, dict, "a tool call")
+    return ToolCall(_field(c, "id", (str,)), _field(c, "name", (str,)),
+                    _field(c, "arguments", (dict,)), _field(c, "error", (str, type(None))))
 
 
 @dataclass(frozen=True)
@@ -304,9 +337,30 @@ class SessionState:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> SessionState:
-        """Reverse of `to_dict`."""
-        return cls([Message.from_dict(m) for m in d["messages"]], Usage(**d.get("usage", {})),
-                   int(d.get("version", 0)), d.get("paused"))
+        """Reverse of `to_dict`; ValueError naming what is wrong."""
+        u = _field(_want(d, dict, "the session"), "usage", (dict,), {})
+        messages = [Message.from_dict(m) for m in _field(d, "messages", (list,))]
+        paused = _field(d, "paused", (dict, type(None)))
+        return cls(messages, Usage(_field(u, "prompt_tokens", (int,), 0),
+                                   _field(u, "completion_tokens", (int,), 0)),
+                   _field(d, "version", (int,), 0),
+                   None if paused is None else _paused(paused, len(messages)))
+
+
+def _paused(p: dict[str, Any], n: int) -> dict[str, Any]:
+    """A paused turn as AgentRuntime._pause saved it (counts, decisions), checked."""
+    if not 0 <= _field(p, "input_index", (int,)) < n:
+        raise ValueError("the paused turn's input_index is not a message")
+    for k, v in _field(p, "guard", (dict,)).items():  # counts, or tables of counts
+        if k in ("policy", "deadline") or any(type(i) is not int for i in (
+                v.values() if isinstance(v, dict) else [v])):
+            raise ValueError(f"the paused turn's count {k!r} is not a count")
+    for a in _field(p, "approvals", (dict,)).values():
+        if not set(_want(a, dict, "an approval")) <= {"allow", "reason", "arguments"}:
+            raise ValueError("an approval has unknown fields")
+        _field(a, "allow", (bool,)), _field(a, "reason", (str,), "")  # each raises if wrong
+        _field(a, "arguments", (dict, type(None)))
+    return p
 
 
 class CancelToken:
@@ -587,10 +641,6 @@ def _action_text(m: Message) -> str:
         return json.dumps({"type": "final", "content": m.content}, ensure_ascii=False)
     return "\n".join(json.dumps({"type": "tool_call", "name": c.name, "arguments": c.arguments},
                                 ensure_ascii=False) for c in m.tool_calls)
-
-
-def _excerpt(text: str, n: int = 200) -> str:
-    return text if len(text) <= n else text[:n] + f"... ({len(text)} chars)"
 
 
 # ---- 5. LoopGuard -------------------------------------------------------------------------------
@@ -925,11 +975,12 @@ class JsonFileSessionStore:
             return None
         except OSError as e:
             raise StoreError(f"cannot read session file {path}: {e}") from e
-        try:
-            return SessionState.from_dict(json.loads(raw))  # bad UTF-8 is a ValueError too
-        except (ValueError, KeyError, TypeError, AttributeError) as e:
-            raise StoreError(f"session file {path} is corrupt ({type(e).__name__}: {e}); "
-                             "move it away to start that session afresh") from e
+        try:  # bad UTF-8 is a ValueError too; deep nesting a RecursionError
+            return SessionState.from_dict(json.loads(raw))
+        except (ValueError, RecursionError) as e:
+            why = "nested too deeply" if isinstance(e, RecursionError) else _excerpt(str(e))
+            raise StoreError(f"session file {path} is corrupt ({why}); move it away to start "
+                             "that session afresh") from e
 
     def save(self, session_id: str, state: SessionState) -> None:
         """Write the whole state to a temp file, fsync it, then atomically replace the old file."""
@@ -1696,13 +1747,6 @@ PROVIDERS: dict[str, tuple[str, str | None]] = {
 RETRYABLE_STATUSES = frozenset({408, 409, 429, 500, 502, 503, 504})
 _TOOL_NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
 _OPTIONAL_FIELDS = ("response_format", "stream_options")  # dropped if a server rejects them
-
-
-def _want(value: Any, kind: type, what: str) -> Any:
-    """`value` if it is a `kind` (dict: a JSON object, list: an array), else ValueError."""
-    if not isinstance(value, kind):
-        raise ValueError(f"{what} is not a JSON {'object' if kind is dict else 'array'}")
-    return value
 
 
 def _text(content: Any) -> str:
