@@ -1004,6 +1004,17 @@ class JsonFileSessionStore:
                 raise StoreError(f"cannot save session file {path}: {e}") from e
 
 
+def _data_json(data: Any) -> str:
+    """Event data as ASCII JSON: any text escaped (a lone surrogate from a cut emoji too), so no
+    file or log encoding can refuse it. Data json cannot write (nested too deep, an integer past
+    the digit limit, a cycle) is a note saying why: the event is written all the same."""
+    try:
+        return json.dumps(data, default=str, ensure_ascii=True)
+    except Exception as e:  # also a str() that raises, from default=str
+        return json.dumps({"unwritable": f"{type(e).__name__}: {_excerpt(str(e), 100)}"},
+                          ensure_ascii=True)
+
+
 class LoggingEventSink:
     """Events as log lines on the `bob.events` logger (or the one given)."""
 
@@ -1015,7 +1026,7 @@ class LoggingEventSink:
         """One line: kind, session, step, data as JSON."""
         if self.logger.isEnabledFor(self.level):
             self.logger.log(self.level, "%s session=%s step=%d %s", event.kind, event.session_id,
-                            event.step, json.dumps(event.data, default=str, ensure_ascii=False))
+                            event.step, _data_json(event.data))
 
 
 class JsonlEventSink:
@@ -1028,8 +1039,9 @@ class JsonlEventSink:
 
     def emit(self, event: AgentEvent) -> None:
         """Append the event as one JSON line and flush it."""
-        # ASCII with escapes: text with a lone surrogate (a cut emoji) is written too
-        line = json.dumps(dataclasses.asdict(event), default=str, ensure_ascii=True)
+        head = json.dumps({"kind": event.kind, "session_id": event.session_id, "step": event.step,
+                           "ts": event.ts}, default=str, ensure_ascii=True)
+        line = f'{head[:-1]}, "data": {_data_json(event.data)}}}'  # the data as encoded
         with self._lock:
             if self._file is None:
                 self._file = open(self.path, "a", encoding="utf-8")  # opened on first event

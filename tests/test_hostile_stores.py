@@ -201,3 +201,44 @@ def test_every_corrupt_session_file_is_a_store_error_and_is_never_overwritten(tm
 def test_a_good_session_file_loads():
     assert bob.SessionState.from_dict(GOOD) == bob.SessionState([bob.Message("user", "hi")],
                                                                  bob.Usage(1, 2), 1)
+
+
+# ---- 4. Event sinks -----------------------------------------------------------------------------
+
+def cyclic() -> dict:
+    d: dict = {}
+    d["self"] = d
+    return d
+
+
+class Unprintable:
+    def __str__(self) -> str:
+        raise RuntimeError("no str for you")
+
+
+@pytest.mark.parametrize("data", [{"text": "cut \ud83d"}, {"deep": nested(5000)},
+                                  {"deep": {"dicts": nested(900, {"x": nested(900)})}},
+                                  {"n": 10 ** 5000}, cyclic(), {"odd": Unprintable()}],
+                         ids=["surrogate", "deep", "deep dicts", "huge integer", "cycle",
+                              "unprintable"])
+def test_sinks_write_every_event_and_print_no_traceback(tmp_path, capsys, data):
+    logger = logging.getLogger(f"test.sinks.{tmp_path.name}")
+    logger.propagate, logger.level = False, logging.INFO
+    with open(tmp_path / "log.txt", "w", encoding="utf-8") as stream:   # strict UTF-8
+        logger.addHandler(logging.StreamHandler(stream))
+        jsonl, logged = JsonlEventSink(tmp_path / "e.jsonl"), LoggingEventSink(logger)
+        for step in range(2):
+            event = bob.AgentEvent("tool_call_completed", "s", step, data, 1.5)
+            jsonl.emit(event)
+            logged.emit(event)
+        jsonl.close()
+    written = [json.loads(x) for x in (tmp_path / "e.jsonl").read_text("ascii").splitlines()]
+    assert [(e["kind"], e["session_id"], e["step"], e["ts"]) for e in written] == [
+        ("tool_call_completed", "s", 0, 1.5), ("tool_call_completed", "s", 1, 1.5)]
+    if "text" in data:
+        assert written[0]["data"] == data
+    log_lines = (tmp_path / "log.txt").read_text("utf-8").splitlines()
+    assert [line.split()[:3] for line in log_lines] == [
+        ["tool_call_completed", "session=s", "step=0"], ["tool_call_completed", "session=s",
+                                                         "step=1"]]
+    assert "Traceback" not in capsys.readouterr().err
