@@ -39,7 +39,6 @@ import queue
 import random
 import re
 import socket
-import tempfile
 import threading
 import time
 import types
@@ -96,7 +95,9 @@ class ActionParseError(BobError):
 
 
 class StoreError(BobError):
-    """A session could not be loaded or saved; the message names the file."""
+    """A session could not be loaded or saved; the message names the file or the session.
+    A turn whose save failed raises it with `result`: what the turn would have returned."""
+    result: AgentRunResult | None = None
 
 
 class AgentError(BobError):
@@ -929,6 +930,15 @@ def cut_output(text: str, limit: int) -> str:
 
 
 # ---- 7. Stores and event sinks ------------------------------------------------------------------
+# Both stores keep a turn from being lost to another: a save must carry a newer version than the
+# stored state (a turn saves the version it loaded + 1), else another turn saved in between.
+
+def _check_newer(session_id: str, stored: int | None, state: SessionState) -> None:
+    if stored is not None and stored >= state.version:
+        raise StoreError(f"session {session_id!r} was changed by another turn while this one ran "
+                         f"(it is at version {stored}, this turn started from version "
+                         f"{state.version - 1}); run the turn again")
+
 
 class InMemorySessionStore:
     """Sessions in a dict; thread-safe; gone when the process ends."""
@@ -944,20 +954,23 @@ class InMemorySessionStore:
             return None if s is None else dataclasses.replace(s, messages=list(s.messages))
 
     def save(self, session_id: str, state: SessionState) -> None:
-        """Store a copy of `state`."""
+        """Store a copy of `state`; StoreError if another turn saved the session meanwhile."""
         with self._lock:
+            s = self._sessions.get(session_id)
+            _check_newer(session_id, None if s is None else s.version, state)
             self._sessions[session_id] = dataclasses.replace(state, messages=list(state.messages))
 
 
 _SESSION_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+_HEAD = re.compile(rb'\{\s*"version":\s*(\d+)\s*[,}]')   # how to_dict's JSON begins
 
 
 class JsonFileSessionStore:
-    """One JSON file per session in `directory`, written atomically (temp + fsync + replace)."""
+    """One JSON file per session in `directory`. A save is atomic (temp file, fsync, replace) and
+    holds an OS lock on the directory, so threads and processes saving one session take turns."""
 
     def __init__(self, directory: str | os.PathLike[str]):
         self.directory = Path(directory)
-        self._lock = threading.Lock()
 
     def path_for(self, session_id: str) -> Path:
         """The file of a session; StoreError for an id that could escape the directory."""
@@ -983,25 +996,39 @@ class JsonFileSessionStore:
                              "that session afresh") from e
 
     def save(self, session_id: str, state: SessionState) -> None:
-        """Write the whole state to a temp file, fsync it, then atomically replace the old file."""
-        path = self.path_for(session_id)
-        # ASCII with escapes: any str round-trips, even a lone surrogate from a cut emoji
-        data = json.dumps(state.to_dict(), ensure_ascii=True, indent=1)
-        with self._lock:
-            tmp = None
+        """Write the state (StoreError if another turn saved the session since it was loaded).
+        One temp file name per session, used under the lock: a killed save leaves at most that
+        one file, and the next save reuses it."""
+        import fcntl  # POSIX only; imported here so that `import bob` works anywhere
+        path, tmp = self.path_for(session_id), self.directory / f".{session_id}.json.tmp"
+        data = json.dumps(state.to_dict(), ensure_ascii=True)  # any str round-trips, escaped
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            lock = os.open(self.directory, os.O_RDONLY)
             try:
-                self.directory.mkdir(parents=True, exist_ok=True)
-                fd, tmp = tempfile.mkstemp(prefix=f".{session_id}.", suffix=".tmp",
-                                           dir=self.directory)
-                with os.fdopen(fd, "w", encoding="utf-8") as f:
+                fcntl.flock(lock, fcntl.LOCK_EX)  # released at close, or when the process dies
+                _check_newer(session_id, self._stored_version(session_id), state)
+                with open(tmp, "w", encoding="ascii") as f:
                     f.write(data)
                     f.flush()
                     os.fsync(f.fileno())
                 os.replace(tmp, path)
-            except OSError as e:
-                if tmp and os.path.exists(tmp):
-                    os.unlink(tmp)
-                raise StoreError(f"cannot save session file {path}: {e}") from e
+            finally:
+                os.close(lock)
+        except OSError as e:
+            raise StoreError(f"cannot save session file {path}: {e}") from e
+
+    def _stored_version(self, session_id: str) -> int | None:
+        """The saved state's version, from the head of its file (else by loading it all)."""
+        try:
+            with open(self.path_for(session_id), "rb") as f:
+                head = _HEAD.match(f.read(64))
+        except FileNotFoundError:
+            return None
+        if head:
+            return int(head.group(1))
+        stored = self.load(session_id)  # written by hand or by an older bob: read it all
+        return None if stored is None else stored.version
 
 
 def _data_json(data: Any) -> str:
@@ -1423,25 +1450,33 @@ class AgentRuntime:
         return State.BUILD_PROMPT
 
     def _done(self, t: _Turn) -> AgentRunResult:
-        """Save the session (a failing save is an event, never a lost answer), then report."""
+        """Save the session, then report. A failed save raises StoreError after the events: a
+        turn whose result is not stored (e.g. another turn saved meanwhile) did not return."""
         t.session.usage += t.usage
         t.session.version += 1
+        unsaved = None
         try:
             self.store.save(t.request.session_id, t.session)
         except Exception as e:
             self._emit(t, "error", {"error": f"{type(e).__name__}: {e}", "where": "store.save"})
+            unsaved = e if isinstance(e, StoreError) else StoreError(
+                f"cannot save session {t.request.session_id!r}: {type(e).__name__}: {e}")
         if t.error is not None:
             self._emit(t, "error", {"error": f"{type(t.error).__name__}: {t.error}",
                                     "where": "turn"})
+        failed = t.error or unsaved
         self._emit(t, "turn_completed", {  # a turn that raises has no finish reason
-            "finish_reason": None if t.error else t.finish.value, "usage": dict(vars(t.usage)),
+            "finish_reason": None if failed else t.finish.value, "usage": dict(vars(t.usage)),
             "guard_reason": t.guard_reason.value if t.guard_reason else None,
             "steps": t.guard.steps, "tool_calls": t.guard.tool_calls})
         t.closed = True
-        if t.error is not None:
-            raise t.error
-        return AgentRunResult(t.content, t.finish, t.guard_reason, t.usage, t.guard.steps,
-                              t.guard.tool_calls, list(t.session.messages), t.pending)
+        result = AgentRunResult(t.content, t.finish, t.guard_reason, t.usage, t.guard.steps,
+                                t.guard.tool_calls, list(t.session.messages), t.pending)
+        if unsaved is not None and t.error is None:
+            unsaved.result = result   # not stored, but not lost
+        if failed is not None:
+            raise failed
+        return result
 
     # -- helpers of the states --
 

@@ -11,8 +11,12 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import re
+import subprocess
 import sys
+import threading
+from pathlib import Path
 
 import pytest
 
@@ -242,3 +246,83 @@ def test_sinks_write_every_event_and_print_no_traceback(tmp_path, capsys, data):
         ["tool_call_completed", "session=s", "step=0"], ["tool_call_completed", "session=s",
                                                          "step=1"]]
     assert "Traceback" not in capsys.readouterr().err
+
+
+# ---- 5. Concurrent turns ------------------------------------------------------------------------
+
+def take_turns(rt: AgentRuntime, worker: int, turns: int, outcomes: list) -> None:
+    """Run `turns` turns on session "shared"; note each input that returned, or the error."""
+    for i in range(turns):
+        text = f"w{worker} turn {i}"
+        try:
+            rt.run(AgentRequest(text, session_id="shared"))
+            outcomes.append(("ok", text))
+        except StoreError as e:
+            outcomes.append(("failed", str(e)))
+
+
+def check_outcomes(outcomes: list, history: list[bob.Message], expected: int) -> None:
+    """Every turn that returned is in the history, once; every other one says why it failed."""
+    assert len(outcomes) == expected
+    returned = sorted(text for kind, text in outcomes if kind == "ok")
+    failures = [text for kind, text in outcomes if kind == "failed"]
+    assert sorted(m.content for m in history if m.role == "user") == returned
+    for message in failures:
+        assert "session 'shared' was changed by another turn" in message, message
+        assert "run the turn again" in message
+    assert_well_formed(history)
+    assert len(returned) >= 1
+
+
+def stores(tmp_path):
+    memory = bob.InMemorySessionStore()
+    return {"memory": lambda: memory, "file": lambda: JsonFileSessionStore(tmp_path)}
+
+
+@pytest.mark.parametrize("kind", ["memory", "file"])
+def test_concurrent_turns_on_one_session_lose_no_turn(tmp_path, kind):
+    make = stores(tmp_path)[kind]
+    outcomes: list = []
+    threads = [threading.Thread(target=take_turns, args=(
+        AgentRuntime(ScriptedLlm([final("ok")] * 40), store=make()), k, 40, outcomes))
+        for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    check_outcomes(outcomes, make().load("shared").messages, 160)
+
+
+WORKER = """
+import json, sys
+sys.path.insert(0, {root!r})
+import bob
+from test_hostile_stores import take_turns
+outcomes = []
+rt = bob.AgentRuntime(bob.ScriptedLlm([json.dumps({{"type": "final", "content": "ok"}})] * 40),
+                      store=bob.JsonFileSessionStore(sys.argv[1]))
+sys.stdin.readline()       # all workers start together
+take_turns(rt, int(sys.argv[2]), 40, outcomes)
+print(json.dumps(outcomes))
+"""
+
+
+def test_concurrent_turns_from_processes_lose_no_turn(tmp_path):
+    script = tmp_path / "worker.py"
+    tests_dir = str(Path(__file__).resolve().parent)
+    script.write_text(WORKER.format(root=str(Path(tests_dir).parent)))
+    workers = [subprocess.Popen([sys.executable, str(script), str(tmp_path / "s"), str(k)],
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                cwd=tests_dir, env={**os.environ, "PYTHONPATH": tests_dir})
+               for k in range(2)]
+    outcomes: list = []
+    for w in workers:
+        w.stdin.write("go\n")
+        w.stdin.flush()
+    for w in workers:
+        out, _ = w.communicate(timeout=120)
+        assert w.returncode == 0
+        outcomes += [tuple(o) for o in json.loads(out)]
+    check_outcomes(outcomes, JsonFileSessionStore(tmp_path / "s").load("shared").messages, 80)
+    assert sorted(p.name for p in (tmp_path / "s").iterdir() if p.suffix != ".lock") == [
+        "shared.json"]
