@@ -11,11 +11,15 @@ from __future__ import annotations
 
 import json
 import logging
+import multiprocessing
 import os
+import random
 import re
+import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -326,3 +330,34 @@ def test_concurrent_turns_from_processes_lose_no_turn(tmp_path):
     check_outcomes(outcomes, JsonFileSessionStore(tmp_path / "s").load("shared").messages, 80)
     assert sorted(p.name for p in (tmp_path / "s").iterdir() if p.suffix != ".lock") == [
         "shared.json"]
+
+
+# ---- 6. Killed saves ----------------------------------------------------------------------------
+
+def save_forever(directory: str, started) -> None:
+    """A child process: save a 1 MB session again and again until it is killed."""
+    store = JsonFileSessionStore(directory)
+    state = bob.SessionState([bob.Message("user", "x" * 1000)] * 1000)
+    while True:
+        state.version = (store.load("s") or state).version + 1
+        store.save("s", state)
+        started.set()
+
+
+def test_saves_killed_at_random_moments_leave_at_most_one_temp_file(tmp_path):
+    ctx = multiprocessing.get_context("fork")        # starts in milliseconds
+    rng = random.Random(15)
+    for _ in range(60):
+        started = ctx.Event()
+        child = ctx.Process(target=save_forever, args=(str(tmp_path), started), daemon=True)
+        child.start()
+        assert started.wait(30), "the child never saved"
+        time.sleep(rng.uniform(0, 0.03))              # a random moment, not a synchronisation
+        os.kill(child.pid, signal.SIGKILL)
+        child.join(30)
+    assert len(list(tmp_path.glob(".s.*tmp"))) <= 1, sorted(os.listdir(tmp_path))
+    store = JsonFileSessionStore(tmp_path)
+    state = store.load("s")
+    state.version += 1
+    store.save("s", state)                            # the next save cleans up
+    assert sorted(os.listdir(tmp_path)) == ["s.json"]
