@@ -361,3 +361,48 @@ def test_saves_killed_at_random_moments_leave_at_most_one_temp_file(tmp_path):
     state.version += 1
     store.save("s", state)                            # the next save cleans up
     assert sorted(os.listdir(tmp_path)) == ["s.json"]
+
+
+# ---- 7. Big sessions and cancel -----------------------------------------------------------------
+
+def big_session(size: int, n: int) -> bob.SessionState:
+    """About `size` bytes of history in `n` messages: questions, tool calls and results."""
+    text = "y" * (size // n)
+    messages: list[bob.Message] = []
+    for i in range(0, n, 4):
+        call = ToolCall(f"c{i}", "echo", {"x": i})
+        messages += [bob.Message("user", text), bob.Message("assistant", "", (call,)),
+                     bob.Message("tool", text, tool_call_id=call.id, name="echo"),
+                     bob.Message("assistant", text)]
+    return bob.SessionState(messages, bob.Usage(1, 1), 1)
+
+
+@pytest.mark.parametrize("n", [2_000, 20_000, 100_000])
+@pytest.mark.parametrize("kind", ["memory", "file"])
+def test_cancel_returns_soon_with_a_20_mb_session(tmp_path, hang, kind, n):
+    store = stores(tmp_path)[kind]()
+    store.save("big", big_session(20_000_000, n))
+    release, asked = hang(), threading.Event()
+
+    def hanging(req, cancel):
+        asked.set()
+        release.wait(60)
+        return final("too late")
+
+    cancel, returned = bob.CancelToken(), []
+    rt = AgentRuntime(ScriptedLlm([hanging]), FunctionTools([echo]), store=store)
+    turn = threading.Thread(target=lambda: returned.append((rt.run(AgentRequest(
+        "one more", session_id="big"), cancel), time.thread_time())))
+    turn.start()
+    assert asked.wait(60)
+    clock = time.pthread_getcpuclockid(turn.ident)   # the turn thread's CPU time
+    wall, cpu = time.perf_counter(), time.clock_gettime(clock)
+    cancel.cancel()
+    turn.join(60)
+    wall = (time.perf_counter() - wall) * 1000
+    [(result, cpu_after)] = returned
+    cpu = (cpu_after - cpu) * 1000   # CPU: what bob does, not what other processes take
+    assert result.finish_reason is FinishReason.CANCELLED
+    assert cpu < 300, f"run() took {cpu:.0f} ms of CPU after cancel() ({wall:.0f} ms wall)"
+    assert wall < 1000, f"run() returned {wall:.0f} ms after cancel() ({cpu:.0f} ms of CPU)"
+    assert len(store.load("big").messages) == n + 1
