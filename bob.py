@@ -125,8 +125,7 @@ def _excerpt(text: str, n: int = 200) -> str:
 
 
 def _field(d: dict[str, Any], key: str, kinds: tuple[type, ...], default: Any = None) -> Any:
-    """`d[key]` (`default` when absent) if it is one of `kinds` (a bool is no int), else
-    ValueError."""
+    """`d[key]` (`default` when absent) if it is one of `kinds` (a bool is no int)."""
     value = d.get(key, default)
     if not isinstance(value, kinds) or (type(value) is bool and bool not in kinds):
         got = type(value).__name__ if key in d else "nothing"
@@ -191,16 +190,12 @@ class Message:
         role = _field(_want(d, dict, "a message"), "role", (str,))
         if role not in ("system", "user", "assistant", "tool"):
             raise ValueError(f"a message has the unknown role {_excerpt(role)!r}")
-        calls = tuple(_call_from_dict(c) for c in _field(d, "tool_calls", (list,), []))
         text = (str, type(None))
+        calls = tuple(ToolCall(_field(c, "id", (str,)), _field(c, "name", (str,)), _field(
+            c, "arguments", (dict,)), _field(c, "error", text)) for c in (
+                _want(c, dict, "a tool call") for c in _field(d, "tool_calls", (list,), [])))
         return cls(role, _field(d, "content", (str,)), calls, _field(d, "tool_call_id", text),
                    _field(d, "name", text), _field(d, "is_error", (bool,), False))
-
-
-def _call_from_dict(c: Any) -> ToolCall:
-    c = _want(c, dict, "a tool call")
-    return ToolCall(_field(c, "id", (str,)), _field(c, "name", (str,)),
-                    _field(c, "arguments", (dict,)), _field(c, "error", (str, type(None))))
 
 
 @dataclass(frozen=True)
@@ -349,18 +344,16 @@ class SessionState:
 
 
 def _paused(p: dict[str, Any], n: int) -> dict[str, Any]:
-    """A paused turn as AgentRuntime._pause saved it (counts, decisions), checked."""
-    if not 0 <= _field(p, "input_index", (int,)) < n:
-        raise ValueError("the paused turn's input_index is not a message")
-    for k, v in _field(p, "guard", (dict,)).items():  # counts, or tables of counts
-        if k in ("policy", "deadline") or any(type(i) is not int for i in (
-                v.values() if isinstance(v, dict) else [v])):
-            raise ValueError(f"the paused turn's count {k!r} is not a count")
-    for a in _field(p, "approvals", (dict,)).values():
-        if not set(_want(a, dict, "an approval")) <= {"allow", "reason", "arguments"}:
-            raise ValueError("an approval has unknown fields")
-        _field(a, "allow", (bool,)), _field(a, "reason", (str,), "")  # each raises if wrong
-        _field(a, "arguments", (dict, type(None)))
+    """A paused turn as AgentRuntime._pause saved it: its counts (ints, or tables of ints) and
+    the decisions taken (Approval fields), checked."""
+    counts, decided = _field(p, "guard", (dict,)), _field(p, "approvals", (dict,)).values()
+    if not (0 <= _field(p, "input_index", (int,)) < n and not {"policy", "deadline"} & set(counts)
+            and all(type(i) is int for v in counts.values() for i in (
+                v.values() if isinstance(v, dict) else [v]))
+            and all(isinstance(a, dict) and set(a) <= {"allow", "reason", "arguments"}
+                    and type(a.get("allow")) is bool and isinstance(a.get("reason", ""), str)
+                    and isinstance(a.get("arguments"), (dict, type(None))) for a in decided)):
+        raise ValueError("the paused turn is not as bob saved it")
     return p
 
 
@@ -497,23 +490,22 @@ DEFAULT_INSTRUCTIONS = "You are a helpful assistant. Use the tools when they hel
 _FENCE = re.compile(r"^```(?:json)?\s*\n?(.*?)\n?```$", re.DOTALL | re.IGNORECASE)
 _json = functools.partial(json.loads, strict=False)  # raw newlines and tabs in strings pass
 _BAD_JSON = (ValueError, RecursionError)  # bad JSON, an int past the digit limit, deep nesting
-_MAX_DEPTH = 100  # nesting a model's JSON may have: no tool needs more, and near Python's
-_TOO_DEEP = f"nests deeper than {_MAX_DEPTH} levels"  # recursion limit a session holding it
-_TOO_LONG = "holds an integer over 4,000 digits long"  # could not be saved or loaded again
+_MAX_DEPTH = 100  # of a model's JSON: no tool needs more, and a session holding JSON near
+#                   Python's recursion limit could not be saved and loaded again
 
 
 def _json_problem(value: Any) -> str | None:
-    """Why a parsed JSON value is unfit to keep (_TOO_DEEP, _TOO_LONG: json could not write it
-    back or read it again), or None. Not recursive: the value may be as deep as json parses."""
+    """Why JSON from the model is unfit to keep (json could not write or read it back), or
+    None. Not recursive: the value may be as deep as json parses."""
     stack = [(value, 0)]
     while stack:
         v, depth = stack.pop()
+        if isinstance(v, int) and v.bit_length() > 14_000:  # ~4,200 digits; the limit: 4,300
+            return "holds an integer over 4,000 digits long"
+        if isinstance(v, (dict, list)) and depth >= _MAX_DEPTH:
+            return f"nests deeper than {_MAX_DEPTH} levels"
         if isinstance(v, (dict, list)):
-            if depth >= _MAX_DEPTH:
-                return _TOO_DEEP
             stack.extend((x, depth + 1) for x in (v.values() if isinstance(v, dict) else v))
-        elif isinstance(v, int) and v.bit_length() > 14_000:  # ~4,200 digits; the limit: 4,300
-            return _TOO_LONG
     return None
 
 
@@ -530,9 +522,8 @@ def parse_action(text: str, call_id: str = "call_1") -> AgentAction:
     except json.JSONDecodeError as e:  # some messages end in "at" ("string starting at")
         raise ActionParseError(f"the reply is not valid JSON ({e.msg.removesuffix(' at')} at "
                                f"line {e.lineno} column {e.colno})") from None
-    except _BAD_JSON as e:
-        raise ActionParseError("the reply " + (
-            _TOO_DEEP if isinstance(e, RecursionError) else _TOO_LONG)) from None
+    except _BAD_JSON:  # past Python's recursion limit or its int-digit limit
+        raise ActionParseError("the reply nests too deeply or holds too long an integer") from None
     problem = _json_problem(obj)
     if problem:
         raise ActionParseError(f"the reply {problem}")
@@ -930,10 +921,10 @@ def cut_output(text: str, limit: int) -> str:
 
 
 # ---- 7. Stores and event sinks ------------------------------------------------------------------
-# Both stores keep a turn from being lost to another: a save must carry a newer version than the
-# stored state (a turn saves the version it loaded + 1), else another turn saved in between.
 
 def _check_newer(session_id: str, stored: int | None, state: SessionState) -> None:
+    """Both stores: a save must carry a newer version than the stored state (a turn saves the
+    version it loaded + 1), else another turn saved in between, and saving would lose it."""
     if stored is not None and stored >= state.version:
         raise StoreError(f"session {session_id!r} was changed by another turn while this one ran "
                          f"(it is at version {stored}, this turn started from version "
@@ -965,10 +956,10 @@ def _session_json(state: SessionState) -> str:
     """`state.to_dict()` as ASCII JSON (any str round-trips, escaped), the messages encoded a
     thousand at a time: their dicts die young, so the garbage collector does not walk a big
     heap again and again (100,000 messages: 125 ms instead of 250-350)."""
-    head, ms = json.dumps(dataclasses.replace(state, messages=[]).to_dict()), state.messages
-    return head[:-2] + ", ".join(json.dumps([m.to_dict() for m in ms[i:i + 1000]],
-                                            ensure_ascii=True)[1:-1]
-                                 for i in range(0, len(ms), 1000)) + "]}"  # head: ...[]}
+    ms, head = state.messages, json.dumps(dataclasses.replace(state, messages=[]).to_dict())
+    parts = (json.dumps([m.to_dict() for m in ms[i:i + 1000]], ensure_ascii=True)[1:-1]
+             for i in range(0, len(ms), 1000))
+    return head[:-2] + ", ".join(parts) + "]}"  # head ends in "messages": []}
 
 
 _SESSION_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
@@ -1030,21 +1021,15 @@ class JsonFileSessionStore:
 
     def _stored_version(self, session_id: str) -> int | None:
         """The saved state's version, from the head of its file (else by loading it all)."""
-        try:
-            with open(self.path_for(session_id), "rb") as f:
-                head = _HEAD.match(f.read(64))
-        except FileNotFoundError:
-            return None
-        if head:
-            return int(head.group(1))
-        stored = self.load(session_id)  # written by hand or by an older bob: read it all
-        return None if stored is None else stored.version
+        with contextlib.suppress(FileNotFoundError), open(self.path_for(session_id), "rb") as f:
+            head = _HEAD.match(f.read(64))
+            return int(head.group(1)) if head else getattr(self.load(session_id), "version", None)
+        return None  # no file yet
 
 
 def _data_json(data: Any) -> str:
-    """Event data as ASCII JSON: any text escaped (a lone surrogate from a cut emoji too), so no
-    file or log encoding can refuse it. Data json cannot write (nested too deep, an integer past
-    the digit limit, a cycle) is a note saying why: the event is written all the same."""
+    """Event data as ASCII JSON (any text escaped, a lone surrogate too); data json cannot
+    write (too deep, a huge integer, a cycle) is a note saying why: the event is still written."""
     try:
         return json.dumps(data, default=str, ensure_ascii=True)
     except Exception as e:  # also a str() that raises, from default=str
@@ -1464,26 +1449,25 @@ class AgentRuntime:
         turn whose result is not stored (e.g. another turn saved meanwhile) did not return."""
         t.session.usage += t.usage
         t.session.version += 1
-        unsaved = None
+        result, failed = AgentRunResult(t.content, t.finish, t.guard_reason, t.usage,
+                                        t.guard.steps, t.guard.tool_calls,
+                                        list(t.session.messages), t.pending), None
         try:
             self.store.save(t.request.session_id, t.session)
         except Exception as e:
             self._emit(t, "error", {"error": f"{type(e).__name__}: {e}", "where": "store.save"})
-            unsaved = e if isinstance(e, StoreError) else StoreError(
+            failed = e if isinstance(e, StoreError) else StoreError(
                 f"cannot save session {t.request.session_id!r}: {type(e).__name__}: {e}")
+            failed.result = result   # not stored, but not lost
         if t.error is not None:
             self._emit(t, "error", {"error": f"{type(t.error).__name__}: {t.error}",
                                     "where": "turn"})
-        failed = t.error or unsaved
+        failed = t.error or failed
         self._emit(t, "turn_completed", {  # a turn that raises has no finish reason
             "finish_reason": None if failed else t.finish.value, "usage": dict(vars(t.usage)),
             "guard_reason": t.guard_reason.value if t.guard_reason else None,
             "steps": t.guard.steps, "tool_calls": t.guard.tool_calls})
         t.closed = True
-        result = AgentRunResult(t.content, t.finish, t.guard_reason, t.usage, t.guard.steps,
-                                t.guard.tool_calls, list(t.session.messages), t.pending)
-        if unsaved is not None and t.error is None:
-            unsaved.result = result   # not stored, but not lost
         if failed is not None:
             raise failed
         return result

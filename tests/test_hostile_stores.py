@@ -211,6 +211,22 @@ def test_a_good_session_file_loads():
                                                                  bob.Usage(1, 2), 1)
 
 
+
+LAYOUTS = {"indented (an older bob)": json.dumps({"version": 3, "messages": [MESSAGE]}, indent=1),
+           "messages first (by hand)": json.dumps({"messages": [MESSAGE], "version": 3})}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_a_session_file_in_another_layout_takes_the_next_turn(tmp_path, layout):
+    (tmp_path / "s.json").write_text(LAYOUTS[layout])
+    stale = bob.SessionState([bob.Message("user", "stale")], version=3)  # not newer: refused
+    with pytest.raises(StoreError, match="changed by another turn"):
+        JsonFileSessionStore(tmp_path).save("s", stale)
+    rt = AgentRuntime(ScriptedLlm([final("next")]), store=JsonFileSessionStore(tmp_path))
+    rt.run(AgentRequest("again", session_id="s"))
+    stored = JsonFileSessionStore(tmp_path).load("s")
+    assert stored.version == 4 and [m.content for m in stored.messages] == ["hi", "again", "next"]
+
 # ---- 4. Event sinks -----------------------------------------------------------------------------
 
 def cyclic() -> dict:
