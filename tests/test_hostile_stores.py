@@ -53,17 +53,22 @@ def echo(x: object = None) -> str:
     return "got it"
 
 
-def run_logged(tmp_path, replies, mode="json", tools=(echo,), session="s"):
-    """A turn with a file store, a JSONL sink, a logging sink and a list sink: returns the result
-    and the events each sink wrote."""
+def run_logged(tmp_path, replies, mode="json", tools=(echo,)):
+    """A turn on session "s" with a file store, a JSONL sink, a logging sink (into a strict
+    UTF-8 file) and a list sink: the result, the list sink, and the events the JSONL sink wrote
+    (the log must hold one line per event too)."""
     sink, jsonl = ListSink(), JsonlEventSink(tmp_path / "events.jsonl")
-    logger = logging.getLogger("test.events")
-    rt = AgentRuntime(ScriptedLlm(replies), FunctionTools(list(tools)), action_mode=mode,
-                      store=JsonFileSessionStore(tmp_path), events=[
-                          sink, jsonl, LoggingEventSink(logger)])
-    result = rt.run(AgentRequest("go", session_id=session))
-    jsonl.close()
+    logger = logging.getLogger(f"test.events.{tmp_path.name}")
+    logger.propagate, logger.level = False, logging.INFO
+    with open(tmp_path / "log.txt", "w", encoding="utf-8") as log:
+        logger.addHandler(logging.StreamHandler(log))
+        rt = AgentRuntime(ScriptedLlm(replies), FunctionTools(list(tools)), action_mode=mode,
+                          store=JsonFileSessionStore(tmp_path), events=[
+                              sink, jsonl, LoggingEventSink(logger)])
+        result = rt.run(AgentRequest("go", session_id="s"))
+        jsonl.close()
     lines = (tmp_path / "events.jsonl").read_text(encoding="ascii").splitlines()
+    assert len((tmp_path / "log.txt").read_text("utf-8").splitlines()) == len(sink.events)
     return result, sink, [json.loads(line) for line in lines]
 
 
