@@ -39,7 +39,6 @@ import queue
 import random
 import re
 import socket
-import tempfile
 import threading
 import time
 import types
@@ -96,7 +95,9 @@ class ActionParseError(BobError):
 
 
 class StoreError(BobError):
-    """A session could not be loaded or saved; the message names the file."""
+    """A session could not be loaded or saved; the message names the file or the session.
+    A turn whose save failed raises it with `result`: what the turn would have returned."""
+    result: AgentRunResult | None = None
 
 
 class AgentError(BobError):
@@ -108,6 +109,29 @@ class Cancelled(BobError):
 
 
 # ---- 2. Domain types ----------------------------------------------------------------------------
+
+# JSON read back (a session file, a reply) is checked as it is read: a wrong type is a ValueError
+# naming the field, never a TypeError later (the store turns it into a StoreError naming the file).
+
+def _want(value: Any, kind: type, what: str) -> Any:
+    """`value` if it is a `kind` (dict: a JSON object, list: an array), else ValueError."""
+    if not isinstance(value, kind):
+        raise ValueError(f"{what} is not a JSON {'object' if kind is dict else 'array'}")
+    return value
+
+
+def _excerpt(text: str, n: int = 200) -> str:
+    return text if len(text) <= n else text[:n] + f"... ({len(text)} chars)"
+
+
+def _field(d: dict[str, Any], key: str, kinds: tuple[type, ...], default: Any = None) -> Any:
+    """`d[key]` (`default` when absent) if it is one of `kinds` (a bool is no int)."""
+    value = d.get(key, default)
+    if not isinstance(value, kinds) or (type(value) is bool and bool not in kinds):
+        got = type(value).__name__ if key in d else "nothing"
+        raise ValueError(f"{key!r} must be {' or '.join(k.__name__ for k in kinds)}, got {got}")
+    return value
+
 
 @dataclass(frozen=True)
 class ToolCall:
@@ -150,7 +174,7 @@ class Message:
         """Plain JSON-ready dict; `Message.from_dict` reverses it exactly."""
         d: dict[str, Any] = {"role": self.role, "content": self.content}
         if self.tool_calls:
-            d["tool_calls"] = [{k: v for k, v in dataclasses.asdict(c).items() if v is not None}
+            d["tool_calls"] = [{k: v for k, v in vars(c).items() if v is not None}  # no copies
                                for c in self.tool_calls]
         if self.tool_call_id is not None:
             d["tool_call_id"] = self.tool_call_id
@@ -162,11 +186,16 @@ class Message:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Message:
-        """Build a Message from `to_dict` output."""
-        calls = tuple(ToolCall(c["id"], c["name"], dict(c["arguments"]), c.get("error"))
-                      for c in d.get("tool_calls", ()))
-        return cls(d["role"], d["content"], calls, d.get("tool_call_id"), d.get("name"),
-                   bool(d.get("is_error", False)))
+        """Build a Message from `to_dict` output; ValueError naming a field that is wrong."""
+        role = _field(_want(d, dict, "a message"), "role", (str,))
+        if role not in ("system", "user", "assistant", "tool"):
+            raise ValueError(f"a message has the unknown role {_excerpt(role)!r}")
+        text = (str, type(None))
+        calls = tuple(ToolCall(_field(c, "id", (str,)), _field(c, "name", (str,)), _field(
+            c, "arguments", (dict,)), _field(c, "error", text)) for c in (
+                _want(c, dict, "a tool call") for c in _field(d, "tool_calls", (list,), [])))
+        return cls(role, _field(d, "content", (str,)), calls, _field(d, "tool_call_id", text),
+                   _field(d, "name", text), _field(d, "is_error", (bool,), False))
 
 
 @dataclass(frozen=True)
@@ -300,13 +329,32 @@ class SessionState:
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-ready dict."""
         return {"version": self.version, "usage": dataclasses.asdict(self.usage),
-                "messages": [m.to_dict() for m in self.messages], "paused": self.paused}
+                "paused": self.paused, "messages": [m.to_dict() for m in self.messages]}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> SessionState:
-        """Reverse of `to_dict`."""
-        return cls([Message.from_dict(m) for m in d["messages"]], Usage(**d.get("usage", {})),
-                   int(d.get("version", 0)), d.get("paused"))
+        """Reverse of `to_dict`; ValueError naming what is wrong."""
+        u = _field(_want(d, dict, "the session"), "usage", (dict,), {})
+        messages = [Message.from_dict(m) for m in _field(d, "messages", (list,))]
+        paused = _field(d, "paused", (dict, type(None)))
+        return cls(messages, Usage(_field(u, "prompt_tokens", (int,), 0),
+                                   _field(u, "completion_tokens", (int,), 0)),
+                   _field(d, "version", (int,), 0),
+                   None if paused is None else _paused(paused, len(messages)))
+
+
+def _paused(p: dict[str, Any], n: int) -> dict[str, Any]:
+    """A paused turn as AgentRuntime._pause saved it: its counts (ints, or tables of ints) and
+    the decisions taken (Approval fields), checked."""
+    counts, decided = _field(p, "guard", (dict,)), _field(p, "approvals", (dict,)).values()
+    if not (0 <= _field(p, "input_index", (int,)) < n and not {"policy", "deadline"} & set(counts)
+            and all(type(i) is int for v in counts.values() for i in (
+                v.values() if isinstance(v, dict) else [v]))
+            and all(isinstance(a, dict) and set(a) <= {"allow", "reason", "arguments"}
+                    and type(a.get("allow")) is bool and isinstance(a.get("reason", ""), str)
+                    and isinstance(a.get("arguments"), (dict, type(None))) for a in decided)):
+        raise ValueError("the paused turn is not as bob saved it")
+    return p
 
 
 class CancelToken:
@@ -440,6 +488,25 @@ Call one tool at a time; you will see its result, then reply again."""
 DEFAULT_INSTRUCTIONS = "You are a helpful assistant. Use the tools when they help."
 
 _FENCE = re.compile(r"^```(?:json)?\s*\n?(.*?)\n?```$", re.DOTALL | re.IGNORECASE)
+_json = functools.partial(json.loads, strict=False)  # raw newlines and tabs in strings pass
+_BAD_JSON = (ValueError, RecursionError)  # bad JSON, an int past the digit limit, deep nesting
+_MAX_DEPTH = 100  # of a model's JSON: no tool needs more, and a session holding JSON near
+#                   Python's recursion limit could not be saved and loaded again
+
+
+def _json_problem(value: Any) -> str | None:
+    """Why JSON from the model is unfit to keep (json could not write or read it back), or
+    None. Not recursive: the value may be as deep as json parses."""
+    stack = [(value, 0)]
+    while stack:
+        v, depth = stack.pop()
+        if isinstance(v, int) and v.bit_length() > 14_000:  # ~4,200 digits; the limit: 4,300
+            return "holds an integer over 4,000 digits long"
+        if isinstance(v, (dict, list)) and depth >= _MAX_DEPTH:
+            return f"nests deeper than {_MAX_DEPTH} levels"
+        if isinstance(v, (dict, list)):
+            stack.extend((x, depth + 1) for x in (v.values() if isinstance(v, dict) else v))
+    return None
 
 
 def parse_action(text: str, call_id: str = "call_1") -> AgentAction:
@@ -451,10 +518,15 @@ def parse_action(text: str, call_id: str = "call_1") -> AgentAction:
     if not body:
         raise ActionParseError("the reply was empty")
     try:
-        obj = json.loads(body)
-    except json.JSONDecodeError as e:
-        raise ActionParseError(f"the reply is not valid JSON ({e.msg} at line {e.lineno} "
-                               f"column {e.colno})") from None
+        obj = _json(body)
+    except json.JSONDecodeError as e:  # some messages end in "at" ("string starting at")
+        raise ActionParseError(f"the reply is not valid JSON ({e.msg.removesuffix(' at')} at "
+                               f"line {e.lineno} column {e.colno})") from None
+    except _BAD_JSON:  # past Python's recursion limit or its int-digit limit
+        raise ActionParseError("the reply nests too deeply or holds too long an integer") from None
+    problem = _json_problem(obj)
+    if problem:
+        raise ActionParseError(f"the reply {problem}")
     if not isinstance(obj, dict):
         raise ActionParseError(f"the reply must be a JSON object, not {type(obj).__name__}")
     kind = obj.get("type")
@@ -561,10 +633,6 @@ def _action_text(m: Message) -> str:
         return json.dumps({"type": "final", "content": m.content}, ensure_ascii=False)
     return "\n".join(json.dumps({"type": "tool_call", "name": c.name, "arguments": c.arguments},
                                 ensure_ascii=False) for c in m.tool_calls)
-
-
-def _excerpt(text: str, n: int = 200) -> str:
-    return text if len(text) <= n else text[:n] + f"... ({len(text)} chars)"
 
 
 # ---- 5. LoopGuard -------------------------------------------------------------------------------
@@ -854,6 +922,15 @@ def cut_output(text: str, limit: int) -> str:
 
 # ---- 7. Stores and event sinks ------------------------------------------------------------------
 
+def _check_newer(session_id: str, stored: int | None, state: SessionState) -> None:
+    """Both stores: a save must carry a newer version than the stored state (a turn saves the
+    version it loaded + 1), else another turn saved in between, and saving would lose it."""
+    if stored is not None and stored >= state.version:
+        raise StoreError(f"session {session_id!r} was changed by another turn while this one ran "
+                         f"(it is at version {stored}, this turn started from version "
+                         f"{state.version - 1}); run the turn again")
+
+
 class InMemorySessionStore:
     """Sessions in a dict; thread-safe; gone when the process ends."""
 
@@ -868,20 +945,33 @@ class InMemorySessionStore:
             return None if s is None else dataclasses.replace(s, messages=list(s.messages))
 
     def save(self, session_id: str, state: SessionState) -> None:
-        """Store a copy of `state`."""
+        """Store a copy of `state`; StoreError if another turn saved the session meanwhile."""
         with self._lock:
+            s = self._sessions.get(session_id)
+            _check_newer(session_id, None if s is None else s.version, state)
             self._sessions[session_id] = dataclasses.replace(state, messages=list(state.messages))
 
 
+def _session_json(state: SessionState) -> str:
+    """`state.to_dict()` as ASCII JSON (any str round-trips, escaped), the messages encoded a
+    thousand at a time: their dicts die young, so the garbage collector does not walk a big
+    heap again and again (100,000 messages: 125 ms instead of 250-350)."""
+    ms, head = state.messages, json.dumps(dataclasses.replace(state, messages=[]).to_dict())
+    parts = (json.dumps([m.to_dict() for m in ms[i:i + 1000]], ensure_ascii=True)[1:-1]
+             for i in range(0, len(ms), 1000))
+    return head[:-2] + ", ".join(parts) + "]}"  # head ends in "messages": []}
+
+
 _SESSION_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+_HEAD = re.compile(rb'\{\s*"version":\s*(\d+)\s*[,}]')   # how to_dict's JSON begins
 
 
 class JsonFileSessionStore:
-    """One JSON file per session in `directory`, written atomically (temp + fsync + replace)."""
+    """One JSON file per session in `directory`. A save is atomic (temp file, fsync, replace) and
+    holds an OS lock on the directory, so threads and processes saving one session take turns."""
 
     def __init__(self, directory: str | os.PathLike[str]):
         self.directory = Path(directory)
-        self._lock = threading.Lock()
 
     def path_for(self, session_id: str) -> Path:
         """The file of a session; StoreError for an id that could escape the directory."""
@@ -899,32 +989,52 @@ class JsonFileSessionStore:
             return None
         except OSError as e:
             raise StoreError(f"cannot read session file {path}: {e}") from e
-        try:
-            return SessionState.from_dict(json.loads(raw))  # bad UTF-8 is a ValueError too
-        except (ValueError, KeyError, TypeError, AttributeError) as e:
-            raise StoreError(f"session file {path} is corrupt ({type(e).__name__}: {e}); "
-                             "move it away to start that session afresh") from e
+        try:  # bad UTF-8 is a ValueError too; deep nesting a RecursionError
+            return SessionState.from_dict(json.loads(raw))
+        except (ValueError, RecursionError) as e:
+            why = "nested too deeply" if isinstance(e, RecursionError) else _excerpt(str(e))
+            raise StoreError(f"session file {path} is corrupt ({why}); move it away to start "
+                             "that session afresh") from e
 
     def save(self, session_id: str, state: SessionState) -> None:
-        """Write the whole state to a temp file, fsync it, then atomically replace the old file."""
-        path = self.path_for(session_id)
-        # ASCII with escapes: any str round-trips, even a lone surrogate from a cut emoji
-        data = json.dumps(state.to_dict(), ensure_ascii=True, indent=1)
-        with self._lock:
-            tmp = None
+        """Write the state (StoreError if another turn saved the session since it was loaded).
+        One temp file name per session, used under the lock: a killed save leaves at most that
+        one file, and the next save reuses it."""
+        import fcntl  # POSIX only; imported here so that `import bob` works anywhere
+        path, tmp = self.path_for(session_id), self.directory / f".{session_id}.json.tmp"
+        data = _session_json(state)
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            lock = os.open(self.directory, os.O_RDONLY)
             try:
-                self.directory.mkdir(parents=True, exist_ok=True)
-                fd, tmp = tempfile.mkstemp(prefix=f".{session_id}.", suffix=".tmp",
-                                           dir=self.directory)
-                with os.fdopen(fd, "w", encoding="utf-8") as f:
+                fcntl.flock(lock, fcntl.LOCK_EX)  # released at close, or when the process dies
+                _check_newer(session_id, self._stored_version(session_id), state)
+                with open(tmp, "w", encoding="ascii") as f:
                     f.write(data)
                     f.flush()
                     os.fsync(f.fileno())
                 os.replace(tmp, path)
-            except OSError as e:
-                if tmp and os.path.exists(tmp):
-                    os.unlink(tmp)
-                raise StoreError(f"cannot save session file {path}: {e}") from e
+            finally:
+                os.close(lock)
+        except OSError as e:
+            raise StoreError(f"cannot save session file {path}: {e}") from e
+
+    def _stored_version(self, session_id: str) -> int | None:
+        """The saved state's version, from the head of its file (else by loading it all)."""
+        with contextlib.suppress(FileNotFoundError), open(self.path_for(session_id), "rb") as f:
+            head = _HEAD.match(f.read(64))
+            return int(head.group(1)) if head else getattr(self.load(session_id), "version", None)
+        return None  # no file yet
+
+
+def _data_json(data: Any) -> str:
+    """Event data as ASCII JSON (any text escaped, a lone surrogate too); data json cannot
+    write (too deep, a huge integer, a cycle) is a note saying why: the event is still written."""
+    try:
+        return json.dumps(data, default=str, ensure_ascii=True)
+    except Exception as e:  # also a str() that raises, from default=str
+        return json.dumps({"unwritable": f"{type(e).__name__}: {_excerpt(str(e), 100)}"},
+                          ensure_ascii=True)
 
 
 class LoggingEventSink:
@@ -938,7 +1048,7 @@ class LoggingEventSink:
         """One line: kind, session, step, data as JSON."""
         if self.logger.isEnabledFor(self.level):
             self.logger.log(self.level, "%s session=%s step=%d %s", event.kind, event.session_id,
-                            event.step, json.dumps(event.data, default=str, ensure_ascii=False))
+                            event.step, _data_json(event.data))
 
 
 class JsonlEventSink:
@@ -951,8 +1061,9 @@ class JsonlEventSink:
 
     def emit(self, event: AgentEvent) -> None:
         """Append the event as one JSON line and flush it."""
-        # ASCII with escapes: text with a lone surrogate (a cut emoji) is written too
-        line = json.dumps(dataclasses.asdict(event), default=str, ensure_ascii=True)
+        head = json.dumps({"kind": event.kind, "session_id": event.session_id, "step": event.step,
+                           "ts": event.ts}, default=str, ensure_ascii=True)
+        line = f'{head[:-1]}, "data": {_data_json(event.data)}}}'  # the data as encoded
         with self._lock:
             if self._file is None:
                 self._file = open(self.path, "a", encoding="utf-8")  # opened on first event
@@ -1334,25 +1445,32 @@ class AgentRuntime:
         return State.BUILD_PROMPT
 
     def _done(self, t: _Turn) -> AgentRunResult:
-        """Save the session (a failing save is an event, never a lost answer), then report."""
+        """Save the session, then report. A failed save raises StoreError after the events: a
+        turn whose result is not stored (e.g. another turn saved meanwhile) did not return."""
         t.session.usage += t.usage
         t.session.version += 1
+        result, failed = AgentRunResult(t.content, t.finish, t.guard_reason, t.usage,
+                                        t.guard.steps, t.guard.tool_calls,
+                                        list(t.session.messages), t.pending), None
         try:
             self.store.save(t.request.session_id, t.session)
         except Exception as e:
             self._emit(t, "error", {"error": f"{type(e).__name__}: {e}", "where": "store.save"})
+            failed = e if isinstance(e, StoreError) else StoreError(
+                f"cannot save session {t.request.session_id!r}: {type(e).__name__}: {e}")
+            failed.result = result   # not stored, but not lost
         if t.error is not None:
             self._emit(t, "error", {"error": f"{type(t.error).__name__}: {t.error}",
                                     "where": "turn"})
+        failed = t.error or failed
         self._emit(t, "turn_completed", {  # a turn that raises has no finish reason
-            "finish_reason": None if t.error else t.finish.value, "usage": dict(vars(t.usage)),
+            "finish_reason": None if failed else t.finish.value, "usage": dict(vars(t.usage)),
             "guard_reason": t.guard_reason.value if t.guard_reason else None,
             "steps": t.guard.steps, "tool_calls": t.guard.tool_calls})
         t.closed = True
-        if t.error is not None:
-            raise t.error
-        return AgentRunResult(t.content, t.finish, t.guard_reason, t.usage, t.guard.steps,
-                              t.guard.tool_calls, list(t.session.messages), t.pending)
+        if failed is not None:
+            raise failed
+        return result
 
     # -- helpers of the states --
 
@@ -1509,6 +1627,10 @@ class AgentRuntime:
             for i, c in enumerate(reply.tool_calls):
                 if not c.id or c.id in seen:
                     c = dataclasses.replace(c, id=f"{call_id}_{i}")
+                problem = _json_problem(c.arguments)
+                if problem:  # not run, like arguments that are not JSON (see _call_from_wire)
+                    c = dataclasses.replace(c, arguments={}, error=f"the arguments of {c.name!r} "
+                                            f"{problem}; call it again with smaller arguments")
                 seen.add(c.id)
                 calls.append(c)
             return CallTools(tuple(calls))
@@ -1666,17 +1788,6 @@ PROVIDERS: dict[str, tuple[str, str | None]] = {
 RETRYABLE_STATUSES = frozenset({408, 409, 429, 500, 502, 503, 504})
 _TOOL_NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
 _OPTIONAL_FIELDS = ("response_format", "stream_options")  # dropped if a server rejects them
-
-
-_json = functools.partial(json.loads, strict=False)  # raw newlines and tabs in strings pass
-_BAD_JSON = (ValueError, RecursionError)              # what _json raises on bad or too deep JSON
-
-
-def _want(value: Any, kind: type, what: str) -> Any:
-    """`value` if it is a `kind` (dict: a JSON object, list: an array), else ValueError."""
-    if not isinstance(value, kind):
-        raise ValueError(f"{what} is not a JSON {'object' if kind is dict else 'array'}")
-    return value
 
 
 def _text(content: Any) -> str:
