@@ -559,9 +559,11 @@ class Shell:
         A session that could not be saved raises StoreError once the answer is shown."""
         try:
             result = self._run(text)
-        except bob.StoreError as e:   # a runtime that raises on a failed save
+        except bob.StoreError as e:   # the save failed: show the answer, then say so
             self.notes.error = _one_line(e)
-            raise self._unsaved() from None
+            if e.result is None:
+                raise self._unsaved() from None
+            result = e.result
         shown = printable(self.printer.shown if self.printer else "")
         content = printable(result.content)
         if result.finish_reason is bob.FinishReason.CANCELLED:   # one line says it all

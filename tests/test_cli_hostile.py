@@ -123,7 +123,7 @@ def test_a_failed_save_is_an_error_and_exit_1_without_v(tmp_path, srv):
                           cwd=tmp_path, env=xdg_env(tmp_path), stdin=subprocess.DEVNULL,
                           capture_output=True, text=True, timeout=15, check=False,
                           preexec_fn=no_file_writes)  # noqa: PLW1509 - two syscalls
-    assert proc.returncode == 1   # run() raises StoreError; its .result holds the answer
+    assert proc.returncode == 1 and proc.stdout == "the answer\n"   # shown, then the error
     assert proc.stderr.startswith("bob: error: could not save session s1: "), proc.stderr
 
 
