@@ -9,6 +9,7 @@ import resource
 import signal
 import subprocess
 import sys
+import threading
 
 import pytest
 from fake_openai import FakeOpenAI, stream_reply
@@ -125,6 +126,28 @@ def test_a_failed_save_is_an_error_and_exit_1_without_v(tmp_path, srv):
                           preexec_fn=no_file_writes)  # noqa: PLW1509 - two syscalls
     assert proc.returncode == 1 and proc.stdout == "the answer\n"   # shown, then the error
     assert proc.stderr.startswith("bob: error: could not save session s1: "), proc.stderr
+
+
+def test_two_clis_on_one_session_lose_no_turn(tmp_path, srv):
+    """Both CLIs load the same history and ask the model at once (a barrier in the server):
+    the first save wins; the other shows its answer, then says it was not stored (exit 1)."""
+    both_asked = threading.Barrier(2, timeout=10)
+    def answer(body: dict) -> str:
+        both_asked.wait()
+        return final("re: " + body["messages"][-1]["content"])
+    srv.push(answer, answer)
+    write_config(tmp_path, srv, extra='[store]\npath = "sessions"\n')
+    procs = [subprocess.Popen([sys.executable, str(CLI), "-p", f"turn {k}", "--session", "s"],
+                              cwd=tmp_path, env=xdg_env(tmp_path), stdin=subprocess.DEVNULL,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for k in range(2)]
+    outs = [(p.communicate(timeout=20), p.returncode) for p in procs]
+    assert sorted(code for _, code in outs) == [0, 1], outs
+    (lost_out, lost_err), _ = next(o for o in outs if o[1] == 1)
+    assert lost_out.startswith("re: turn ") and "changed by another turn" in lost_err, lost_err
+    stored = json.loads((tmp_path / "sessions" / "s.json").read_text())["messages"]
+    kept = next(out for (out, _), code in outs if code == 0)
+    assert [m["content"] for m in stored] == [kept.strip().removeprefix("re: "), kept.strip()]
 
 
 # ---- 4. One voice ----
