@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import atexit
-import concurrent.futures
 import contextlib
 import difflib
 import io
@@ -74,17 +73,9 @@ _SCHEMA: dict[str, dict[str, str]] = {
     "store": {"path": "a string"},
     "policy": {"deny_tools": "a list of strings", "ask_tools": "a list of strings"},
     "mcp": {"servers": "an array of tables"},
-    "mcp.servers": {"id": "a string", "transport": "a string", "command": "a string",
-                    "args": "a list of strings", "env": "a table of strings", "cwd": "a string",
-                    "url": "a string", "headers": "a table of strings",
-                    "tool_timeout_ms": "an integer", "startup_timeout_ms": "an integer",
-                    "required": "a boolean", "roots": "a list of strings",
-                    "secret_env": "a list of strings"},
 }
 _RANGES = {"retry_max": (0, 10), "max_tokens": (1, 10**7), "temperature": (0, 2)}  # [llm]
 _VAR = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
-_NEEDS = {"stdio": "command", "streamable_http": "url"}   # MCP transport -> its required key
-_DAY_MS = 86_400_000   # longer timeouts overflow thread waits; TurnPolicy caps its own the same
 
 
 @dataclass(frozen=True)
@@ -99,12 +90,13 @@ class Config:
     store_path: Path | None = None
     deny_tools: tuple[str, ...] = ()
     ask_tools: tuple[str, ...] = ()
-    mcp_servers: tuple[dict[str, Any], ...] = field(default=(), repr=False)  # holds secrets
+    mcp_servers: tuple[Any, ...] = field(default=(), repr=False)  # bob_mcp.McpServerConfig
 
 
-def _checked(values: Any, label: str, where: str, schema: str) -> dict[str, Any]:
-    """The table, after refusing unknown keys (naming the nearest valid one) and wrong kinds."""
-    kinds = _SCHEMA[schema]
+def _checked(values: Any, label: str, where: str, kinds: dict[str, str | None]
+             ) -> dict[str, Any]:
+    """The table, after refusing unknown keys (naming the nearest valid one) and wrong kinds
+    (a kind None is left to the caller to check)."""
     if not isinstance(values, dict):
         raise bob.ConfigError(f"{where}: {label} must be a table")
     for key, value in values.items():
@@ -113,7 +105,7 @@ def _checked(values: Any, label: str, where: str, schema: str) -> dict[str, Any]
             raise bob.ConfigError(f"{where}: unknown key {key!r} in {label}; "
                                   + (f"did you mean {near[0]!r}? " if near else "")
                                   + f"valid keys: {', '.join(kinds)}")
-        if not _KINDS[kinds[key]](value):
+        if kinds[key] and not _KINDS[kinds[key]](value):
             raise bob.ConfigError(f"{where}: {label} {key} must be {kinds[key]}, "
                                   f"got {type(value).__name__}")
     return values
@@ -125,6 +117,8 @@ def _expand(value: Any, where: str, environ: dict[str, str]) -> Any:
         return {k: _expand(v, f"{where}.{k}", environ) for k, v in value.items()}
     if isinstance(value, list):
         return tuple(_expand(v, where, environ) for v in value)
+    if not isinstance(value, str):   # a wrong kind: McpServerConfig names it
+        return value
     for name in _VAR.findall(value):
         if name not in environ:
             raise bob.ConfigError(f"{where}: environment variable {name} is not set; "
@@ -142,53 +136,34 @@ def _path(value: str, what: str, base: Path) -> Path:
         raise bob.ConfigError(f"{what}: {e} ({value.split('/')[0]}); fix the path") from None
 
 
-def _check_url(url: str, what: str) -> None:
-    """An http(s) URL with a host, or a ConfigError; the URL is not echoed (it may hold a key)."""
-    import urllib.parse
-    try:
-        parts = urllib.parse.urlsplit(url)
-        ok = parts.scheme in ("http", "https") and bool(parts.hostname) and parts.port != -1
-    except ValueError:   # a bad port or a broken [IPv6] literal
-        ok = False
-    if not ok:
-        raise bob.ConfigError(f"{what} must be an http:// or https:// URL with a host and a "
-                              "valid port, like http://127.0.0.1:8080/v1")
-
-
-def _mcp_server(raw: Any, n: int, where: str, base: Path,
-                environ: dict[str, str]) -> dict[str, Any]:
-    """One [[mcp.servers]] entry: keys checked, required keys present, ${VAR}s expanded."""
-    server = dict(_checked(raw, f"[[mcp.servers]] #{n}", where, "mcp.servers"))
-    if not re.fullmatch(r"[A-Za-z0-9_-]{1,64}", server.get("id", "")):  # as bob_mcp requires
-        raise bob.ConfigError(f"{where}: [[mcp.servers]] #{n} needs the required key 'id': "
-                              "1-64 letters, digits, '_' or '-' (tools become <id>__<tool>)")
-    here = f"{where}: [[mcp.servers]] id={server['id']!r}"
-    transport = server.get("transport", "stdio")
-    if transport not in _NEEDS:
-        raise bob.ConfigError(f'{here} transport must be "stdio" or "streamable_http"')
-    if not server.get(_NEEDS[transport]):
-        raise bob.ConfigError(f"{here} is missing {_NEEDS[transport]!r}, "
-                              f"required by transport {transport!r}")
+def _mcp_server(raw: Any, n: int, where: str, base: Path, environ: dict[str, str]) -> Any:
+    """One [[mcp.servers]] entry as a bob_mcp.McpServerConfig, which checks it: ${VAR}s expanded
+    first, then cwd and roots taken relative to the config file."""
+    import bob_mcp   # cheap: the mcp SDK itself loads only when a server starts
+    label = f"[[mcp.servers]] #{n}"
+    server = dict(_checked(raw, label, where, {f.name: None for f in fields(
+        bob_mcp.McpServerConfig)}))
+    if "id" not in server:
+        raise bob.ConfigError(f"{where}: {label} needs the required key 'id'")
     for key in ("args", "env", "headers", "url"):
         if key in server:
-            server[key] = _expand(server[key], f"{here} {key}", environ)
-    for key in ("tool_timeout_ms", "startup_timeout_ms"):
-        if not 1 <= server.get(key, 1) <= _DAY_MS:
-            raise bob.ConfigError(f"{here} {key} must be between 1 and {_DAY_MS} (a day)")
-    if transport == "streamable_http":
-        _check_url(server["url"], f"{here} url")
-    for table in ("env", "headers"):   # e.g. a stray CR from a ${VAR}; the value stays unsaid
-        for name, value in server.get(table, {}).items():
-            if not value.isprintable() or (table == "headers" and not value.isascii()):
-                raise bob.ConfigError(f"{here} {table}.{name} holds a control character "
-                                      "(a stray CR or LF?); fix the value")
-    if "cwd" in server:  # like [store] path: relative to the config file
-        server["cwd"] = str(_path(server["cwd"], f"{here} cwd", base))
-        if not Path(server["cwd"]).is_dir():
-            raise bob.ConfigError(f"{here} cwd {server['cwd']} is not a directory")
-    if "roots" in server:
-        server["roots"] = tuple(str(_path(r, f"{here} roots", base)) for r in server["roots"])
-    return server
+            server[key] = _expand(server[key], f"{where}: {label} {key}", environ)
+    try:
+        cfg = bob_mcp.McpServerConfig(**server)
+    except bob.ConfigError as e:
+        raise bob.ConfigError(f"{where}: {label}, {e}") from None
+    here = f"{where}: {label}, MCP server id={cfg.id!r}:"
+    cwd = cfg.cwd and str(_path(cfg.cwd, f"{here} cwd", base))   # like [store] path
+    if cwd and not Path(cwd).is_dir():
+        raise bob.ConfigError(f"{here} cwd {cwd} is not a directory")
+    return replace(cfg, cwd=cwd, roots=[str(_path(r, f"{here} roots", base)) for r in cfg.roots])
+
+
+def _check_url(url: str, what: str) -> None:
+    import bob_mcp   # the rule lives there (for MCP urls too); the mcp SDK is not loaded
+    problem = bob_mcp.url_problem(url)
+    if problem:
+        raise bob.ConfigError(f"{what} {problem}")
 
 
 def _read_toml(path: Path) -> dict[str, Any]:
@@ -210,8 +185,8 @@ def load_config(path: str | os.PathLike[str], environ: dict[str, str] | None = N
     """Read and check an agent.toml; every problem is a ConfigError naming file, table and key."""
     path = _path(os.fspath(path), "--config", Path()).absolute()
     where, env = str(path), dict(os.environ if environ is None else environ)
-    doc = _checked(_read_toml(path), "the top level", where, "top level")
-    t = {name: _checked(doc.get(name, {}), f"[{name}]", where, name)
+    doc = _checked(_read_toml(path), "the top level", where, _SCHEMA["top level"])
+    t = {name: _checked(doc.get(name, {}), f"[{name}]", where, _SCHEMA[name])
          for name in _SCHEMA["top level"]}
     for key, (low, high) in _RANGES.items():
         if key in t["llm"] and not low <= t["llm"][key] <= high:
@@ -220,9 +195,6 @@ def load_config(path: str | os.PathLike[str], environ: dict[str, str] | None = N
         _check_url(t["llm"]["base_url"], f"{where}: [llm] base_url")
     servers = tuple(_mcp_server(s, n, where, path.parent, env)
                     for n, s in enumerate(t["mcp"].get("servers", []), 1))
-    ids = [s["id"] for s in servers]
-    if len(set(ids)) != len(ids):
-        raise bob.ConfigError(f"{where}: [[mcp.servers]] ids must be unique, got {ids}")
     rt, store = t["runtime"], t["store"].get("path")
     if rt.get("action_mode", "json") not in ("json", "native"):
         raise bob.ConfigError(f'{where}: [runtime] action_mode must be "json" or "native"')
@@ -389,62 +361,6 @@ class StreamPrinter:
 
 # ---- 4. Shell: MCP tools, turns, commands -------------------------------------------------------
 
-class McpTools:
-    """The MCP servers as a ToolPort, set up on a background thread: importing bob_mcp loads the
-    mcp SDK (about a second), and the prompt should not wait for it. list_tools and call_tool
-    wait for the import; McpToolPort.start(wait=False) then makes them wait for the servers."""
-
-    def __init__(self, servers: Iterable[dict[str, Any]]):
-        self._port: concurrent.futures.Future[Any] = concurrent.futures.Future()
-        self._lock, self._closed = threading.Lock(), False
-        self._started: Any = None   # the started McpToolPort, once there is one
-        threading.Thread(target=self._start, args=(list(servers),), name="bob-mcp-start",
-                         daemon=True).start()
-
-    def _start(self, servers: list[dict[str, Any]]) -> None:
-        try:
-            import bob_mcp
-            known = {f.name for f in fields(bob_mcp.McpServerConfig)}   # secret_env is new
-            port = bob_mcp.McpToolPort([bob_mcp.McpServerConfig(
-                **{k: v for k, v in s.items() if k in known or k != "secret_env"})
-                for s in servers])
-            with self._lock:   # a close() that came first wins: then nothing is started
-                self._started = None if self._closed else port.start(wait=False)
-            self._port.set_result(port)
-        except BaseException as e:  # raised to whoever uses the tools
-            self._port.set_exception(bob.ConfigError(f"MCP servers are configured but {e}")
-                                     if isinstance(e, ImportError) else e)
-
-    def port(self, timeout_s: float = 60.0) -> Any:
-        """The McpToolPort; raises what setting it up raised."""
-        try:
-            return self._port.result(timeout_s)
-        except concurrent.futures.TimeoutError:
-            raise bob.AgentError(f"loading the mcp SDK took over {timeout_s:.0f} s") from None
-
-    def startup_error(self) -> BaseException | None:
-        """Why the MCP servers did not start, once that is known; else None."""
-        if not self._port.done():
-            return None
-        return self._port.exception() or self._port.result().startup_error()
-
-    def list_tools(self) -> list[bob.ToolDescriptor]:
-        """Every server's tools, named <server_id>__<tool>."""
-        return self.port().list_tools()
-
-    def call_tool(self, call: bob.ToolCall, timeout_s: float,
-                  cancel: bob.CancelToken | None = None) -> bob.ToolResult:
-        """Route the call to its server (a cancel reaches the server as a cancelled request)."""
-        return self.port().call_tool(call, timeout_s, cancel=cancel)
-
-    def close(self) -> None:
-        """Stop every server process; idempotent."""
-        with self._lock:
-            self._closed, port = True, self._started
-        if port is not None:
-            port.close()
-
-
 _GUARD_KEYS = {"turn_timeout": "turn_timeout_ms", "loop_detected": "max_repeated_batches",
                "stagnation": "max_stagnation_steps"}   # the others are named as their key
 _HELP = """  /help    this list
@@ -547,7 +463,7 @@ class Shell:
     runtime: bob.AgentRuntime
     session_id: str
     config_name: str = "agent.toml"
-    mcp: McpTools | None = None
+    mcp: Any = None                     # a bob_mcp.McpToolPort
     status: StatusLine | None = None
     printer: StreamPrinter | None = None
     cancel: bob.CancelToken = field(default_factory=bob.CancelToken)
@@ -653,7 +569,7 @@ class Shell:
         return True
 
     def _print_tools(self) -> None:
-        port = self.mcp.port() if self.mcp else None
+        port = self.mcp
         tools, sources = (port.list_tools(), port.tool_sources()) if port else ([], {})
         width = max((len(t.name) for t in tools), default=0)
         for t in tools:
@@ -742,8 +658,9 @@ def run_repl(shell: Shell, banner: str) -> int:
             return 0
         except bob.BobError as e:
             _note(f"error: {_one_line(e)}")
-            if shell.mcp is not None and shell.mcp.startup_error() is not None:
-                return 1    # a required MCP server did not start: stop, as -p does
+            import bob_mcp   # cheap; loaded already when MCP servers are configured
+            if isinstance(e, bob_mcp.McpError):
+                return 1    # e.g. a required MCP server did not start: stop, as -p does
 
 
 def run_demo(sinks: list[Any]) -> int:
@@ -875,6 +792,15 @@ def _store(cfg: Config, args: argparse.Namespace) -> tuple[bob.JsonFileSessionSt
     return store, session_id or new_session_id()
 
 
+def _mcp_port(cfg: Config) -> Any:
+    """The MCP servers' port, starting in the background: the prompt does not wait for them."""
+    import bob_mcp
+    try:
+        return bob_mcp.McpToolPort(cfg.mcp_servers).start(wait=False)
+    except bob.ConfigError as e:   # an id used twice
+        raise bob.ConfigError(f"{cfg.path}: {e}") from None
+
+
 def build_shell(cfg: Config, args: argparse.Namespace) -> Shell:
     """Wire what the config names: the LLM (its key checked now), store, sinks, MCP servers."""
     llm, (store, session_id) = _llm(cfg, args), _store(cfg, args)
@@ -887,7 +813,7 @@ def build_shell(cfg: Config, args: argparse.Namespace) -> Shell:
     status = StatusLine(sys.stderr, policy.max_steps, not args.quiet) if (
         sys.stderr.isatty() and not args.verbose) else None
     printer = StreamPrinter(sys.stdout, cfg.action_mode == "json") if llm.stream else None
-    mcp = McpTools(cfg.mcp_servers) if cfg.mcp_servers else None
+    mcp = _mcp_port(cfg) if cfg.mcp_servers else None
     notes = TurnNotes()
     approvals = Approvals(args.prompt is None and sys.stdin.isatty(), args.yes)
     runtime = bob.AgentRuntime(llm, mcp, store=store, policy=policy,
