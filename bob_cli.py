@@ -12,7 +12,7 @@ Exit codes: 0 ok, 1 runtime error, 2 usage or config error (a missing API key in
 Sections:
     1. Configuration: agent.toml -> Config      4. Shell: MCP tools, turns, commands
     2. Demo: tools, script, event printer       5. Modes: piped, REPL, demo
-    3. Terminal sinks: status line, streaming   6. main
+    3. Terminal sinks: turn view, streaming     6. main
 
 Needs bob.py beside it; bob_mcp.py and the `mcp` package only when agent.toml lists MCP servers.
 """
@@ -159,6 +159,30 @@ def _mcp_server(raw: Any, n: int, where: str, base: Path, environ: dict[str, str
     return replace(cfg, cwd=cwd, roots=[str(_path(r, f"{here} roots", base)) for r in cfg.roots])
 
 
+_TEMPLATE = """\
+# bob's agent.toml (written by bob --init). Every key is optional; unknown keys are errors.
+# All keys: README, "Configuration (agent.toml)".
+
+[runtime]
+# default_model = "openai:gpt-4o-mini"    # provider:model; --model and $BOB_MODEL win
+# max_steps = 12                          # LLM calls per turn
+# system_prompt = "You are a careful assistant."
+
+[llm]
+# base_url = "http://127.0.0.1:8080/v1"   # any OpenAI-compatible server
+# api_key_env = "OPENAI_API_KEY"          # the variable holding the key
+# stream_default = true
+
+[policy]
+# ask_tools = ["fs__write_*"]             # a person approves each such call
+
+# [[mcp.servers]]                         # an MCP server's tools, as fs__<tool>
+# id = "fs"
+# command = "npx"
+# args = ["-y", "@modelcontextprotocol/server-filesystem", "."]
+"""
+
+
 def _check_url(url: str, what: str) -> None:
     import bob_mcp   # the rule lives there (for MCP urls too); the mcp SDK is not loaded
     problem = bob_mcp.url_problem(url)
@@ -244,19 +268,6 @@ def _cut(text: str, room: int) -> str:
     return text if len(text) <= room else text[:room - 3] + "..."
 
 
-class EventPrinter:
-    """An EventSink printing each event on stdout as one line, `[step] kind  summary` (--demo)."""
-
-    def emit(self, event: bob.AgentEvent) -> None:
-        """State transitions as `from -> to`, other data as JSON cut to 90 characters."""
-        d = event.data
-        text = (f"{d['from']} -> {d['to']}" if event.kind == "state"
-                else json.dumps(d, default=str, ensure_ascii=False))
-        print(f"  [{event.step}] {event.kind:<20} {_cut(text, 90)}", flush=True)
-
-
-# ---- 3. Terminal sinks: status line, streaming --------------------------------------------------
-
 _SURROGATE = re.compile("[\ud800-\udfff]")   # in a str, only a lone one: unencodable
 
 
@@ -265,58 +276,79 @@ def printable(text: str) -> str:
     return _SURROGATE.sub("\ufffd", text)
 
 
-class StatusLine:
-    """An EventSink keeping one stderr line current while a turn runs (state, step n/max,
-    elapsed), with each tool call shown above it as it starts and ends. The Shell calls begin(),
-    then tick() every 100 ms, then clear(); streamed text clears it too. Terminals only."""
+class EventPrinter:
+    """An EventSink printing each event as one line, `[step] kind  summary` (--demo, and -v)."""
 
-    def __init__(self, out: TextIO, max_steps: int, calls: bool = True):
-        self.out, self.max_steps, self._lock = out, max_steps, threading.Lock()
-        self.calls = calls   # show each tool call as it starts and ends (-q: not)
-        self._t0: float | None = None          # None: nothing to draw until begin()
-        self._state, self._step = "start", 0
+    def __init__(self, out: TextIO):
+        self.out = out
+
+    def emit(self, event: bob.AgentEvent) -> None:
+        """State transitions as `from -> to`, other data as JSON, cut to the terminal's width."""
+        d, room = event.data, max(40, shutil.get_terminal_size().columns - 29)
+        text = (f"{d['from']} -> {d['to']}" if event.kind == "state"
+                else " ".join(json.dumps(d, default=str, ensure_ascii=False).split()))
+        print(printable(f"  [{event.step}] {event.kind:<20} {_cut(text, room)}"), file=self.out,
+              flush=True)
+
+
+# ---- 3. Terminal sinks: the turn's view, streaming ----------------------------------------------
+
+class TurnView:
+    """An EventSink for what a person sees of a turn besides its answer. On a terminal (`out`):
+    one status line (state, step n/max, elapsed) that the Shell redraws with tick() every 100 ms,
+    each tool call shown above it (unless -q), and the stats line after the turn. Always: the
+    notes said after a turn, a failed save (`error`) and a reply cut by the token limit."""
+
+    def __init__(self, out: TextIO | None, max_steps: int, calls: bool = True):
+        self.out, self.max_steps, self.calls, self._lock = out, max_steps, calls, threading.Lock()
+        self.t0, self.drawing, self.state, self.step = time.monotonic(), False, "start", 0
+        self.error: str | None = None
+        self.cut = False
 
     def begin(self) -> None:
         """A turn starts (loading the session and, at first, waiting for MCP servers)."""
-        self._t0, self._state, self._step = time.monotonic(), "start", 0
+        self.t0, self.drawing, self.state, self.step = time.monotonic(), bool(self.out), "start", 0
+        self.error, self.cut = None, False
 
     def emit(self, event: bob.AgentEvent) -> None:
-        """Note what the event changes; the next tick() draws it."""
+        """Note what the event changes; the next tick() draws it. Streamed text ends drawing."""
         kind, d = event.kind, event.data
+        self.step = event.step
         if kind == "text_delta":
-            return self.clear()
-        self._step = event.step
-        if kind == "state":
-            self._state = d["to"]
-        elif kind == "tool_call_started":
-            self.say(f"-> {d['name']} {_cut(json.dumps(d.get('arguments', {})), 100)}")
-        elif kind == "tool_call_completed":
+            self._write("\r\x1b[K", stop=True)
+        elif kind == "state":
+            self.state = d["to"]
+        elif kind == "tool_call_started" and self.calls:
+            self._write(f"\r\x1b[K  -> {d['name']} {_cut(json.dumps(d['arguments']), 100)}\n")
+        elif kind == "tool_call_completed" and self.calls:
             first = (str(d.get("content", "")).strip().splitlines() or [""])[0]
             mark = "error: " if d.get("is_error") else ""
-            self.say(f"<- {d['name']}: {mark}{_cut(first, 60)} ({d['duration_ms']:.0f} ms)")
+            self._write(f"\r\x1b[K  <- {d['name']}: {mark}{_cut(first, 60)} "
+                        f"({d['duration_ms']:.0f} ms)\n")
+        elif kind == "error" and d.get("where") == "store.save":
+            self.error = str(d.get("error", "")).removeprefix("StoreError: ")
+        elif kind == "llm_call_completed" and d.get("finish_reason") == "length":
+            self.cut = True
 
-    def say(self, line: str) -> None:
-        """A line above the status line (which the next tick redraws)."""
-        if self.calls:
-            with self._lock:
-                self.out.write(f"\r\x1b[K  {printable(line)}\n")
-                self.out.flush()
+    def tick(self, stop: bool = False) -> None:
+        """Redraw the status line, as the time moves on; stop: erase it until the next begin()."""
+        self._write("\r\x1b[K" if stop else f"\r\x1b[K  {self.state}  step {self.step}/"
+                    f"{self.max_steps}  {time.monotonic() - self.t0:.1f}s", stop)
 
-    def tick(self) -> None:
-        """Redraw: the elapsed time moves on."""
-        with self._lock:
-            if self._t0 is not None:
-                self.out.write(f"\r\x1b[K  {self._state}  step {self._step}/{self.max_steps}"
-                               f"  {time.monotonic() - self._t0:.1f}s")
-                self.out.flush()
+    def _write(self, text: str, stop: bool = False) -> None:
+        with self._lock:   # the worker's events and the main thread's ticks
+            if self.drawing:
+                typing.cast(TextIO, self.out).write(printable(text))
+                typing.cast(TextIO, self.out).flush()
+            self.drawing = self.drawing and not stop
 
-    def clear(self) -> None:
-        """Erase the line; nothing is drawn until the next begin()."""
-        with self._lock:
-            if self._t0 is not None:
-                self.out.write("\r\x1b[K")
-                self.out.flush()
-            self._t0 = None
+    def stats(self, r: bob.AgentRunResult) -> str:
+        """steps, tool calls, tokens in/out (? when the server said nothing), elapsed."""
+        u = r.usage
+        tokens = (f"{u.prompt_tokens} in / {u.completion_tokens} out" if u.total_tokens
+                  else "? in / ? out")
+        return (f"{r.steps} LLM calls, {r.tool_calls} tool calls, {tokens} tokens, "
+                f"{time.monotonic() - self.t0:.1f} s")
 
 
 _FINAL_HEAD = re.compile(r'\s*(```(json)?\s*)?\{\s*"type"\s*:\s*"final"\s*,\s*"content"\s*:\s*"')
@@ -363,11 +395,17 @@ class StreamPrinter:
 
 _GUARD_KEYS = {"turn_timeout": "turn_timeout_ms", "loop_detected": "max_repeated_batches",
                "stagnation": "max_stagnation_steps"}   # the others are named as their key
-_HELP = """  /help    this list
-  /tools   the tools the model may call: name, server, description
-  /reset   start a new session (the old one stays in the store)
-  /usage   tokens used in this session
-  /exit    quit (or Ctrl-D). Ctrl-C cancels a running turn, or clears the line."""
+_HELP = """  /help          this list
+  /tools         the tools the model may call: name, server, description
+  /reset         start a new session (the old one stays in the store)
+  /sessions      the stored sessions; /resume ID goes back to one
+  /history       this session's messages, one line each
+  /model NAME    use another model (provider:model) from the next turn on
+  /save FILE     write this session as Markdown
+  /usage         tokens used in this session
+  /exit          quit (or Ctrl-D). Ctrl-C cancels a running turn, or clears the line.
+A line ending in \\ goes on on the next line; \"\"\" on a line of its own opens and closes a
+block of lines. Pasted text stays one message."""
 
 
 def _one_line(e: BaseException) -> str:
@@ -377,31 +415,6 @@ def _one_line(e: BaseException) -> str:
 def _note(text: str) -> None:
     """A line for the human on stderr (stdout carries only answers)."""
     print(f"bob: {text}", file=sys.stderr, flush=True)
-
-
-class TurnNotes:
-    """An EventSink noting what is said after a turn: a failed save, a cut reply, the time."""
-
-    def __init__(self) -> None:
-        self.error: str | None = None
-        self.cut, self.t0 = False, time.monotonic()
-
-    def emit(self, event: bob.AgentEvent) -> None:
-        """Keep the cause of a failed save; note a `length` finish."""
-        if event.kind == "turn_started":
-            self.error, self.cut, self.t0 = None, False, time.monotonic()
-        elif event.kind == "error" and event.data.get("where") == "store.save":
-            self.error = str(event.data.get("error", "")).removeprefix("StoreError: ")
-        elif event.kind == "llm_call_completed" and event.data.get("finish_reason") == "length":
-            self.cut = True
-
-    def stats(self, r: bob.AgentRunResult) -> str:
-        """steps, tool calls, tokens in/out (? when the server said nothing), elapsed."""
-        u = r.usage
-        tokens = (f"{u.prompt_tokens} in / {u.completion_tokens} out" if u.total_tokens
-                  else "? in / ? out")
-        return (f"{r.steps} LLM calls, {r.tool_calls} tool calls, {tokens} tokens, "
-                f"{time.monotonic() - self.t0:.1f} s")
 
 
 class Approvals:
@@ -452,6 +465,10 @@ class Approvals:
             signal.signal(signal.SIGINT, previous)
 
 
+def _resumed(session_id: str, state: bob.SessionState) -> None:
+    _note(f"resumed session {session_id} ({len(state.messages)} messages)")
+
+
 def new_session_id() -> str:
     """A fresh session id, safe as a file name: cli-YYYYmmdd-HHMMSS-xxxxxx."""
     return f"cli-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
@@ -464,11 +481,11 @@ class Shell:
     session_id: str
     config_name: str = "agent.toml"
     mcp: Any = None                     # a bob_mcp.McpToolPort
-    status: StatusLine | None = None
+    view: TurnView = field(default_factory=lambda: TurnView(None, 0))
     printer: StreamPrinter | None = None
     cancel: bob.CancelToken = field(default_factory=bob.CancelToken)
-    notes: TurnNotes = field(default_factory=TurnNotes)
     approvals: Approvals | None = None
+    llm_for: Callable[[str], Any] | None = None   # a model name -> its adapter (/model)
 
     def turn(self, text: str) -> bob.AgentRunResult:
         """Run one turn, print its answer (stdout) and any notice (stderr), return the result.
@@ -476,7 +493,7 @@ class Shell:
         try:
             result = self._run(text)
         except bob.StoreError as e:   # the save failed: show the answer, then say so
-            self.notes.error = _one_line(e)
+            self.view.error = _one_line(e)
             if e.result is None:
                 raise self._unsaved() from None
             result = e.result
@@ -495,17 +512,17 @@ class Shell:
             guard = result.guard_reason.value
             _note(f"warning: turn stopped by the {guard} guard; raise "
                   f"{_GUARD_KEYS.get(guard, guard)} under [runtime] in {self.config_name}")
-        if self.notes.cut:
+        if self.view.cut:
             _note("warning: the reply was cut by the token limit; raise max_tokens under [llm] "
                   f"in {self.config_name}")
-        if self.status and result.finish_reason is not bob.FinishReason.CANCELLED:
-            print(f"\x1b[2m  {self.notes.stats(result)}\x1b[0m", file=sys.stderr, flush=True)
-        if self.notes.error is not None:
+        if self.view.out and result.finish_reason is not bob.FinishReason.CANCELLED:
+            print(f"\x1b[2m  {self.view.stats(result)}\x1b[0m", file=sys.stderr, flush=True)
+        if self.view.error is not None:
             raise self._unsaved()
         return result
 
     def _unsaved(self) -> bob.StoreError:
-        return bob.StoreError(f"could not save session {self.session_id}: {self.notes.error}")
+        return bob.StoreError(f"could not save session {self.session_id}: {self.view.error}")
 
     def _run(self, text: str) -> bob.AgentRunResult:
         """runtime.run on a worker thread: SIGINT, which Python handles on the main thread, then
@@ -523,18 +540,15 @@ class Shell:
         worker = threading.Thread(target=work, name="bob-turn", daemon=True)
         previous = signal.signal(signal.SIGINT, lambda signum, frame: cancel.cancel())
         try:
-            if self.status:
-                self.status.begin()
+            self.view.begin()
             worker.start()
             while worker.is_alive():
                 worker.join(0.1)
                 self._answer()
-                if self.status:
-                    self.status.tick()
+                self.view.tick()
         finally:
             signal.signal(signal.SIGINT, previous)
-            if self.status:
-                self.status.clear()
+            self.view.tick(stop=True)
         if isinstance(outcome[0], BaseException):
             raise outcome[0]
         return outcome[0]
@@ -543,30 +557,77 @@ class Shell:
         """Ask the person about a call waiting for approval, if one is."""
         with contextlib.suppress(queue.Empty):
             call, answer = self.approvals.asks.get_nowait() if self.approvals else (None, None)
-            if self.status:   # the prompt goes where the status line was
+            if self.view.drawing:   # the prompt goes where the status line was (the worker waits)
                 sys.stderr.write("\r\x1b[K")
             answer.put(typing.cast(Approvals, self.approvals).ask(call))
 
     def command(self, line: str) -> bool:
         """Run a /command; returns False when the user wants to quit."""
-        match line.split()[0]:
-            case "/help":
+        name, _, arg = line.strip().partition(" ")
+        store, arg = typing.cast(bob.JsonFileSessionStore, self.runtime.store), arg.strip()
+        match name, bool(arg):
+            case "/help", _:
                 print(_HELP)
-            case "/tools":
+            case "/tools", _:
                 self._print_tools()
-            case "/reset":
+            case "/reset", _:
                 self.session_id = new_session_id()
                 print(f"new session {self.session_id}")
-            case "/usage":
-                state = self.runtime.store.load(self.session_id)
-                u = state.usage if state else bob.Usage()
+            case "/usage", _:
+                u = self._messages(usage=True)
                 print(f"session {self.session_id}: {u.prompt_tokens} prompt + "
                       f"{u.completion_tokens} completion = {u.total_tokens} tokens")
-            case "/exit" | "/quit":
+            case "/sessions", _:
+                list_sessions(store)
+            case "/resume", True:
+                self._resume(store, arg)
+            case "/history", _:
+                self._history()
+            case "/model", True:
+                self.runtime.llm = typing.cast(Callable[[str], Any], self.llm_for)(arg)
+                print(f"model: {self.runtime.llm.describe()}")
+            case "/save", True:
+                self._save(arg)
+            case "/exit" | "/quit", _:
                 return False
-            case name:
-                print(f"unknown command {name}; /help lists the commands")
+            case _:
+                print(f"unknown command {line.strip()!r}; /help lists the commands")
         return True
+
+    def _messages(self, usage: bool = False) -> Any:
+        """The stored session's messages (or usage); none yet for a new session."""
+        state = self.runtime.store.load(self.session_id) or bob.SessionState([], bob.Usage(), 0)
+        return state.usage if usage else state.messages
+
+    def _resume(self, store: bob.JsonFileSessionStore, session_id: str) -> None:
+        state = store.load(session_id)   # a bad id is a StoreError, which the REPL reports
+        if state is None:
+            print(f"no session {session_id} in {store.directory}; /sessions lists them")
+        else:
+            self.session_id = session_id
+            _resumed(session_id, state)
+
+    def _history(self) -> None:
+        """One line a message, cut to the terminal's width."""
+        width = shutil.get_terminal_size().columns
+        for m in self._messages():
+            calls = " ".join(f"-> {c.name} {json.dumps(c.arguments)}" for c in m.tool_calls)
+            text = " ".join(f"{m.content} {calls}".split())
+            print(printable(_cut(f"{m.role + ' ' + m.name if m.name else m.role}: {text}", width)))
+
+    def _save(self, path: str) -> None:
+        """The transcript as Markdown: a heading per message, tool output fenced."""
+        parts = [f"# bob session {self.session_id}"]
+        for m in self._messages():
+            calls = "".join(f"\n\n-> `{c.name}` `{json.dumps(c.arguments, ensure_ascii=False)}`"
+                            for c in m.tool_calls)
+            body = f"```\n{m.content}\n```" if m.role == "tool" else m.content
+            parts.append(f"## {m.role} {m.name or ''}".rstrip() + f"\n\n{body}{calls}")
+        try:
+            Path(path).expanduser().write_text(printable("\n\n".join(parts)) + "\n", "utf-8")
+            print(f"saved {len(parts) - 1} messages to {path}")
+        except OSError as e:
+            _note(f"error: cannot write {path}: {e.strerror}")
 
     def _print_tools(self) -> None:
         port = self.mcp
@@ -632,6 +693,21 @@ def _save_history(readline: Any, path: str) -> None:
         readline.write_history_file(path)
 
 
+def _read_message(prompt: str) -> str:
+    """One message typed at the prompt: a line ending in `\\` goes on on the next one; a line
+    `\"\"\"` opens a block closed by another, kept as typed; a bracketed paste comes whole."""
+    lines = [input(prompt).strip()]
+    if lines[0].strip() == '"""':
+        lines = []
+        while (line := input("... ")).strip() != '"""':
+            lines.append(line)
+        return "\n".join(lines)
+    while lines[-1].endswith("\\"):
+        lines[-1] = lines[-1][:-1]
+        lines.append(input("... "))
+    return "\n".join(lines)
+
+
 def run_repl(shell: Shell, banner: str) -> int:
     """Read-eval-print until /exit or Ctrl-D; a failed turn is reported and the REPL goes on."""
     with contextlib.suppress(ImportError):  # without readline, plain input() still works
@@ -640,12 +716,14 @@ def run_repl(shell: Shell, banner: str) -> int:
         with contextlib.suppress(OSError):
             readline.read_history_file(path)
         readline.set_history_length(1000)
+        if os.environ.get("TERM", "dumb") != "dumb":   # a paste of many lines: one message
+            readline.parse_and_bind("set enable-bracketed-paste on")
         atexit.register(_save_history, readline, path)
     print(banner, file=sys.stderr, flush=True)
     prompt = "bob> "
     while True:
         try:
-            line = input(prompt).strip()
+            line = _read_message(prompt)
             if line.startswith("/") and not shell.command(line):
                 return 0
             if line and not line.startswith("/"):
@@ -667,7 +745,7 @@ def run_demo(sinks: list[Any]) -> int:
     """A scripted model (bob.ScriptedLlm) drives real tools through the real loop, shown live."""
     runtime = bob.AgentRuntime(bob.ScriptedLlm(_DEMO_REPLIES),
                                bob.FunctionTools([word_count, add, current_time]),
-                               events=[EventPrinter(), *sinks])
+                               events=[EventPrinter(sys.stdout), *sinks])
     print("bob --demo: bob.ScriptedLlm plays the model (no key needed); the tools and the turn "
           f"loop are real, and every event is shown.\nuser> {_DEMO_PROMPT}", flush=True)
     result = runtime.run(bob.AgentRequest(_DEMO_PROMPT, session_id="demo"))
@@ -704,6 +782,7 @@ def _parser() -> argparse.ArgumentParser:
     add("--trace", metavar="FILE", help="append every event to FILE as JSON lines")
     add("-v", "--verbose", action="store_true", help="log every event and traceback on stderr")
     add("--demo", action="store_true", help="a scripted session with real tools; needs no key")
+    add("--init", action="store_true", help="write a commented agent.toml here (never over one)")
     add("--version", action="version", version=f"bob {__version__}")
     return p
 
@@ -722,7 +801,7 @@ def _sinks(args: argparse.Namespace) -> list[Any]:
     if args.verbose:
         logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                             format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-        sinks.append(bob.LoggingEventSink())
+        sinks += [] if args.demo else [EventPrinter(sys.stderr)]   # --demo prints them anyway
     else:
         handler = logging.StreamHandler(sys.stderr)
         handler.setFormatter(_Voice())
@@ -788,7 +867,7 @@ def _store(cfg: Config, args: argparse.Namespace) -> tuple[bob.JsonFileSessionSt
         raise bob.ConfigError(f"--session: {e}") from None
     state = store.load(session_id) if session_id else None
     if state is not None:
-        _note(f"resumed session {session_id} ({len(state.messages)} messages)")
+        _resumed(session_id, state)
     return store, session_id or new_session_id()
 
 
@@ -810,19 +889,19 @@ def build_shell(cfg: Config, args: argparse.Namespace) -> Shell:
             policy = replace(policy, max_steps=args.max_steps)
         except bob.ConfigError as e:
             raise bob.ConfigError(f"--max-steps: {e}") from None
-    status = StatusLine(sys.stderr, policy.max_steps, not args.quiet) if (
-        sys.stderr.isatty() and not args.verbose) else None
+    view = TurnView(sys.stderr if sys.stderr.isatty() and not args.verbose else None,
+                    policy.max_steps, not args.quiet)
     printer = StreamPrinter(sys.stdout, cfg.action_mode == "json") if llm.stream else None
     mcp = _mcp_port(cfg) if cfg.mcp_servers else None
-    notes = TurnNotes()
     approvals = Approvals(args.prompt is None and sys.stdin.isatty(), args.yes)
     runtime = bob.AgentRuntime(llm, mcp, store=store, policy=policy,
-                               events=[s for s in (status, printer, notes) if s] + _sinks(args),
+                               events=[s for s in (view, printer) if s] + _sinks(args),
                                system_prompt=args.system or cfg.system_prompt,
                                action_mode=cfg.action_mode, deny_tools=cfg.deny_tools,
                                ask_tools=cfg.ask_tools, approver=approvals)
-    return Shell(runtime, session_id, Path(cfg.path or "agent.toml").name, mcp, status, printer,
-                 notes=notes, approvals=approvals)
+    return Shell(runtime, session_id, Path(cfg.path or "agent.toml").name, mcp, view, printer,
+                 approvals=approvals, llm_for=lambda model: _llm(cfg, argparse.Namespace(
+                     **{**vars(args), "model": model})))
 
 
 def _fail(e: BaseException, code: int, verbose: bool) -> int:
@@ -834,10 +913,22 @@ def _fail(e: BaseException, code: int, verbose: bool) -> int:
     return code
 
 
+def _init() -> int:
+    """--init: a commented agent.toml in the current directory, never over an existing one."""
+    try:
+        with open("agent.toml", "x", encoding="utf-8") as f:
+            f.write(_TEMPLATE)
+    except FileExistsError:
+        raise bob.ConfigError("agent.toml exists here already; edit it, or move it away "
+                              "and run bob --init again") from None
+    _note(f"wrote {Path('agent.toml').absolute()}: uncomment what you need")
+    return 0
+
+
 def _start(args: argparse.Namespace, opened: list[Shell]) -> int:
-    """Pick the mode: --demo, --sessions, -p, piped stdin or the REPL."""
-    if args.demo:
-        return run_demo(_sinks(args))
+    """Pick the mode: --init, --demo, --sessions, -p, piped stdin or the REPL."""
+    if args.init or args.demo:
+        return _init() if args.init else run_demo(_sinks(args))
     found = find_config(args.config)
     cfg = load_config(found) if found else Config()
     if args.sessions:   # needs no key
