@@ -6,9 +6,6 @@
     printf 'hi\\nand again\\n' | python bob_cli.py   # each line a turn of one session
     python bob_cli.py --session work --trace run.jsonl -v
 
-Exit codes: 0 ok, 1 runtime error, 2 usage or config error (a missing API key included),
-3 a guard trip or a cancel ended a one-shot or piped turn, 128+N killed by signal N.
-
 Sections:
     1. Configuration: agent.toml -> Config      4. Shell: MCP tools, turns, commands
     2. Demo: tools, script, event printer       5. Modes: piped, REPL, demo
@@ -20,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import codecs
 import contextlib
 import difflib
 import io
@@ -56,8 +54,6 @@ _KINDS: dict[str, Callable[[Any], bool]] = {
     "an integer": lambda v: isinstance(v, int) and not isinstance(v, bool),
     "a number": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
     "a list of strings": lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v),
-    "a table of strings": lambda v: isinstance(v, dict) and all(
-        isinstance(x, str) for x in v.values()),
     "an array of tables": lambda v: isinstance(v, list) and all(isinstance(x, dict) for x in v),
     "a table": lambda v: isinstance(v, dict),
 }
@@ -268,14 +264,6 @@ def _cut(text: str, room: int) -> str:
     return text if len(text) <= room else text[:room - 3] + "..."
 
 
-_SURROGATE = re.compile("[\ud800-\udfff]")   # in a str, only a lone one: unencodable
-
-
-def printable(text: str) -> str:
-    """`text` with any lone surrogate (e.g. half of a cut emoji) as U+FFFD, so it can be printed."""
-    return _SURROGATE.sub("\ufffd", text)
-
-
 class EventPrinter:
     """An EventSink printing each event as one line, `[step] kind  summary` (--demo, and -v)."""
 
@@ -287,8 +275,7 @@ class EventPrinter:
         d, room = event.data, max(40, shutil.get_terminal_size().columns - 29)
         text = (f"{d['from']} -> {d['to']}" if event.kind == "state"
                 else " ".join(json.dumps(d, default=str, ensure_ascii=False).split()))
-        print(printable(f"  [{event.step}] {event.kind:<20} {_cut(text, room)}"), file=self.out,
-              flush=True)
+        print(f"  [{event.step}] {event.kind:<20} {_cut(text, room)}", file=self.out, flush=True)
 
 
 # ---- 3. Terminal sinks: the turn's view, streaming ----------------------------------------------
@@ -338,7 +325,7 @@ class TurnView:
     def _write(self, text: str, stop: bool = False) -> None:
         with self._lock:   # the worker's events and the main thread's ticks
             if self.drawing:
-                typing.cast(TextIO, self.out).write(printable(text))
+                typing.cast(TextIO, self.out).write(text)
                 typing.cast(TextIO, self.out).flush()
             self.drawing = self.drawing and not stop
 
@@ -367,11 +354,8 @@ def _final_so_far(raw: str) -> str:
 
 
 class StreamPrinter:
-    """An EventSink writing streamed answer text to stdout as it arrives.
-
-    In json mode it shows only the content of a `final` action, decoded while it streams.
-    `shown` is what the current LLM call put on screen, so the caller prints just the rest.
-    """
+    """An EventSink writing streamed answer text as it arrives (in json mode only a `final`'s
+    content); `shown` is what the current LLM call printed, so the caller prints the rest."""
 
     def __init__(self, out: TextIO, json_mode: bool):
         self.out, self.json_mode, self.raw, self.shown = out, json_mode, "", ""
@@ -386,7 +370,7 @@ class StreamPrinter:
             self.raw += event.data["text"]
             text = _final_so_far(self.raw) if self.json_mode else self.raw
             if len(text) > len(self.shown):
-                self.out.write(printable(text[len(self.shown):]))
+                self.out.write(text[len(self.shown):])
                 self.out.flush()
                 self.shown = text
 
@@ -418,9 +402,8 @@ def _note(text: str) -> None:
 
 
 class Approvals:
-    """The approver for [policy] ask_tools. In the REPL the person decides at a prompt on the
-    main thread (Shell._run hands the call over); -p and piped runs allow all with --yes, else
-    decline and say how to allow."""
+    """The approver for [policy] ask_tools: in the REPL a person decides on the main thread
+    (Shell._run hands the call over); -p and piped runs allow all with --yes, else decline."""
 
     def __init__(self, interactive: bool, yes: bool):
         self.interactive, self.yes, self.always = interactive, yes, set[str]()
@@ -446,7 +429,7 @@ class Approvals:
         """On the main thread: show the call, read y / n (and a reason) / a; Ctrl-C cancels."""
         lines = json.dumps(call.arguments, indent=2, ensure_ascii=False).splitlines()
         shown = "\n    ".join([_cut(x, 96) for x in lines[:6]] + ["..."] * (len(lines) > 6))
-        print(printable(f"bob: {call.name} wants to run with\n    {shown}"), file=sys.stderr)
+        print(f"bob: {call.name} wants to run with\n    {shown}", file=sys.stderr)
         previous = signal.signal(signal.SIGINT, signal.default_int_handler)
         try:
             while (reply := input("[y]es / [n]o / [a]lways for this tool this session? ")
@@ -488,8 +471,8 @@ class Shell:
     llm_for: Callable[[str], Any] | None = None   # a model name -> its adapter (/model)
 
     def turn(self, text: str) -> bob.AgentRunResult:
-        """Run one turn, print its answer (stdout) and any notice (stderr), return the result.
-        A session that could not be saved raises StoreError once the answer is shown."""
+        """Run a turn; print its answer (stdout) and notices (stderr); a failed save raises
+        StoreError once the answer is shown."""
         try:
             result = self._run(text)
         except bob.StoreError as e:   # the save failed: show the answer, then say so
@@ -497,8 +480,7 @@ class Shell:
             if e.result is None:
                 raise self._unsaved() from None
             result = e.result
-        shown = printable(self.printer.shown if self.printer else "")
-        content = printable(result.content)
+        shown, content = self.printer.shown if self.printer else "", result.content
         if result.finish_reason is bob.FinishReason.CANCELLED:   # one line says it all
             if shown:
                 print(flush=True)
@@ -613,7 +595,7 @@ class Shell:
         for m in self._messages():
             calls = " ".join(f"-> {c.name} {json.dumps(c.arguments)}" for c in m.tool_calls)
             text = " ".join(f"{m.content} {calls}".split())
-            print(printable(_cut(f"{m.role + ' ' + m.name if m.name else m.role}: {text}", width)))
+            print(_cut(f"{m.role + ' ' + m.name if m.name else m.role}: {text}", width))
 
     def _save(self, path: str) -> None:
         """The transcript as Markdown: a heading per message, tool output fenced."""
@@ -624,7 +606,7 @@ class Shell:
             body = f"```\n{m.content}\n```" if m.role == "tool" else m.content
             parts.append(f"## {m.role} {m.name or ''}".rstrip() + f"\n\n{body}{calls}")
         try:
-            Path(path).expanduser().write_text(printable("\n\n".join(parts)) + "\n", "utf-8")
+            Path(path).expanduser().write_text("\n\n".join(parts) + "\n", "utf-8", "bob")
             print(f"saved {len(parts) - 1} messages to {path}")
         except OSError as e:
             _note(f"error: cannot write {path}: {e.strerror}")
@@ -795,8 +777,7 @@ class _Voice(logging.Formatter):
 
 
 def _sinks(args: argparse.Namespace) -> list[Any]:
-    """What the flags ask for: -v logs every event, --trace writes them as JSON lines. Without
-    -v only warnings are logged (MCP servers' stderr is logged at INFO: shown only with -v)."""
+    """-v: each event as a line, and INFO logs (MCP servers' stderr); --trace: events as JSONL."""
     sinks: list[Any] = []
     if args.verbose:
         logging.basicConfig(level=logging.INFO, stream=sys.stderr,
@@ -945,26 +926,17 @@ def _start(args: argparse.Namespace, opened: list[Shell]) -> int:
                     f"{shell.session_id}{servers}. /help lists commands, Ctrl-D quits.")
 
 
-def _close(shell: Shell) -> None:
-    """Stop the shell's servers; close() is bounded, so a second Ctrl-C must not cut it short."""
-    held = {s: signal.signal(s, signal.SIG_IGN)
-            for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
-    try:
-        shell.close()
-    finally:
-        for signum, handler in held.items():
-            signal.signal(signum, handler)
-
-
 def main(argv: list[str] | None = None) -> int:
     """Run the CLI on `argv` (default sys.argv[1:]); returns the exit code."""
     parser = _parser()
     args = parser.parse_args(argv)
     if args.prompt is not None and not args.prompt.strip():
         parser.error("-p needs a prompt (or '-' to read it from stdin)")
-    for stream in (sys.stdout, sys.stderr):   # a stray lone surrogate never ends a run
+    # A lone surrogate (half of a cut emoji) prints as U+FFFD instead of ending the run.
+    codecs.register_error("bob", lambda e: ("\ufffd".encode(e.encoding, "replace"), e.end))
+    for stream in (sys.stdout, sys.stderr):
         if isinstance(stream, io.TextIOWrapper):
-            stream.reconfigure(errors="replace")
+            stream.reconfigure(errors="bob")
     for signum in (signal.SIGTERM, signal.SIGHUP):   # a closed terminal sends SIGHUP; the
         signal.signal(signum, lambda n, frame: sys.exit(128 + n))  # exit stops MCP servers
     opened: list[Shell] = []
@@ -979,9 +951,13 @@ def main(argv: list[str] | None = None) -> int:
         return _fail(e, 1, args.verbose)
     except KeyboardInterrupt:
         return 130
-    finally:
+    finally:   # stop MCP servers; bounded, so a second Ctrl-C may not cut it short
+        held = {n: signal.signal(n, signal.SIG_IGN)
+                for n in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
         for shell in opened:
-            _close(shell)
+            shell.close()
+        for signum, handler in held.items():
+            signal.signal(signum, handler)
 
 
 if __name__ == "__main__":
