@@ -193,10 +193,9 @@ def _read_toml(path: Path) -> dict[str, Any]:
     except FileNotFoundError:
         raise bob.ConfigError(f"config file {path} not found; fix --config, or leave it out "
                               "to run on ./agent.toml or the built-in defaults") from None
-    except tomllib.TOMLDecodeError as e:
-        raise bob.ConfigError(f"{path}: invalid TOML: {e}") from None
-    except RecursionError:
-        raise bob.ConfigError(f"{path}: invalid TOML: arrays or tables nested too deeply") from None
+    except (tomllib.TOMLDecodeError, RecursionError) as e:
+        raise bob.ConfigError(f"{path}: invalid TOML: " + (
+            str(e) if isinstance(e, tomllib.TOMLDecodeError) else "nested too deeply")) from None
     except (OSError, UnicodeDecodeError) as e:
         raise bob.ConfigError(f"cannot read config file {path}: {e}") from None
 
@@ -288,14 +287,14 @@ class TurnView:
 
     def __init__(self, out: TextIO | None, max_steps: int, calls: bool = True):
         self.out, self.max_steps, self.calls, self._lock = out, max_steps, calls, threading.Lock()
-        self.t0, self.drawing, self.state, self.step = time.monotonic(), False, "start", 0
-        self.error: str | None = None
-        self.cut = False
+        self.begin(draw=False)
 
-    def begin(self) -> None:
+    def begin(self, draw: bool = True) -> None:
         """A turn starts (loading the session and, at first, waiting for MCP servers)."""
-        self.t0, self.drawing, self.state, self.step = time.monotonic(), bool(self.out), "start", 0
-        self.error, self.cut = None, False
+        self.t0, self.state, self.step = time.monotonic(), "start", 0
+        self.drawing = draw and self.out is not None
+        self.error: str | None = None   # why the session could not be saved
+        self.cut = False                # a reply was cut by the token limit
 
     def emit(self, event: bob.AgentEvent) -> None:
         """Note what the event changes; the next tick() draws it. Streamed text ends drawing."""
@@ -448,6 +447,14 @@ class Approvals:
             signal.signal(signal.SIGINT, previous)
 
 
+def _flat(m: bob.Message, gap: str = " ", quote: str = "") -> str:
+    """A message's text and its tool calls (`-> name {arguments}`); gap " ": on one line."""
+    calls = [f"{quote}-> {c.name} {json.dumps(c.arguments, ensure_ascii=False)}{quote}"
+             for c in m.tool_calls]
+    text = gap.join(filter(None, [m.content.strip(), *calls]))
+    return " ".join(text.split()) if gap == " " else text
+
+
 def _resumed(session_id: str, state: bob.SessionState) -> None:
     _note(f"resumed session {session_id} ({len(state.messages)} messages)")
 
@@ -467,7 +474,7 @@ class Shell:
     view: TurnView = field(default_factory=lambda: TurnView(None, 0))
     printer: StreamPrinter | None = None
     cancel: bob.CancelToken = field(default_factory=bob.CancelToken)
-    approvals: Approvals | None = None
+    approvals: Approvals = field(default_factory=lambda: Approvals(False, False))
     llm_for: Callable[[str], Any] | None = None   # a model name -> its adapter (/model)
 
     def turn(self, text: str) -> bob.AgentRunResult:
@@ -509,9 +516,7 @@ class Shell:
     def _run(self, text: str) -> bob.AgentRunResult:
         """runtime.run on a worker thread: SIGINT, which Python handles on the main thread, then
         only sets the cancel token, and the runtime returns within 100 ms of it."""
-        cancel = self.cancel = bob.CancelToken()
-        if self.approvals:
-            self.approvals.cancel = cancel
+        cancel = self.cancel = self.approvals.cancel = bob.CancelToken()
         outcome: list[Any] = []
 
         def work() -> None:
@@ -538,10 +543,10 @@ class Shell:
     def _answer(self) -> None:
         """Ask the person about a call waiting for approval, if one is."""
         with contextlib.suppress(queue.Empty):
-            call, answer = self.approvals.asks.get_nowait() if self.approvals else (None, None)
+            call, answer = self.approvals.asks.get_nowait()
             if self.view.drawing:   # the prompt goes where the status line was (the worker waits)
                 sys.stderr.write("\r\x1b[K")
-            answer.put(typing.cast(Approvals, self.approvals).ask(call))
+            answer.put(self.approvals.ask(call))
 
     def command(self, line: str) -> bool:
         """Run a /command; returns False when the user wants to quit."""
@@ -556,15 +561,16 @@ class Shell:
                 self.session_id = new_session_id()
                 print(f"new session {self.session_id}")
             case "/usage", _:
-                u = self._messages(usage=True)
+                u = self._state().usage
                 print(f"session {self.session_id}: {u.prompt_tokens} prompt + "
                       f"{u.completion_tokens} completion = {u.total_tokens} tokens")
             case "/sessions", _:
                 list_sessions(store)
             case "/resume", True:
                 self._resume(store, arg)
-            case "/history", _:
-                self._history()
+            case "/history", _:   # one line a message
+                for m in self._state().messages:
+                    print(_cut(f"{m.role}: {_flat(m)}", shutil.get_terminal_size().columns))
             case "/model", True:
                 self.runtime.llm = typing.cast(Callable[[str], Any], self.llm_for)(arg)
                 print(f"model: {self.runtime.llm.describe()}")
@@ -576,10 +582,8 @@ class Shell:
                 print(f"unknown command {line.strip()!r}; /help lists the commands")
         return True
 
-    def _messages(self, usage: bool = False) -> Any:
-        """The stored session's messages (or usage); none yet for a new session."""
-        state = self.runtime.store.load(self.session_id) or bob.SessionState([], bob.Usage(), 0)
-        return state.usage if usage else state.messages
+    def _state(self) -> bob.SessionState:
+        return self.runtime.store.load(self.session_id) or bob.SessionState([], bob.Usage(), 0)
 
     def _resume(self, store: bob.JsonFileSessionStore, session_id: str) -> None:
         state = store.load(session_id)   # a bad id is a StoreError, which the REPL reports
@@ -589,22 +593,12 @@ class Shell:
             self.session_id = session_id
             _resumed(session_id, state)
 
-    def _history(self) -> None:
-        """One line a message, cut to the terminal's width."""
-        width = shutil.get_terminal_size().columns
-        for m in self._messages():
-            calls = " ".join(f"-> {c.name} {json.dumps(c.arguments)}" for c in m.tool_calls)
-            text = " ".join(f"{m.content} {calls}".split())
-            print(_cut(f"{m.role + ' ' + m.name if m.name else m.role}: {text}", width))
-
     def _save(self, path: str) -> None:
-        """The transcript as Markdown: a heading per message, tool output fenced."""
+        """The transcript as Markdown: a heading a message, tool calls and output as code."""
         parts = [f"# bob session {self.session_id}"]
-        for m in self._messages():
-            calls = "".join(f"\n\n-> `{c.name}` `{json.dumps(c.arguments, ensure_ascii=False)}`"
-                            for c in m.tool_calls)
-            body = f"```\n{m.content}\n```" if m.role == "tool" else m.content
-            parts.append(f"## {m.role} {m.name or ''}".rstrip() + f"\n\n{body}{calls}")
+        for m in self._state().messages:
+            body = f"```\n{m.content}\n```" if m.role == "tool" else _flat(m, "\n\n", "`")
+            parts.append(f"## {m.role}\n\n{body}")
         try:
             Path(path).expanduser().write_text("\n\n".join(parts) + "\n", "utf-8", "bob")
             print(f"saved {len(parts) - 1} messages to {path}")
@@ -739,30 +733,26 @@ def run_demo(sinks: list[Any]) -> int:
 # ---- 6. main ------------------------------------------------------------------------------------
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="bob", description="Run the bob agent: a REPL on a terminal, one turn with -p, or "
-        "one turn per line of piped stdin.", epilog="exit codes: 0 ok, 1 runtime error, "
-        "2 usage or config error, 3 a guard or a cancel ended the turn")
+    p = argparse.ArgumentParser(prog="bob", description="Run the bob agent: a REPL on a "
+                                "terminal, one turn with -p, or one turn per piped line.",
+                                epilog="exit codes: 0 ok, 1 runtime error, 2 usage or config "
+                                "error, 3 a guard or a cancel ended the turn")
     add = p.add_argument
-    add("--config", metavar="PATH", help="the agent.toml (default: ./agent.toml, else "
-        "$XDG_CONFIG_HOME/bob/agent.toml, else none)")
-    add("-p", "--prompt", help="run one turn, print the answer, exit; piped stdin is appended "
-        "to PROMPT; '-' reads the whole prompt from stdin")
+    add("--config", metavar="PATH", help="default: ./agent.toml, else $XDG_CONFIG_HOME/bob/")
+    add("-p", "--prompt", help="one turn, then exit; piped stdin follows PROMPT; '-': all stdin")
     add("--session", metavar="ID", help="the session to resume or start (kept across runs)")
     add("-c", "--continue", dest="resume", action="store_true", help="resume the last session")
     add("--sessions", action="store_true", help="list the stored sessions and exit")
     add("--model", help="provider:model (default: $BOB_MODEL, else [runtime] default_model)")
-    add("--base-url", metavar="URL", help="an OpenAI-compatible endpoint, e.g. "
-        "http://127.0.0.1:8080/v1 (default: [llm] base_url, else $OPENAI_BASE_URL)")
+    add("--base-url", metavar="URL", help="an OpenAI-compatible endpoint ($OPENAI_BASE_URL)")
     add("--api-key-env", metavar="NAME", help="the environment variable holding the API key")
     add("--system", metavar="TEXT", help="the system prompt for this run")
     add("--stream", action=argparse.BooleanOptionalAction, help="print the answer as it streams")
     add("--max-steps", metavar="N", type=int, help="LLM calls per turn at most")
-    add("--yes", action="store_true", help="approve every tool call that [policy] ask_tools "
-        "holds for a person (-p and piped runs; else such calls are declined)")
+    add("--yes", action="store_true", help="approve the calls [policy] ask_tools holds (-p, pipes)")
     add("-q", "--quiet", action="store_true", help="do not show tool calls as they run")
     add("--trace", metavar="FILE", help="append every event to FILE as JSON lines")
-    add("-v", "--verbose", action="store_true", help="log every event and traceback on stderr")
+    add("-v", "--verbose", action="store_true", help="every event as a line, logs, tracebacks")
     add("--demo", action="store_true", help="a scripted session with real tools; needs no key")
     add("--init", action="store_true", help="write a commented agent.toml here (never over one)")
     add("--version", action="version", version=f"bob {__version__}")
