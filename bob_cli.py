@@ -156,22 +156,13 @@ def _mcp_server(raw: Any, n: int, where: str, base: Path, environ: dict[str, str
 
 
 _TEMPLATE = """\
-# bob's agent.toml (written by bob --init). Every key is optional; unknown keys are errors.
-# All keys: README, "Configuration (agent.toml)".
-
+# agent.toml for bob (from bob --init): every key is optional; README lists them all.
 [runtime]
-# default_model = "openai:gpt-4o-mini"    # provider:model; --model and $BOB_MODEL win
-# max_steps = 12                          # LLM calls per turn
+# default_model = "openai:gpt-4o-mini"    # provider:model
 # system_prompt = "You are a careful assistant."
-
 [llm]
 # base_url = "http://127.0.0.1:8080/v1"   # any OpenAI-compatible server
 # api_key_env = "OPENAI_API_KEY"          # the variable holding the key
-# stream_default = true
-
-[policy]
-# ask_tools = ["fs__write_*"]             # a person approves each such call
-
 # [[mcp.servers]]                         # an MCP server's tools, as fs__<tool>
 # id = "fs"
 # command = "npx"
@@ -242,20 +233,13 @@ def add(a: float, b: float) -> float:
     return a + b
 
 
-def current_time() -> str:
-    """The local date and time, ISO 8601."""
-    return time.strftime("%Y-%m-%dT%H:%M:%S")
-
-
-_DEMO_PROMPT = "How many words are in 'the quick brown fox jumps', plus 37? And what time is it?"
+_DEMO_PROMPT = "How many words are in 'the quick brown fox jumps', plus 37?"
 _DEMO_REPLIES = (
     ('{"type": "tool_call", "name": "word_count", "arguments": {"text": '
      '"the quick brown fox jumps"}}'),
     '{"type": "tool_call", "name": "add", "arguments": {"a": 5, "b": 37}}',
-    '{"type": "tool_call", "name": "current_time", "arguments": {}}',
-    lambda req, cancel: json.dumps({   # quotes the time: the last word of the tool result
-        "type": "final", "content": "The text has 5 words; 5 + 37 = 42; the time is "
-        f"{req.messages[-1].content.split()[-1]}."}),
+    lambda req, cancel: json.dumps({"type": "final", "content": "The text has 5 words; "
+                                    f"5 + 37 = {req.messages[-1].content.split()[-1]}."}),
 )
 
 
@@ -280,10 +264,8 @@ class EventPrinter:
 # ---- 3. Terminal sinks: the turn's view, streaming ----------------------------------------------
 
 class TurnView:
-    """An EventSink for what a person sees of a turn besides its answer. On a terminal (`out`):
-    one status line (state, step n/max, elapsed) that the Shell redraws with tick() every 100 ms,
-    each tool call shown above it (unless -q), and the stats line after the turn. Always: the
-    notes said after a turn, a failed save (`error`) and a reply cut by the token limit."""
+    """An EventSink for what a person sees of a turn besides its answer: on a terminal (`out`) a
+    status line (redrawn by tick()), tool calls above it, stats; a failed save, a cut reply."""
 
     def __init__(self, out: TextIO | None, max_steps: int, calls: bool = True):
         self.out, self.max_steps, self.calls, self._lock = out, max_steps, calls, threading.Lock()
@@ -324,8 +306,7 @@ class TurnView:
     def _write(self, text: str, stop: bool = False) -> None:
         with self._lock:   # the worker's events and the main thread's ticks
             if self.drawing:
-                typing.cast(TextIO, self.out).write(text)
-                typing.cast(TextIO, self.out).flush()
+                print(text, end="", file=self.out, flush=True)
             self.drawing = self.drawing and not stop
 
     def stats(self, r: bob.AgentRunResult) -> str:
@@ -455,8 +436,12 @@ def _flat(m: bob.Message, gap: str = " ", quote: str = "") -> str:
     return " ".join(text.split()) if gap == " " else text
 
 
-def _resumed(session_id: str, state: bob.SessionState) -> None:
-    _note(f"resumed session {session_id} ({len(state.messages)} messages)")
+def _resumed(store: bob.JsonFileSessionStore, session_id: str) -> bool:
+    """Whether the session is stored; if so, say `resumed session ID (N messages)`."""
+    state = store.load(session_id)   # a bad id is a StoreError
+    if state is not None:
+        _note(f"resumed session {session_id} ({len(state.messages)} messages)")
+    return state is not None
 
 
 def new_session_id() -> str:
@@ -567,7 +552,10 @@ class Shell:
             case "/sessions", _:
                 list_sessions(store)
             case "/resume", True:
-                self._resume(store, arg)
+                if _resumed(store, arg):
+                    self.session_id = arg
+                else:
+                    print(f"no session {arg} in {store.directory}; /sessions lists them")
             case "/history", _:   # one line a message
                 for m in self._state().messages:
                     print(_cut(f"{m.role}: {_flat(m)}", shutil.get_terminal_size().columns))
@@ -584,14 +572,6 @@ class Shell:
 
     def _state(self) -> bob.SessionState:
         return self.runtime.store.load(self.session_id) or bob.SessionState([], bob.Usage(), 0)
-
-    def _resume(self, store: bob.JsonFileSessionStore, session_id: str) -> None:
-        state = store.load(session_id)   # a bad id is a StoreError, which the REPL reports
-        if state is None:
-            print(f"no session {session_id} in {store.directory}; /sessions lists them")
-        else:
-            self.session_id = session_id
-            _resumed(session_id, state)
 
     def _save(self, path: str) -> None:
         """The transcript as Markdown: a heading a message, tool calls and output as code."""
@@ -652,9 +632,13 @@ def _prompt(prompt: str, stdin: TextIO) -> str:
     return f"{prompt}\n\n{piped}" if piped.strip() else prompt
 
 
+def _by_use(store: bob.JsonFileSessionStore) -> list[Path]:
+    return sorted(store.directory.glob("*.json"), key=lambda f: f.stat().st_mtime)
+
+
 def list_sessions(store: bob.JsonFileSessionStore) -> int:
     """--sessions: id, last used, turns, the first user line; newest last."""
-    for path in sorted(store.directory.glob("*.json"), key=lambda f: f.stat().st_mtime):
+    for path in _by_use(store):
         with contextlib.suppress(bob.StoreError):
             state = store.load(path.stem)
             users = [m.content for m in (state.messages if state else []) if m.role == "user"]
@@ -673,7 +657,7 @@ def _read_message(prompt: str) -> str:
     """One message typed at the prompt: a line ending in `\\` goes on on the next one; a line
     `\"\"\"` opens a block closed by another, kept as typed; a bracketed paste comes whole."""
     lines = [input(prompt).strip()]
-    if lines[0].strip() == '"""':
+    if lines[0] == '"""':
         lines = []
         while (line := input("... ")).strip() != '"""':
             lines.append(line)
@@ -720,7 +704,7 @@ def run_repl(shell: Shell, banner: str) -> int:
 def run_demo(sinks: list[Any]) -> int:
     """A scripted model (bob.ScriptedLlm) drives real tools through the real loop, shown live."""
     runtime = bob.AgentRuntime(bob.ScriptedLlm(_DEMO_REPLIES),
-                               bob.FunctionTools([word_count, add, current_time]),
+                               bob.FunctionTools([word_count, add]),
                                events=[EventPrinter(sys.stdout), *sinks])
     print("bob --demo: bob.ScriptedLlm plays the model (no key needed); the tools and the turn "
           f"loop are real, and every event is shown.\nuser> {_DEMO_PROMPT}", flush=True)
@@ -828,7 +812,7 @@ def _store(cfg: Config, args: argparse.Namespace) -> tuple[bob.JsonFileSessionSt
     store = bob.JsonFileSessionStore(cfg.store_path or data / "bob" / "sessions")
     session_id = args.session
     if args.resume and not session_id:
-        recent = sorted(store.directory.glob("*.json"), key=lambda f: f.stat().st_mtime)
+        recent = _by_use(store)
         session_id = recent[-1].stem if recent else None
         if not recent:
             _note(f"--continue: no session in {store.directory} yet; starting a new one")
@@ -836,19 +820,9 @@ def _store(cfg: Config, args: argparse.Namespace) -> tuple[bob.JsonFileSessionSt
         store.path_for(session_id or "x")
     except bob.StoreError as e:
         raise bob.ConfigError(f"--session: {e}") from None
-    state = store.load(session_id) if session_id else None
-    if state is not None:
-        _resumed(session_id, state)
+    if session_id:
+        _resumed(store, session_id)
     return store, session_id or new_session_id()
-
-
-def _mcp_port(cfg: Config) -> Any:
-    """The MCP servers' port, starting in the background: the prompt does not wait for them."""
-    import bob_mcp
-    try:
-        return bob_mcp.McpToolPort(cfg.mcp_servers).start(wait=False)
-    except bob.ConfigError as e:   # an id used twice
-        raise bob.ConfigError(f"{cfg.path}: {e}") from None
 
 
 def build_shell(cfg: Config, args: argparse.Namespace) -> Shell:
@@ -863,7 +837,13 @@ def build_shell(cfg: Config, args: argparse.Namespace) -> Shell:
     view = TurnView(sys.stderr if sys.stderr.isatty() and not args.verbose else None,
                     policy.max_steps, not args.quiet)
     printer = StreamPrinter(sys.stdout, cfg.action_mode == "json") if llm.stream else None
-    mcp = _mcp_port(cfg) if cfg.mcp_servers else None
+    mcp = None
+    if cfg.mcp_servers:   # they start in the background: the prompt does not wait for them
+        import bob_mcp
+        try:
+            mcp = bob_mcp.McpToolPort(cfg.mcp_servers).start(wait=False)
+        except bob.ConfigError as e:   # an id used twice
+            raise bob.ConfigError(f"{cfg.path}: {e}") from None
     approvals = Approvals(args.prompt is None and sys.stdin.isatty(), args.yes)
     runtime = bob.AgentRuntime(llm, mcp, store=store, policy=policy,
                                events=[s for s in (view, printer) if s] + _sinks(args),

@@ -341,7 +341,7 @@ def test_init_writes_a_commented_config_that_loads_and_never_overwrites(tmp_path
     path = tmp_path / "work" / "agent.toml"
     assert r.returncode == 0 and r.stdout == "" and f"wrote {path}" in r.stderr
     text = path.read_text()
-    assert text.startswith("# bob's agent.toml") and "[[mcp.servers]]" in text
+    assert text.startswith("# agent.toml for bob") and "[[mcp.servers]]" in text
     cfg = bob_cli.load_config(path, environ={})
     assert cfg == bob_cli.Config(path)            # all commented out: the defaults
     path.write_text("# mine\n")
