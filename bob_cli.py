@@ -263,27 +263,55 @@ class EventPrinter:
 
 # ---- 3. Terminal sinks: the turn's view, streaming ----------------------------------------------
 
-class TurnView:
-    """An EventSink for what a person sees of a turn besides its answer: on a terminal (`out`) a
-    status line (redrawn by tick()), tool calls above it, stats; a failed save, a cut reply."""
+_FINAL_HEAD = re.compile(r'\s*(```(json)?\s*)?\{\s*"type"\s*:\s*"final"\s*,\s*"content"\s*:\s*"')
+_WHOLE_CHARS = re.compile(r'(?:[^"\\]|\\["\\/bfnrt]|\\u[0-9a-fA-F]{4})*')  # no half escape
 
-    def __init__(self, out: TextIO | None, max_steps: int, calls: bool = True):
+
+def _final_so_far(raw: str) -> str:
+    """The content of a json-mode `final` action that is still streaming in, decoded so far.
+    It only grows as `raw` does: a half escape or half a surrogate pair waits for the rest."""
+    head = _FINAL_HEAD.match(raw)
+    if not head:
+        return ""
+    whole = _WHOLE_CHARS.match(raw, head.end())  # it always matches, perhaps nothing
+    text = json.loads(f'"{whole.group(0) if whole else ""}"', strict=False)
+    return text[:-1] if text and "\ud800" <= text[-1] <= "\udbff" else text
+
+
+class TurnView:
+    """An EventSink for what a person sees of a turn: streamed answer text on `stream` (in json
+    mode only a `final`'s content; `shown` is what the last LLM call printed, so the caller
+    prints the rest); on a terminal (`out`) a status line redrawn by tick() and the tool calls
+    above it; the notes said after a turn (a failed save, a reply cut by the token limit)."""
+
+    def __init__(self, out: TextIO | None, max_steps: int, calls: bool = True,
+                 stream: TextIO | None = None, json_mode: bool = True):
         self.out, self.max_steps, self.calls, self._lock = out, max_steps, calls, threading.Lock()
+        self.stream, self.json_mode = stream, json_mode
         self.begin(draw=False)
 
     def begin(self, draw: bool = True) -> None:
         """A turn starts (loading the session and, at first, waiting for MCP servers)."""
-        self.t0, self.state, self.step = time.monotonic(), "start", 0
+        self.t0, self.state, self.step, self.raw, self.shown = time.monotonic(), "start", 0, "", ""
         self.drawing = draw and self.out is not None
         self.error: str | None = None   # why the session could not be saved
         self.cut = False                # a reply was cut by the token limit
 
     def emit(self, event: bob.AgentEvent) -> None:
-        """Note what the event changes; the next tick() draws it. Streamed text ends drawing."""
+        """Note what the event changes (the next tick() draws it); print streamed text."""
         kind, d = event.kind, event.data
         self.step = event.step
-        if kind == "text_delta":
+        if kind == "text_delta":   # the status line goes for good: the answer takes its place
             self._write("\r\x1b[K", stop=True)
+            self.raw += d["text"]
+            text = _final_so_far(self.raw) if self.json_mode else self.raw
+            if len(text) > len(self.shown):
+                print(text[len(self.shown):], end="", file=self.stream, flush=True)
+                self.shown = text
+        elif kind == "llm_call_started":
+            if self.shown:  # text shown before a tool call stays; the next goes below it
+                print(file=self.stream)
+            self.raw = self.shown = ""
         elif kind == "state":
             self.state = d["to"]
         elif kind == "tool_call_started" and self.calls:
@@ -316,43 +344,6 @@ class TurnView:
                   else "? in / ? out")
         return (f"{r.steps} LLM calls, {r.tool_calls} tool calls, {tokens} tokens, "
                 f"{time.monotonic() - self.t0:.1f} s")
-
-
-_FINAL_HEAD = re.compile(r'\s*(```(json)?\s*)?\{\s*"type"\s*:\s*"final"\s*,\s*"content"\s*:\s*"')
-_WHOLE_CHARS = re.compile(r'(?:[^"\\]|\\["\\/bfnrt]|\\u[0-9a-fA-F]{4})*')  # no half escape
-
-
-def _final_so_far(raw: str) -> str:
-    """The content of a json-mode `final` action that is still streaming in, decoded so far.
-    It only grows as `raw` does: a half escape or half a surrogate pair waits for the rest."""
-    head = _FINAL_HEAD.match(raw)
-    if not head:
-        return ""
-    whole = _WHOLE_CHARS.match(raw, head.end())  # it always matches, perhaps nothing
-    text = json.loads(f'"{whole.group(0) if whole else ""}"', strict=False)
-    return text[:-1] if text and "\ud800" <= text[-1] <= "\udbff" else text
-
-
-class StreamPrinter:
-    """An EventSink writing streamed answer text as it arrives (in json mode only a `final`'s
-    content); `shown` is what the current LLM call printed, so the caller prints the rest."""
-
-    def __init__(self, out: TextIO, json_mode: bool):
-        self.out, self.json_mode, self.raw, self.shown = out, json_mode, "", ""
-
-    def emit(self, event: bob.AgentEvent) -> None:
-        """Start afresh at each LLM call; print the new part of the text at each delta."""
-        if event.kind == "llm_call_started":
-            if self.shown:  # text shown before a tool call stays; the next goes below it
-                self.out.write("\n")
-            self.raw = self.shown = ""
-        elif event.kind == "text_delta":
-            self.raw += event.data["text"]
-            text = _final_so_far(self.raw) if self.json_mode else self.raw
-            if len(text) > len(self.shown):
-                self.out.write(text[len(self.shown):])
-                self.out.flush()
-                self.shown = text
 
 
 # ---- 4. Shell: MCP tools, turns, commands -------------------------------------------------------
@@ -457,7 +448,6 @@ class Shell:
     config_name: str = "agent.toml"
     mcp: Any = None                     # a bob_mcp.McpToolPort
     view: TurnView = field(default_factory=lambda: TurnView(None, 0))
-    printer: StreamPrinter | None = None
     cancel: bob.CancelToken = field(default_factory=bob.CancelToken)
     approvals: Approvals = field(default_factory=lambda: Approvals(False, False))
     llm_for: Callable[[str], Any] | None = None   # a model name -> its adapter (/model)
@@ -472,7 +462,7 @@ class Shell:
             if e.result is None:
                 raise self._unsaved() from None
             result = e.result
-        shown, content = self.printer.shown if self.printer else "", result.content
+        shown, content = self.view.shown, result.content
         if result.finish_reason is bob.FinishReason.CANCELLED:   # one line says it all
             if shown:
                 print(flush=True)
@@ -480,8 +470,6 @@ class Shell:
         else:
             print(content[len(shown):] if content.startswith(shown) else "\n" + content,
                   flush=True)
-        if self.printer:
-            self.printer.shown = ""
         if result.guard_reason is not None:
             guard = result.guard_reason.value
             _note(f"warning: turn stopped by the {guard} guard; raise "
@@ -835,8 +823,7 @@ def build_shell(cfg: Config, args: argparse.Namespace) -> Shell:
         except bob.ConfigError as e:
             raise bob.ConfigError(f"--max-steps: {e}") from None
     view = TurnView(sys.stderr if sys.stderr.isatty() and not args.verbose else None,
-                    policy.max_steps, not args.quiet)
-    printer = StreamPrinter(sys.stdout, cfg.action_mode == "json") if llm.stream else None
+                    policy.max_steps, not args.quiet, sys.stdout, cfg.action_mode == "json")
     mcp = None
     if cfg.mcp_servers:   # they start in the background: the prompt does not wait for them
         import bob_mcp
@@ -846,11 +833,11 @@ def build_shell(cfg: Config, args: argparse.Namespace) -> Shell:
             raise bob.ConfigError(f"{cfg.path}: {e}") from None
     approvals = Approvals(args.prompt is None and sys.stdin.isatty(), args.yes)
     runtime = bob.AgentRuntime(llm, mcp, store=store, policy=policy,
-                               events=[s for s in (view, printer) if s] + _sinks(args),
+                               events=[view, *_sinks(args)],
                                system_prompt=args.system or cfg.system_prompt,
                                action_mode=cfg.action_mode, deny_tools=cfg.deny_tools,
                                ask_tools=cfg.ask_tools, approver=approvals)
-    return Shell(runtime, session_id, Path(cfg.path or "agent.toml").name, mcp, view, printer,
+    return Shell(runtime, session_id, Path(cfg.path or "agent.toml").name, mcp, view,
                  approvals=approvals, llm_for=lambda model: _llm(cfg, argparse.Namespace(
                      **{**vars(args), "model": model})))
 
