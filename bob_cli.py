@@ -6,11 +6,7 @@
     printf 'hi\\nand again\\n' | python bob_cli.py   # each line a turn of one session
     python bob_cli.py --session work --trace run.jsonl -v
 
-Sections:
-    1. Configuration: agent.toml -> Config      4. Shell: MCP tools, turns, commands
-    2. Demo: tools, script, event printer       5. Modes: piped, REPL, demo
-    3. Terminal sinks: turn view, streaming     6. main
-
+Sections: 1. Configuration  2. Demo, event printer  3. The turn's view  4. Shell  5. Modes  6. main
 Needs bob.py beside it; bob_mcp.py and the `mcp` package only when agent.toml lists MCP servers.
 """
 from __future__ import annotations
@@ -91,8 +87,7 @@ class Config:
 
 def _checked(values: Any, label: str, where: str, kinds: dict[str, str | None]
              ) -> dict[str, Any]:
-    """The table, after refusing unknown keys (naming the nearest valid one) and wrong kinds
-    (a kind None is left to the caller to check)."""
+    """The table, unknown keys refused (naming the nearest) and wrong kinds (None: unchecked)."""
     if not isinstance(values, dict):
         raise bob.ConfigError(f"{where}: {label} must be a table")
     for key, value in values.items():
@@ -133,8 +128,7 @@ def _path(value: str, what: str, base: Path) -> Path:
 
 
 def _mcp_server(raw: Any, n: int, where: str, base: Path, environ: dict[str, str]) -> Any:
-    """One [[mcp.servers]] entry as a bob_mcp.McpServerConfig, which checks it: ${VAR}s expanded
-    first, then cwd and roots taken relative to the config file."""
+    """One [[mcp.servers]] entry: ${VAR}s expanded, checked by McpServerConfig, paths absolute."""
     import bob_mcp   # cheap: the mcp SDK itself loads only when a server starts
     label = f"[[mcp.servers]] #{n}"
     server = dict(_checked(raw, label, where, {f.name: None for f in fields(
@@ -220,7 +214,7 @@ def load_config(path: str | os.PathLike[str], environ: dict[str, str] | None = N
                   mcp_servers=servers)
 
 
-# ---- 2. Demo: tools, script, event printer ------------------------------------------------------
+# ---- 2. Demo, event printer ---------------------------------------------------------------------
 # --demo needs no key and no config: ScriptedLlm plays the model; these functions are real tools.
 
 def word_count(text: str) -> int:
@@ -247,11 +241,10 @@ def _cut(text: str, room: int) -> str:
     return text if len(text) <= room else text[:room - 3] + "..."
 
 
+@dataclass
 class EventPrinter:
     """An EventSink printing each event as one line, `[step] kind  summary` (--demo, and -v)."""
-
-    def __init__(self, out: TextIO):
-        self.out = out
+    out: TextIO
 
     def emit(self, event: bob.AgentEvent) -> None:
         """State transitions as `from -> to`, other data as JSON, cut to the terminal's width."""
@@ -261,7 +254,7 @@ class EventPrinter:
         print(f"  [{event.step}] {event.kind:<20} {_cut(text, room)}", file=self.out, flush=True)
 
 
-# ---- 3. Terminal sinks: the turn's view, streaming ----------------------------------------------
+# ---- 3. The turn's view: streamed answer, status line, notes ------------------------------------
 
 _FINAL_HEAD = re.compile(r'\s*(```(json)?\s*)?\{\s*"type"\s*:\s*"final"\s*,\s*"content"\s*:\s*"')
 _WHOLE_CHARS = re.compile(r'(?:[^"\\]|\\["\\/bfnrt]|\\u[0-9a-fA-F]{4})*')  # no half escape
@@ -346,12 +339,11 @@ class TurnView:
                 f"{time.monotonic() - self.t0:.1f} s")
 
 
-# ---- 4. Shell: MCP tools, turns, commands -------------------------------------------------------
+# ---- 4. Shell: turns, approvals, commands -------------------------------------------------------
 
 _GUARD_KEYS = {"turn_timeout": "turn_timeout_ms", "loop_detected": "max_repeated_batches",
                "stagnation": "max_stagnation_steps"}   # the others are named as their key
-_HELP = """  /help          this list
-  /tools         the tools the model may call: name, server, description
+_HELP = """  /tools         the tools the model may call: name, server, description
   /reset         start a new session (the old one stays in the store)
   /sessions      the stored sessions; /resume ID goes back to one
   /history       this session's messages, one line each
@@ -453,8 +445,7 @@ class Shell:
     llm_for: Callable[[str], Any] | None = None   # a model name -> its adapter (/model)
 
     def turn(self, text: str) -> bob.AgentRunResult:
-        """Run a turn; print its answer (stdout) and notices (stderr); a failed save raises
-        StoreError once the answer is shown."""
+        """Run a turn, print its answer and notices; a failed save raises StoreError after."""
         try:
             result = self._run(text)
         except bob.StoreError as e:   # the save failed: show the answer, then say so
@@ -740,15 +731,11 @@ class _Voice(logging.Formatter):
 
 def _sinks(args: argparse.Namespace) -> list[Any]:
     """-v: each event as a line, and INFO logs (MCP servers' stderr); --trace: events as JSONL."""
-    sinks: list[Any] = []
-    if args.verbose:
-        logging.basicConfig(level=logging.INFO, stream=sys.stderr,
-                            format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-        sinks += [] if args.demo else [EventPrinter(sys.stderr)]   # --demo prints them anyway
-    else:
-        handler = logging.StreamHandler(sys.stderr)
-        handler.setFormatter(_Voice())
-        logging.basicConfig(level=logging.WARNING, handlers=[handler])
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
+                         if args.verbose else _Voice())
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, handlers=[handler])
+    sinks: list[Any] = [EventPrinter(sys.stderr)] if args.verbose and not args.demo else []
     if args.trace:
         try:  # the sink opens it at the first event: find a bad path now, not once per event
             open(args.trace, "a", encoding="utf-8").close()
