@@ -149,21 +149,6 @@ def _mcp_server(raw: Any, n: int, where: str, base: Path, environ: dict[str, str
     return replace(cfg, cwd=cwd, roots=[str(_path(r, f"{here} roots", base)) for r in cfg.roots])
 
 
-_TEMPLATE = """\
-# agent.toml for bob (from bob --init): every key is optional; README lists them all.
-[runtime]
-# default_model = "openai:gpt-4o-mini"    # provider:model
-# system_prompt = "You are a careful assistant."
-[llm]
-# base_url = "http://127.0.0.1:8080/v1"   # any OpenAI-compatible server
-# api_key_env = "OPENAI_API_KEY"          # the variable holding the key
-# [[mcp.servers]]                         # an MCP server's tools, as fs__<tool>
-# id = "fs"
-# command = "npx"
-# args = ["-y", "@modelcontextprotocol/server-filesystem", "."]
-"""
-
-
 def _check_url(url: str, what: str) -> None:
     import bob_mcp   # the rule lives there (for MCP urls too); the mcp SDK is not loaded
     problem = bob_mcp.url_problem(url)
@@ -348,7 +333,6 @@ _HELP = """  /tools         the tools the model may call: name, server, descript
   /sessions      the stored sessions; /resume ID goes back to one
   /history       this session's messages, one line each
   /model NAME    use another model (provider:model) from the next turn on
-  /save FILE     write this session as Markdown
   /usage         tokens used in this session
   /exit          quit (or Ctrl-D). Ctrl-C cancels a running turn, or clears the line.
 A line ending in \\ goes on on the next line; \"\"\" on a line of its own opens and closes a
@@ -411,12 +395,10 @@ class Approvals:
             signal.signal(signal.SIGINT, previous)
 
 
-def _flat(m: bob.Message, gap: str = " ", quote: str = "") -> str:
-    """A message's text and its tool calls (`-> name {arguments}`); gap " ": on one line."""
-    calls = [f"{quote}-> {c.name} {json.dumps(c.arguments, ensure_ascii=False)}{quote}"
-             for c in m.tool_calls]
-    text = gap.join(filter(None, [m.content.strip(), *calls]))
-    return " ".join(text.split()) if gap == " " else text
+def _flat(m: bob.Message) -> str:
+    """A message's text and its tool calls (`-> name {arguments}`), on one line."""
+    calls = [f"-> {c.name} {json.dumps(c.arguments, ensure_ascii=False)}" for c in m.tool_calls]
+    return " ".join(" ".join([m.content, *calls]).split())
 
 
 def _resumed(store: bob.JsonFileSessionStore, session_id: str) -> bool:
@@ -541,8 +523,6 @@ class Shell:
             case "/model", True:
                 self.runtime.llm = typing.cast(Callable[[str], Any], self.llm_for)(arg)
                 print(f"model: {self.runtime.llm.describe()}")
-            case "/save", True:
-                self._save(arg)
             case "/exit" | "/quit", _:
                 return False
             case _:
@@ -551,18 +531,6 @@ class Shell:
 
     def _state(self) -> bob.SessionState:
         return self.runtime.store.load(self.session_id) or bob.SessionState([], bob.Usage(), 0)
-
-    def _save(self, path: str) -> None:
-        """The transcript as Markdown: a heading a message, tool calls and output as code."""
-        parts = [f"# bob session {self.session_id}"]
-        for m in self._state().messages:
-            body = f"```\n{m.content}\n```" if m.role == "tool" else _flat(m, "\n\n", "`")
-            parts.append(f"## {m.role}\n\n{body}")
-        try:
-            Path(path).expanduser().write_text("\n\n".join(parts) + "\n", "utf-8", "bob")
-            print(f"saved {len(parts) - 1} messages to {path}")
-        except OSError as e:
-            _note(f"error: cannot write {path}: {e.strerror}")
 
     def _print_tools(self) -> None:
         port = self.mcp
@@ -717,7 +685,6 @@ def _parser() -> argparse.ArgumentParser:
     add("--trace", metavar="FILE", help="append every event to FILE as JSON lines")
     add("-v", "--verbose", action="store_true", help="every event as a line, logs, tracebacks")
     add("--demo", action="store_true", help="a scripted session with real tools; needs no key")
-    add("--init", action="store_true", help="write a commented agent.toml here (never over one)")
     add("--version", action="version", version=f"bob {__version__}")
     return p
 
@@ -838,22 +805,10 @@ def _fail(e: BaseException, code: int, verbose: bool) -> int:
     return code
 
 
-def _init() -> int:
-    """--init: a commented agent.toml in the current directory, never over an existing one."""
-    try:
-        with open("agent.toml", "x", encoding="utf-8") as f:
-            f.write(_TEMPLATE)
-    except FileExistsError:
-        raise bob.ConfigError("agent.toml exists here already; edit it, or move it away "
-                              "and run bob --init again") from None
-    _note(f"wrote {Path('agent.toml').absolute()}: uncomment what you need")
-    return 0
-
-
 def _start(args: argparse.Namespace, opened: list[Shell]) -> int:
-    """Pick the mode: --init, --demo, --sessions, -p, piped stdin or the REPL."""
-    if args.init or args.demo:
-        return _init() if args.init else run_demo(_sinks(args))
+    """Pick the mode: --demo, --sessions, -p, piped stdin or the REPL."""
+    if args.demo:
+        return run_demo(_sinks(args))
     found = find_config(args.config)
     cfg = load_config(found) if found else Config()
     if args.sessions:   # needs no key

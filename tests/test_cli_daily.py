@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pytest
 from fake_openai import FakeOpenAI, completion, stream_reply
-import bob_cli
 from test_cli import CLI, KEY, Terminal, child_env, final, messages_of, run_cli, write_config
 
 
@@ -282,7 +281,7 @@ def test_the_repl_asks_the_terminal_for_bracketed_paste(tmp_path, srv, monkeypat
         term.close()
 
 
-# ---- 7. The REPL: /sessions, /resume, /history, /model, /save (issue 14) ----
+# ---- 7. The REPL: /sessions, /resume, /history, /model (issue 14) ----
 
 def test_session_commands_in_the_repl(tmp_path, srv):
     srv.push(final("one"), final("two"))
@@ -304,19 +303,12 @@ def test_session_commands_in_the_repl(tmp_path, srv):
         assert b"model: " in term.expect(b"bob> ")
         term.send(b"second\r")
         assert b"two" in term.expect(b"bob> ", timeout=5)
-        term.send(b"/save notes/s1.md\r")
-        assert b"cannot write notes/s1.md" in term.expect(b"bob> ")
-        term.send(b"/save s1.md\r")
-        assert b"saved 4 messages to s1.md" in term.expect(b"bob> ")
         term.send(b"/model\r")
         assert b"unknown command '/model'" in term.expect(b"bob> ")
     finally:
         term.close()
     assert srv.requests[1]["body"]["model"] == "other"
     assert user_texts(srv.requests[1]) == ["first words", "second"]
-    saved = (tmp_path / "s1.md").read_text()
-    assert saved.startswith("# bob session s1\n\n## user\n\nfirst words\n\n## assistant\n\none")
-    assert saved.endswith("## assistant\n\ntwo\n")
 
 
 def test_history_lines_are_cut_to_the_terminal_width(tmp_path, srv):
@@ -334,21 +326,7 @@ def test_history_lines_are_cut_to_the_terminal_width(tmp_path, srv):
         term.close()
 
 
-# ---- 8. bob --init, and -v (issue 14) ----
-
-def test_init_writes_a_commented_config_that_loads_and_never_overwrites(tmp_path):
-    r = bob(tmp_path, "--init")
-    path = tmp_path / "work" / "agent.toml"
-    assert r.returncode == 0 and r.stdout == "" and f"wrote {path}" in r.stderr
-    text = path.read_text()
-    assert text.startswith("# agent.toml for bob") and "[[mcp.servers]]" in text
-    cfg = bob_cli.load_config(path, environ={})
-    assert cfg == bob_cli.Config(path)            # all commented out: the defaults
-    path.write_text("# mine\n")
-    r = bob(tmp_path, "--init")
-    assert r.returncode == 2 and "agent.toml exists here already" in r.stderr
-    assert path.read_text() == "# mine\n"
-
+# ---- 8. -v (issue 14) ----
 
 def test_verbose_shows_each_event_once_on_one_short_line(tmp_path, srv):
     srv.push(final("ok " * 200))
