@@ -1,6 +1,6 @@
 """The CLI for daily use (issue 14): no config needed, flags and environment, pipes, sessions,
-stats. Every run is a real subprocess (or a pty) against fake_openai, in an empty temp dir
-with HOME and XDG_* pointed into it."""
+stats, approvals, multiline input, the REPL's session commands, -v. Every run is a real
+subprocess (or a pty) against fake_openai, in an empty temp dir with HOME and XDG_* in it."""
 from __future__ import annotations
 
 import json
