@@ -5,7 +5,8 @@
 
 Measured, each as the median of N fresh processes:
     import requests      python -c "import requests"            (the baseline)
-    import bob_mcp       the import itself, timed inside the process (bob included; no mcp SDK)
+    import bob           the import itself, timed inside a fresh process
+    import bob_mcp       the same (bob included, no mcp SDK); its own share is the difference
     --help               python bob_cli.py --help
     prompt               spawn -> "bob> " on a pseudo terminal, no MCP server configured
     prompt + MCP         the same with one MCP server (tests/mcp_server.py) configured
@@ -117,6 +118,7 @@ def main() -> None:
         rows = {
             "import requests": median_of(n, time_command,
                                          [sys.executable, "-c", "import requests"], plain),
+            "import bob": median_of(n, time_import, "bob"),
             "import bob_mcp": median_of(n, time_import, "bob_mcp"),
             "--help": median_of(n, time_command, [sys.executable, str(CLI), "--help"], plain),
             "prompt": median_of(n, time_prompt, plain),
