@@ -85,8 +85,7 @@ class Config:
     mcp_servers: tuple[Any, ...] = field(default=(), repr=False)  # bob_mcp.McpServerConfig
 
 
-def _checked(values: Any, label: str, where: str, kinds: dict[str, str | None]
-             ) -> dict[str, Any]:
+def _checked(values: Any, label: str, where: str, kinds: dict[str, Any]) -> dict[str, Any]:
     """The table, unknown keys refused (naming the nearest) and wrong kinds (None: unchecked)."""
     if not isinstance(values, dict):
         raise bob.ConfigError(f"{where}: {label} must be a table")
@@ -131,8 +130,8 @@ def _mcp_server(raw: Any, n: int, where: str, base: Path, environ: dict[str, str
     """One [[mcp.servers]] entry: ${VAR}s expanded, checked by McpServerConfig, paths absolute."""
     import bob_mcp   # cheap: the mcp SDK itself loads only when a server starts
     label = f"[[mcp.servers]] #{n}"
-    server = dict(_checked(raw, label, where, {f.name: None for f in fields(
-        bob_mcp.McpServerConfig)}))
+    keys = dict.fromkeys(f.name for f in fields(bob_mcp.McpServerConfig))   # kinds: its own
+    server = dict(_checked(raw, label, where, keys))
     if "id" not in server:
         raise bob.ConfigError(f"{where}: {label} needs the required key 'id'")
     for key in ("args", "env", "headers", "url"):
@@ -535,13 +534,12 @@ class Shell:
     def _print_tools(self) -> None:
         port = self.mcp
         tools, sources = (port.list_tools(), port.tool_sources()) if port else ([], {})
-        width = max((len(t.name) for t in tools), default=0)
+        width, deny = max((len(t.name) for t in tools), default=0), self.runtime.deny_tools
         for t in tools:
-            denied = bob.is_denied(t.name, self.runtime.deny_tools)
-            mark = "  (denied by [policy])" if denied else ""
-            room = max(20, shutil.get_terminal_size().columns - width - 18 - len(mark))
-            about = (t.description.strip().splitlines() or [""])[0][:room]
-            print(f"  {t.name:<{width}}  {sources.get(t.name, '?'):<12} {about}{mark}")
+            mark = "  (denied by [policy])" if bob.is_denied(t.name, deny) else ""
+            about = (t.description.strip().splitlines() or [""])[0]
+            print(_cut(f"  {t.name:<{width}}  {sources.get(t.name, '?'):<12} {about}",
+                       max(40, shutil.get_terminal_size().columns - len(mark))) + mark)
         if not tools:
             print("no tools (MCP servers are listed under [[mcp.servers]])")
 
