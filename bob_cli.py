@@ -41,8 +41,7 @@ __version__ = "0.1.0"   # as in pyproject.toml
 
 
 # ---- 1. Configuration: agent.toml -> Config ----------------------------------------------------
-# Each table has a schema, key -> kind. Errors name the file, the table and the key; values are
-# never echoed, since MCP env and headers hold secrets.
+# Each table has a schema, key -> kind. Errors name file, table and key, never a value (secrets).
 
 _KINDS: dict[str, Callable[[Any], bool]] = {
     "a string": lambda v: isinstance(v, str),
@@ -150,8 +149,7 @@ def _mcp_server(raw: Any, n: int, where: str, base: Path, environ: dict[str, str
 
 def _check_url(url: str, what: str) -> None:
     import bob_mcp   # the rule lives there (for MCP urls too); the mcp SDK is not loaded
-    problem = bob_mcp.url_problem(url)
-    if problem:
+    if problem := bob_mcp.url_problem(url):
         raise bob.ConfigError(f"{what} {problem}")
 
 
@@ -332,10 +330,10 @@ _HELP = """  /tools         the tools the model may call: name, server, descript
   /sessions      the stored sessions; /resume ID goes back to one
   /history       this session's messages, one line each
   /model NAME    use another model (provider:model) from the next turn on
+  /save FILE     write this session as Markdown
   /usage         tokens used in this session
   /exit          quit (or Ctrl-D). Ctrl-C cancels a running turn, or clears the line.
-A line ending in \\ goes on on the next line; \"\"\" on a line of its own opens and closes a
-block of lines. Pasted text stays one message."""
+A line ending in \\ goes on; lines between two \"\"\" lines are one message; so is a paste."""
 
 
 def _one_line(e: BaseException) -> str:
@@ -522,6 +520,8 @@ class Shell:
             case "/model", True:
                 self.runtime.llm = typing.cast(Callable[[str], Any], self.llm_for)(arg)
                 print(f"model: {self.runtime.llm.describe()}")
+            case "/save", True:
+                self._save(Path(arg).expanduser())
             case "/exit" | "/quit", _:
                 return False
             case _:
@@ -530,6 +530,14 @@ class Shell:
 
     def _state(self) -> bob.SessionState:
         return self.runtime.store.load(self.session_id) or bob.SessionState([], bob.Usage(), 0)
+
+    def _save(self, path: Path) -> None:
+        """The transcript as Markdown: a heading a message, its text, its tool calls as code."""
+        parts = [f"# bob session {self.session_id}"] + [f"## {m.role}\n\n{m.content}" + "".join(
+            f"\n\n-> `{c.name}` `{json.dumps(c.arguments, ensure_ascii=False)}`"
+            for c in m.tool_calls) for m in self._state().messages]
+        path.write_text("\n\n".join(parts) + "\n", "utf-8", "bob")   # OSError: the REPL says why
+        print(f"saved {len(parts) - 1} messages to {path}")
 
     def _print_tools(self) -> None:
         port = self.mcp
@@ -602,11 +610,8 @@ def _read_message(prompt: str) -> str:
     """One message typed at the prompt: a line ending in `\\` goes on on the next one; a line
     `\"\"\"` opens a block closed by another, kept as typed; a bracketed paste comes whole."""
     lines = [input(prompt).strip()]
-    if lines[0] == '"""':
-        lines = []
-        while (line := input("... ")).strip() != '"""':
-            lines.append(line)
-        return "\n".join(lines)
+    if lines[0] == '"""':   # up to the next line that is just """, kept as typed
+        return "\n".join(iter(lambda: input("... "), '"""'))
     while lines[-1].endswith("\\"):
         lines[-1] = lines[-1][:-1]
         lines.append(input("... "))
@@ -634,12 +639,11 @@ def run_repl(shell: Shell, banner: str) -> int:
             if line and not line.startswith("/"):
                 asked = shell.turn(line).finish_reason is bob.FinishReason.ASK_USER
                 prompt = "your answer to bob's question> " if asked else "bob> "
-        except KeyboardInterrupt:   # Ctrl-C at the prompt drops the line (in a turn: cancels)
+        except (KeyboardInterrupt, EOFError) as e:   # Ctrl-C drops the line, Ctrl-D quits
             print()
-        except EOFError:
-            print()
-            return 0
-        except bob.BobError as e:
+            if isinstance(e, EOFError):
+                return 0
+        except (bob.BobError, OSError) as e:   # OSError: e.g. /save to a directory not there
             _note(f"error: {_one_line(e)}")
             import bob_mcp   # cheap; loaded already when MCP servers are configured
             if isinstance(e, bob_mcp.McpError):

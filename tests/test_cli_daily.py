@@ -281,7 +281,7 @@ def test_the_repl_asks_the_terminal_for_bracketed_paste(tmp_path, srv, monkeypat
         term.close()
 
 
-# ---- 7. The REPL: /sessions, /resume, /history, /model (issue 14) ----
+# ---- 7. The REPL: /sessions, /resume, /history, /model, /save (issue 14) ----
 
 def test_session_commands_in_the_repl(tmp_path, srv):
     srv.push(final("one"), final("two"))
@@ -303,12 +303,20 @@ def test_session_commands_in_the_repl(tmp_path, srv):
         assert b"model: " in term.expect(b"bob> ")
         term.send(b"second\r")
         assert b"two" in term.expect(b"bob> ", timeout=5)
+        term.send(b"/save notes/s1.md\r")
+        said = term.expect(b"bob> ")
+        assert b"bob: error: " in said and b"No such file or directory" in said
+        term.send(b"/save s1.md\r")
+        assert b"saved 4 messages to s1.md" in term.expect(b"bob> ")
         term.send(b"/model\r")
         assert b"unknown command '/model'" in term.expect(b"bob> ")
     finally:
         term.close()
     assert srv.requests[1]["body"]["model"] == "other"
     assert user_texts(srv.requests[1]) == ["first words", "second"]
+    saved = (tmp_path / "s1.md").read_text()
+    assert saved.startswith("# bob session s1\n\n## user\n\nfirst words\n\n## assistant\n\none")
+    assert saved.endswith("## assistant\n\ntwo\n")
 
 
 def test_history_lines_are_cut_to_the_terminal_width(tmp_path, srv):
