@@ -438,8 +438,7 @@ class Shell:
                 print(flush=True)
             _note("warning: turn cancelled; the session is kept")
         else:
-            print(content[len(shown):] if content.startswith(shown) else "\n" + content,
-                  flush=True)
+            print(content[len(shown):] if content.startswith(shown) else "\n" + content, flush=True)
         if result.guard_reason is not None:
             guard = result.guard_reason.value
             _note(f"warning: turn stopped by the {guard} guard; raise "
@@ -652,8 +651,7 @@ def run_repl(shell: Shell, banner: str) -> int:
 
 def run_demo(sinks: list[Any]) -> int:
     """A scripted model (bob.ScriptedLlm) drives real tools through the real loop, shown live."""
-    runtime = bob.AgentRuntime(bob.ScriptedLlm(_DEMO_REPLIES),
-                               bob.FunctionTools([word_count, add]),
+    runtime = bob.AgentRuntime(bob.ScriptedLlm(_DEMO_REPLIES), bob.FunctionTools([word_count, add]),
                                events=[EventPrinter(sys.stdout), *sinks])
     print("bob --demo: bob.ScriptedLlm plays the model (no key needed); the tools and the turn "
           f"loop are real, and every event is shown.\nuser> {_DEMO_PROMPT}", flush=True)
