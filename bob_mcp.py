@@ -67,7 +67,7 @@ def url_problem(url: str | None) -> str | None:
             "like http://127.0.0.1:8080/v1")
 
 
-_UNSAFE = re.compile(r"[^A-Za-z0-9_-]")   # providers take tool names of 1-64 of the others
+_UNSAFE = re.compile(r"[^A-Za-z0-9_-]")   # providers take tool names of 1-64 A-Za-z0-9_- only
 _DAY_MS = 86_400_000    # longer timeouts overflow thread waits
 
 
@@ -123,7 +123,7 @@ def _problem(c: McpServerConfig) -> str | None:
             return f"{key} must be between 1 and {_DAY_MS} (a day)"
     if c.transport == "stdio":
         return None if c.command else 'transport "stdio" needs command = "..."'
-    return f"url {url_problem(c.url)}" if url_problem(c.url) else None
+    return f"url {problem}" if (problem := url_problem(c.url)) else None
 
 
 _SECRET_NAME = re.compile(r"KEY|TOKEN|SECRET|PASSWORD|AUTH", re.IGNORECASE)
