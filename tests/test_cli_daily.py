@@ -310,6 +310,8 @@ def test_session_commands_in_the_repl(tmp_path, srv):
         assert b"saved 4 messages to s1.md" in term.expect(b"bob> ")
         term.send(b"/model\r")
         assert b"unknown command '/model'" in term.expect(b"bob> ")
+        term.send(b"/model nocolon\r")                 # an error; the model stays
+        assert b"model 'nocolon' must be 'provider:model'" in term.expect(b"bob> ")
     finally:
         term.close()
     assert srv.requests[1]["body"]["model"] == "other"
