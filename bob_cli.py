@@ -6,21 +6,14 @@
     printf 'hi\\nand again\\n' | python bob_cli.py   # each line a turn of one session
     python bob_cli.py --session work --trace run.jsonl -v
 
-Exit codes: 0 ok, 1 runtime error, 2 usage or config error (a missing API key included),
-3 a guard trip or a cancel ended a one-shot or piped turn, 128+N killed by signal N.
-
-Sections:
-    1. Configuration: agent.toml -> Config      4. Shell: MCP tools, turns, commands
-    2. Demo: tools, script, event printer       5. Modes: piped, REPL, demo
-    3. Terminal sinks: status line, streaming   6. main
-
+Sections: 1. Configuration  2. Demo, event printer  3. The turn's view  4. Shell  5. Modes  6. main
 Needs bob.py beside it; bob_mcp.py and the `mcp` package only when agent.toml lists MCP servers.
 """
 from __future__ import annotations
 
 import argparse
 import atexit
-import concurrent.futures
+import codecs
 import contextlib
 import difflib
 import io
@@ -48,8 +41,7 @@ __version__ = "0.1.0"   # as in pyproject.toml
 
 
 # ---- 1. Configuration: agent.toml -> Config ----------------------------------------------------
-# Each table has a schema, key -> kind. Errors name the file, the table and the key; values are
-# never echoed, since MCP env and headers hold secrets.
+# Each table has a schema, key -> kind. Errors name file, table and key, never a value (secrets).
 
 _KINDS: dict[str, Callable[[Any], bool]] = {
     "a string": lambda v: isinstance(v, str),
@@ -57,8 +49,6 @@ _KINDS: dict[str, Callable[[Any], bool]] = {
     "an integer": lambda v: isinstance(v, int) and not isinstance(v, bool),
     "a number": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
     "a list of strings": lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v),
-    "a table of strings": lambda v: isinstance(v, dict) and all(
-        isinstance(x, str) for x in v.values()),
     "an array of tables": lambda v: isinstance(v, list) and all(isinstance(x, dict) for x in v),
     "a table": lambda v: isinstance(v, dict),
 }
@@ -74,17 +64,9 @@ _SCHEMA: dict[str, dict[str, str]] = {
     "store": {"path": "a string"},
     "policy": {"deny_tools": "a list of strings", "ask_tools": "a list of strings"},
     "mcp": {"servers": "an array of tables"},
-    "mcp.servers": {"id": "a string", "transport": "a string", "command": "a string",
-                    "args": "a list of strings", "env": "a table of strings", "cwd": "a string",
-                    "url": "a string", "headers": "a table of strings",
-                    "tool_timeout_ms": "an integer", "startup_timeout_ms": "an integer",
-                    "required": "a boolean", "roots": "a list of strings",
-                    "secret_env": "a list of strings"},
 }
 _RANGES = {"retry_max": (0, 10), "max_tokens": (1, 10**7), "temperature": (0, 2)}  # [llm]
 _VAR = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
-_NEEDS = {"stdio": "command", "streamable_http": "url"}   # MCP transport -> its required key
-_DAY_MS = 86_400_000   # longer timeouts overflow thread waits; TurnPolicy caps its own the same
 
 
 @dataclass(frozen=True)
@@ -99,12 +81,11 @@ class Config:
     store_path: Path | None = None
     deny_tools: tuple[str, ...] = ()
     ask_tools: tuple[str, ...] = ()
-    mcp_servers: tuple[dict[str, Any], ...] = field(default=(), repr=False)  # holds secrets
+    mcp_servers: tuple[Any, ...] = field(default=(), repr=False)  # bob_mcp.McpServerConfig
 
 
-def _checked(values: Any, label: str, where: str, schema: str) -> dict[str, Any]:
-    """The table, after refusing unknown keys (naming the nearest valid one) and wrong kinds."""
-    kinds = _SCHEMA[schema]
+def _checked(values: Any, label: str, where: str, kinds: dict[str, Any]) -> dict[str, Any]:
+    """The table, unknown keys refused (naming the nearest) and wrong kinds (None: unchecked)."""
     if not isinstance(values, dict):
         raise bob.ConfigError(f"{where}: {label} must be a table")
     for key, value in values.items():
@@ -113,7 +94,7 @@ def _checked(values: Any, label: str, where: str, schema: str) -> dict[str, Any]
             raise bob.ConfigError(f"{where}: unknown key {key!r} in {label}; "
                                   + (f"did you mean {near[0]!r}? " if near else "")
                                   + f"valid keys: {', '.join(kinds)}")
-        if not _KINDS[kinds[key]](value):
+        if kinds[key] and not _KINDS[kinds[key]](value):
             raise bob.ConfigError(f"{where}: {label} {key} must be {kinds[key]}, "
                                   f"got {type(value).__name__}")
     return values
@@ -125,6 +106,8 @@ def _expand(value: Any, where: str, environ: dict[str, str]) -> Any:
         return {k: _expand(v, f"{where}.{k}", environ) for k, v in value.items()}
     if isinstance(value, list):
         return tuple(_expand(v, where, environ) for v in value)
+    if not isinstance(value, str):   # a wrong kind: McpServerConfig names it
+        return value
     for name in _VAR.findall(value):
         if name not in environ:
             raise bob.ConfigError(f"{where}: environment variable {name} is not set; "
@@ -142,53 +125,32 @@ def _path(value: str, what: str, base: Path) -> Path:
         raise bob.ConfigError(f"{what}: {e} ({value.split('/')[0]}); fix the path") from None
 
 
-def _check_url(url: str, what: str) -> None:
-    """An http(s) URL with a host, or a ConfigError; the URL is not echoed (it may hold a key)."""
-    import urllib.parse
-    try:
-        parts = urllib.parse.urlsplit(url)
-        ok = parts.scheme in ("http", "https") and bool(parts.hostname) and parts.port != -1
-    except ValueError:   # a bad port or a broken [IPv6] literal
-        ok = False
-    if not ok:
-        raise bob.ConfigError(f"{what} must be an http:// or https:// URL with a host and a "
-                              "valid port, like http://127.0.0.1:8080/v1")
-
-
-def _mcp_server(raw: Any, n: int, where: str, base: Path,
-                environ: dict[str, str]) -> dict[str, Any]:
-    """One [[mcp.servers]] entry: keys checked, required keys present, ${VAR}s expanded."""
-    server = dict(_checked(raw, f"[[mcp.servers]] #{n}", where, "mcp.servers"))
-    if not re.fullmatch(r"[A-Za-z0-9_-]{1,64}", server.get("id", "")):  # as bob_mcp requires
-        raise bob.ConfigError(f"{where}: [[mcp.servers]] #{n} needs the required key 'id': "
-                              "1-64 letters, digits, '_' or '-' (tools become <id>__<tool>)")
-    here = f"{where}: [[mcp.servers]] id={server['id']!r}"
-    transport = server.get("transport", "stdio")
-    if transport not in _NEEDS:
-        raise bob.ConfigError(f'{here} transport must be "stdio" or "streamable_http"')
-    if not server.get(_NEEDS[transport]):
-        raise bob.ConfigError(f"{here} is missing {_NEEDS[transport]!r}, "
-                              f"required by transport {transport!r}")
+def _mcp_server(raw: Any, n: int, where: str, base: Path, environ: dict[str, str]) -> Any:
+    """One [[mcp.servers]] entry: ${VAR}s expanded, checked by McpServerConfig, paths absolute."""
+    import bob_mcp   # cheap: the mcp SDK itself loads only when a server starts
+    label = f"[[mcp.servers]] #{n}"
+    keys = dict.fromkeys(f.name for f in fields(bob_mcp.McpServerConfig))   # kinds: its own
+    server = dict(_checked(raw, label, where, keys))
+    if "id" not in server:
+        raise bob.ConfigError(f"{where}: {label} needs the required key 'id'")
     for key in ("args", "env", "headers", "url"):
         if key in server:
-            server[key] = _expand(server[key], f"{here} {key}", environ)
-    for key in ("tool_timeout_ms", "startup_timeout_ms"):
-        if not 1 <= server.get(key, 1) <= _DAY_MS:
-            raise bob.ConfigError(f"{here} {key} must be between 1 and {_DAY_MS} (a day)")
-    if transport == "streamable_http":
-        _check_url(server["url"], f"{here} url")
-    for table in ("env", "headers"):   # e.g. a stray CR from a ${VAR}; the value stays unsaid
-        for name, value in server.get(table, {}).items():
-            if not value.isprintable() or (table == "headers" and not value.isascii()):
-                raise bob.ConfigError(f"{here} {table}.{name} holds a control character "
-                                      "(a stray CR or LF?); fix the value")
-    if "cwd" in server:  # like [store] path: relative to the config file
-        server["cwd"] = str(_path(server["cwd"], f"{here} cwd", base))
-        if not Path(server["cwd"]).is_dir():
-            raise bob.ConfigError(f"{here} cwd {server['cwd']} is not a directory")
-    if "roots" in server:
-        server["roots"] = tuple(str(_path(r, f"{here} roots", base)) for r in server["roots"])
-    return server
+            server[key] = _expand(server[key], f"{where}: {label} {key}", environ)
+    try:
+        cfg = bob_mcp.McpServerConfig(**server)
+    except bob.ConfigError as e:
+        raise bob.ConfigError(f"{where}: {label}, {e}") from None
+    here = f"{where}: {label}, MCP server id={cfg.id!r}:"
+    cwd = cfg.cwd and str(_path(cfg.cwd, f"{here} cwd", base))   # like [store] path
+    if cwd and not Path(cwd).is_dir():
+        raise bob.ConfigError(f"{here} cwd {cwd} is not a directory")
+    return replace(cfg, cwd=cwd, roots=[str(_path(r, f"{here} roots", base)) for r in cfg.roots])
+
+
+def _check_url(url: str, what: str) -> None:
+    import bob_mcp   # the rule lives there (for MCP urls too); the mcp SDK is not loaded
+    if problem := bob_mcp.url_problem(url):
+        raise bob.ConfigError(f"{what} {problem}")
 
 
 def _read_toml(path: Path) -> dict[str, Any]:
@@ -198,10 +160,9 @@ def _read_toml(path: Path) -> dict[str, Any]:
     except FileNotFoundError:
         raise bob.ConfigError(f"config file {path} not found; fix --config, or leave it out "
                               "to run on ./agent.toml or the built-in defaults") from None
-    except tomllib.TOMLDecodeError as e:
-        raise bob.ConfigError(f"{path}: invalid TOML: {e}") from None
-    except RecursionError:
-        raise bob.ConfigError(f"{path}: invalid TOML: arrays or tables nested too deeply") from None
+    except (tomllib.TOMLDecodeError, RecursionError) as e:
+        raise bob.ConfigError(f"{path}: invalid TOML: " + (
+            str(e) if isinstance(e, tomllib.TOMLDecodeError) else "nested too deeply")) from None
     except (OSError, UnicodeDecodeError) as e:
         raise bob.ConfigError(f"cannot read config file {path}: {e}") from None
 
@@ -210,8 +171,8 @@ def load_config(path: str | os.PathLike[str], environ: dict[str, str] | None = N
     """Read and check an agent.toml; every problem is a ConfigError naming file, table and key."""
     path = _path(os.fspath(path), "--config", Path()).absolute()
     where, env = str(path), dict(os.environ if environ is None else environ)
-    doc = _checked(_read_toml(path), "the top level", where, "top level")
-    t = {name: _checked(doc.get(name, {}), f"[{name}]", where, name)
+    doc = _checked(_read_toml(path), "the top level", where, _SCHEMA["top level"])
+    t = {name: _checked(doc.get(name, {}), f"[{name}]", where, _SCHEMA[name])
          for name in _SCHEMA["top level"]}
     for key, (low, high) in _RANGES.items():
         if key in t["llm"] and not low <= t["llm"][key] <= high:
@@ -220,9 +181,6 @@ def load_config(path: str | os.PathLike[str], environ: dict[str, str] | None = N
         _check_url(t["llm"]["base_url"], f"{where}: [llm] base_url")
     servers = tuple(_mcp_server(s, n, where, path.parent, env)
                     for n, s in enumerate(t["mcp"].get("servers", []), 1))
-    ids = [s["id"] for s in servers]
-    if len(set(ids)) != len(ids):
-        raise bob.ConfigError(f"{where}: [[mcp.servers]] ids must be unique, got {ids}")
     rt, store = t["runtime"], t["store"].get("path")
     if rt.get("action_mode", "json") not in ("json", "native"):
         raise bob.ConfigError(f'{where}: [runtime] action_mode must be "json" or "native"')
@@ -238,7 +196,7 @@ def load_config(path: str | os.PathLike[str], environ: dict[str, str] | None = N
                   mcp_servers=servers)
 
 
-# ---- 2. Demo: tools, script, event printer ------------------------------------------------------
+# ---- 2. Demo, event printer ---------------------------------------------------------------------
 # --demo needs no key and no config: ScriptedLlm plays the model; these functions are real tools.
 
 def word_count(text: str) -> int:
@@ -251,20 +209,13 @@ def add(a: float, b: float) -> float:
     return a + b
 
 
-def current_time() -> str:
-    """The local date and time, ISO 8601."""
-    return time.strftime("%Y-%m-%dT%H:%M:%S")
-
-
-_DEMO_PROMPT = "How many words are in 'the quick brown fox jumps', plus 37? And what time is it?"
+_DEMO_PROMPT = "How many words are in 'the quick brown fox jumps', plus 37?"
 _DEMO_REPLIES = (
     ('{"type": "tool_call", "name": "word_count", "arguments": {"text": '
      '"the quick brown fox jumps"}}'),
     '{"type": "tool_call", "name": "add", "arguments": {"a": 5, "b": 37}}',
-    '{"type": "tool_call", "name": "current_time", "arguments": {}}',
-    lambda req, cancel: json.dumps({   # quotes the time: the last word of the tool result
-        "type": "final", "content": "The text has 5 words; 5 + 37 = 42; the time is "
-        f"{req.messages[-1].content.split()[-1]}."}),
+    lambda req, cancel: json.dumps({"type": "final", "content": "The text has 5 words; "
+                                    f"5 + 37 = {req.messages[-1].content.split()[-1]}."}),
 )
 
 
@@ -272,80 +223,20 @@ def _cut(text: str, room: int) -> str:
     return text if len(text) <= room else text[:room - 3] + "..."
 
 
+@dataclass
 class EventPrinter:
-    """An EventSink printing each event on stdout as one line, `[step] kind  summary` (--demo)."""
+    """An EventSink printing each event as one line, `[step] kind  summary` (--demo, and -v)."""
+    out: TextIO
 
     def emit(self, event: bob.AgentEvent) -> None:
-        """State transitions as `from -> to`, other data as JSON cut to 90 characters."""
-        d = event.data
+        """State transitions as `from -> to`, other data as JSON, cut to the terminal's width."""
+        d, room = event.data, max(40, shutil.get_terminal_size().columns - 29)
         text = (f"{d['from']} -> {d['to']}" if event.kind == "state"
-                else json.dumps(d, default=str, ensure_ascii=False))
-        print(f"  [{event.step}] {event.kind:<20} {_cut(text, 90)}", flush=True)
+                else " ".join(json.dumps(d, default=str, ensure_ascii=False).split()))
+        print(f"  [{event.step}] {event.kind:<20} {_cut(text, room)}", file=self.out, flush=True)
 
 
-# ---- 3. Terminal sinks: status line, streaming --------------------------------------------------
-
-_SURROGATE = re.compile("[\ud800-\udfff]")   # in a str, only a lone one: unencodable
-
-
-def printable(text: str) -> str:
-    """`text` with any lone surrogate (e.g. half of a cut emoji) as U+FFFD, so it can be printed."""
-    return _SURROGATE.sub("\ufffd", text)
-
-
-class StatusLine:
-    """An EventSink keeping one stderr line current while a turn runs (state, step n/max,
-    elapsed), with each tool call shown above it as it starts and ends. The Shell calls begin(),
-    then tick() every 100 ms, then clear(); streamed text clears it too. Terminals only."""
-
-    def __init__(self, out: TextIO, max_steps: int, calls: bool = True):
-        self.out, self.max_steps, self._lock = out, max_steps, threading.Lock()
-        self.calls = calls   # show each tool call as it starts and ends (-q: not)
-        self._t0: float | None = None          # None: nothing to draw until begin()
-        self._state, self._step = "start", 0
-
-    def begin(self) -> None:
-        """A turn starts (loading the session and, at first, waiting for MCP servers)."""
-        self._t0, self._state, self._step = time.monotonic(), "start", 0
-
-    def emit(self, event: bob.AgentEvent) -> None:
-        """Note what the event changes; the next tick() draws it."""
-        kind, d = event.kind, event.data
-        if kind == "text_delta":
-            return self.clear()
-        self._step = event.step
-        if kind == "state":
-            self._state = d["to"]
-        elif kind == "tool_call_started":
-            self.say(f"-> {d['name']} {_cut(json.dumps(d.get('arguments', {})), 100)}")
-        elif kind == "tool_call_completed":
-            first = (str(d.get("content", "")).strip().splitlines() or [""])[0]
-            mark = "error: " if d.get("is_error") else ""
-            self.say(f"<- {d['name']}: {mark}{_cut(first, 60)} ({d['duration_ms']:.0f} ms)")
-
-    def say(self, line: str) -> None:
-        """A line above the status line (which the next tick redraws)."""
-        if self.calls:
-            with self._lock:
-                self.out.write(f"\r\x1b[K  {printable(line)}\n")
-                self.out.flush()
-
-    def tick(self) -> None:
-        """Redraw: the elapsed time moves on."""
-        with self._lock:
-            if self._t0 is not None:
-                self.out.write(f"\r\x1b[K  {self._state}  step {self._step}/{self.max_steps}"
-                               f"  {time.monotonic() - self._t0:.1f}s")
-                self.out.flush()
-
-    def clear(self) -> None:
-        """Erase the line; nothing is drawn until the next begin()."""
-        with self._lock:
-            if self._t0 is not None:
-                self.out.write("\r\x1b[K")
-                self.out.flush()
-            self._t0 = None
-
+# ---- 3. The turn's view: streamed answer, status line, notes ------------------------------------
 
 _FINAL_HEAD = re.compile(r'\s*(```(json)?\s*)?\{\s*"type"\s*:\s*"final"\s*,\s*"content"\s*:\s*"')
 _WHOLE_CHARS = re.compile(r'(?:[^"\\]|\\["\\/bfnrt]|\\u[0-9a-fA-F]{4})*')  # no half escape
@@ -362,96 +253,87 @@ def _final_so_far(raw: str) -> str:
     return text[:-1] if text and "\ud800" <= text[-1] <= "\udbff" else text
 
 
-class StreamPrinter:
-    """An EventSink writing streamed answer text to stdout as it arrives.
+class TurnView:
+    """An EventSink for what a person sees of a turn: streamed answer text on `stream` (in json
+    mode only a `final`'s content; `shown` is what the last LLM call printed, so the caller
+    prints the rest); on a terminal (`out`) a status line redrawn by tick() and the tool calls
+    above it; the notes said after a turn (a failed save, a reply cut by the token limit)."""
 
-    In json mode it shows only the content of a `final` action, decoded while it streams.
-    `shown` is what the current LLM call put on screen, so the caller prints just the rest.
-    """
+    def __init__(self, out: TextIO | None, max_steps: int, calls: bool = True,
+                 stream: TextIO | None = None, json_mode: bool = True):
+        self.out, self.max_steps, self.calls, self._lock = out, max_steps, calls, threading.Lock()
+        self.stream, self.json_mode = stream, json_mode
+        self.begin(draw=False)
 
-    def __init__(self, out: TextIO, json_mode: bool):
-        self.out, self.json_mode, self.raw, self.shown = out, json_mode, "", ""
+    def begin(self, draw: bool = True) -> None:
+        """A turn starts (loading the session and, at first, waiting for MCP servers)."""
+        self.t0, self.state, self.step, self.raw, self.shown = time.monotonic(), "start", 0, "", ""
+        self.drawing = draw and self.out is not None
+        self.error: str | None = None   # why the session could not be saved
+        self.cut = False                # a reply was cut by the token limit
 
     def emit(self, event: bob.AgentEvent) -> None:
-        """Start afresh at each LLM call; print the new part of the text at each delta."""
-        if event.kind == "llm_call_started":
-            if self.shown:  # text shown before a tool call stays; the next goes below it
-                self.out.write("\n")
-            self.raw = self.shown = ""
-        elif event.kind == "text_delta":
-            self.raw += event.data["text"]
+        """Note what the event changes (the next tick() draws it); print streamed text."""
+        kind, d = event.kind, event.data
+        self.step = event.step
+        if kind == "text_delta":   # the status line goes for good: the answer takes its place
+            self._write("\r\x1b[K", stop=True)
+            self.raw += d["text"]
             text = _final_so_far(self.raw) if self.json_mode else self.raw
             if len(text) > len(self.shown):
-                self.out.write(printable(text[len(self.shown):]))
-                self.out.flush()
+                print(text[len(self.shown):], end="", file=self.stream, flush=True)
                 self.shown = text
+        elif kind == "llm_call_started":
+            if self.shown:  # text shown before a tool call stays; the next goes below it
+                print(file=self.stream)
+            self.raw = self.shown = ""
+        elif kind == "state":
+            self.state = d["to"]
+        elif kind == "tool_call_started" and self.calls:
+            self._write(f"\r\x1b[K  -> {d['name']} {_cut(json.dumps(d['arguments']), 100)}\n")
+        elif kind == "tool_call_completed" and self.calls:
+            first = (str(d.get("content", "")).strip().splitlines() or [""])[0]
+            mark = "error: " if d.get("is_error") else ""
+            self._write(f"\r\x1b[K  <- {d['name']}: {mark}{_cut(first, 60)} "
+                        f"({d['duration_ms']:.0f} ms)\n")
+        elif kind == "error" and d.get("where") == "store.save":
+            self.error = str(d.get("error", "")).removeprefix("StoreError: ")
+        elif kind == "llm_call_completed" and d.get("finish_reason") == "length":
+            self.cut = True
+
+    def tick(self, stop: bool = False) -> None:
+        """Redraw the status line, as the time moves on; stop: erase it until the next begin()."""
+        self._write("\r\x1b[K" if stop else f"\r\x1b[K  {self.state}  step {self.step}/"
+                    f"{self.max_steps}  {time.monotonic() - self.t0:.1f}s", stop)
+
+    def _write(self, text: str, stop: bool = False) -> None:
+        with self._lock:   # the worker's events and the main thread's ticks
+            if self.drawing:
+                print(text, end="", file=self.out, flush=True)
+            self.drawing = self.drawing and not stop
+
+    def stats(self, r: bob.AgentRunResult) -> str:
+        """steps, tool calls, tokens in/out (? when the server said nothing), elapsed."""
+        u = r.usage
+        tokens = (f"{u.prompt_tokens} in / {u.completion_tokens} out" if u.total_tokens
+                  else "? in / ? out")
+        return (f"{r.steps} LLM calls, {r.tool_calls} tool calls, {tokens} tokens, "
+                f"{time.monotonic() - self.t0:.1f} s")
 
 
-# ---- 4. Shell: MCP tools, turns, commands -------------------------------------------------------
-
-class McpTools:
-    """The MCP servers as a ToolPort, set up on a background thread: importing bob_mcp loads the
-    mcp SDK (about a second), and the prompt should not wait for it. list_tools and call_tool
-    wait for the import; McpToolPort.start(wait=False) then makes them wait for the servers."""
-
-    def __init__(self, servers: Iterable[dict[str, Any]]):
-        self._port: concurrent.futures.Future[Any] = concurrent.futures.Future()
-        self._lock, self._closed = threading.Lock(), False
-        self._started: Any = None   # the started McpToolPort, once there is one
-        threading.Thread(target=self._start, args=(list(servers),), name="bob-mcp-start",
-                         daemon=True).start()
-
-    def _start(self, servers: list[dict[str, Any]]) -> None:
-        try:
-            import bob_mcp
-            known = {f.name for f in fields(bob_mcp.McpServerConfig)}   # secret_env is new
-            port = bob_mcp.McpToolPort([bob_mcp.McpServerConfig(
-                **{k: v for k, v in s.items() if k in known or k != "secret_env"})
-                for s in servers])
-            with self._lock:   # a close() that came first wins: then nothing is started
-                self._started = None if self._closed else port.start(wait=False)
-            self._port.set_result(port)
-        except BaseException as e:  # raised to whoever uses the tools
-            self._port.set_exception(bob.ConfigError(f"MCP servers are configured but {e}")
-                                     if isinstance(e, ImportError) else e)
-
-    def port(self, timeout_s: float = 60.0) -> Any:
-        """The McpToolPort; raises what setting it up raised."""
-        try:
-            return self._port.result(timeout_s)
-        except concurrent.futures.TimeoutError:
-            raise bob.AgentError(f"loading the mcp SDK took over {timeout_s:.0f} s") from None
-
-    def startup_error(self) -> BaseException | None:
-        """Why the MCP servers did not start, once that is known; else None."""
-        if not self._port.done():
-            return None
-        return self._port.exception() or self._port.result().startup_error()
-
-    def list_tools(self) -> list[bob.ToolDescriptor]:
-        """Every server's tools, named <server_id>__<tool>."""
-        return self.port().list_tools()
-
-    def call_tool(self, call: bob.ToolCall, timeout_s: float,
-                  cancel: bob.CancelToken | None = None) -> bob.ToolResult:
-        """Route the call to its server (a cancel reaches the server as a cancelled request)."""
-        return self.port().call_tool(call, timeout_s, cancel=cancel)
-
-    def close(self) -> None:
-        """Stop every server process; idempotent."""
-        with self._lock:
-            self._closed, port = True, self._started
-        if port is not None:
-            port.close()
-
+# ---- 4. Shell: turns, approvals, commands -------------------------------------------------------
 
 _GUARD_KEYS = {"turn_timeout": "turn_timeout_ms", "loop_detected": "max_repeated_batches",
                "stagnation": "max_stagnation_steps"}   # the others are named as their key
-_HELP = """  /help    this list
-  /tools   the tools the model may call: name, server, description
-  /reset   start a new session (the old one stays in the store)
-  /usage   tokens used in this session
-  /exit    quit (or Ctrl-D). Ctrl-C cancels a running turn, or clears the line."""
+_HELP = """  /tools         the tools the model may call: name, server, description
+  /reset         start a new session (the old one stays in the store)
+  /sessions      the stored sessions; /resume ID goes back to one
+  /history       this session's messages, one line each
+  /model NAME    use another model (provider:model) from the next turn on
+  /save FILE     write this session as Markdown
+  /usage         tokens used in this session
+  /exit          quit (or Ctrl-D). Ctrl-C cancels a running turn, or clears the line.
+A line ending in \\ goes on; lines between two \"\"\" lines are one message; so is a paste."""
 
 
 def _one_line(e: BaseException) -> str:
@@ -463,35 +345,9 @@ def _note(text: str) -> None:
     print(f"bob: {text}", file=sys.stderr, flush=True)
 
 
-class TurnNotes:
-    """An EventSink noting what is said after a turn: a failed save, a cut reply, the time."""
-
-    def __init__(self) -> None:
-        self.error: str | None = None
-        self.cut, self.t0 = False, time.monotonic()
-
-    def emit(self, event: bob.AgentEvent) -> None:
-        """Keep the cause of a failed save; note a `length` finish."""
-        if event.kind == "turn_started":
-            self.error, self.cut, self.t0 = None, False, time.monotonic()
-        elif event.kind == "error" and event.data.get("where") == "store.save":
-            self.error = str(event.data.get("error", "")).removeprefix("StoreError: ")
-        elif event.kind == "llm_call_completed" and event.data.get("finish_reason") == "length":
-            self.cut = True
-
-    def stats(self, r: bob.AgentRunResult) -> str:
-        """steps, tool calls, tokens in/out (? when the server said nothing), elapsed."""
-        u = r.usage
-        tokens = (f"{u.prompt_tokens} in / {u.completion_tokens} out" if u.total_tokens
-                  else "? in / ? out")
-        return (f"{r.steps} LLM calls, {r.tool_calls} tool calls, {tokens} tokens, "
-                f"{time.monotonic() - self.t0:.1f} s")
-
-
 class Approvals:
-    """The approver for [policy] ask_tools. In the REPL the person decides at a prompt on the
-    main thread (Shell._run hands the call over); -p and piped runs allow all with --yes, else
-    decline and say how to allow."""
+    """The approver for [policy] ask_tools: in the REPL a person decides on the main thread
+    (Shell._run hands the call over); -p and piped runs allow all with --yes, else decline."""
 
     def __init__(self, interactive: bool, yes: bool):
         self.interactive, self.yes, self.always = interactive, yes, set[str]()
@@ -517,7 +373,7 @@ class Approvals:
         """On the main thread: show the call, read y / n (and a reason) / a; Ctrl-C cancels."""
         lines = json.dumps(call.arguments, indent=2, ensure_ascii=False).splitlines()
         shown = "\n    ".join([_cut(x, 96) for x in lines[:6]] + ["..."] * (len(lines) > 6))
-        print(printable(f"bob: {call.name} wants to run with\n    {shown}"), file=sys.stderr)
+        print(f"bob: {call.name} wants to run with\n    {shown}", file=sys.stderr)
         previous = signal.signal(signal.SIGINT, signal.default_int_handler)
         try:
             while (reply := input("[y]es / [n]o / [a]lways for this tool this session? ")
@@ -536,6 +392,20 @@ class Approvals:
             signal.signal(signal.SIGINT, previous)
 
 
+def _flat(m: bob.Message) -> str:
+    """A message's text and its tool calls (`-> name {arguments}`), on one line."""
+    calls = [f"-> {c.name} {json.dumps(c.arguments, ensure_ascii=False)}" for c in m.tool_calls]
+    return " ".join(" ".join([m.content, *calls]).split())
+
+
+def _resumed(store: bob.JsonFileSessionStore, session_id: str) -> bool:
+    """Whether the session is stored; if so, say `resumed session ID (N messages)`."""
+    state = store.load(session_id)   # a bad id is a StoreError
+    if state is not None:
+        _note(f"resumed session {session_id} ({len(state.messages)} messages)")
+    return state is not None
+
+
 def new_session_id() -> str:
     """A fresh session id, safe as a file name: cli-YYYYmmdd-HHMMSS-xxxxxx."""
     return f"cli-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
@@ -547,56 +417,48 @@ class Shell:
     runtime: bob.AgentRuntime
     session_id: str
     config_name: str = "agent.toml"
-    mcp: McpTools | None = None
-    status: StatusLine | None = None
-    printer: StreamPrinter | None = None
+    mcp: Any = None                     # a bob_mcp.McpToolPort
+    view: TurnView = field(default_factory=lambda: TurnView(None, 0))
     cancel: bob.CancelToken = field(default_factory=bob.CancelToken)
-    notes: TurnNotes = field(default_factory=TurnNotes)
-    approvals: Approvals | None = None
+    approvals: Approvals = field(default_factory=lambda: Approvals(False, False))
+    llm_for: Callable[[str], Any] | None = None   # a model name -> its adapter (/model)
 
     def turn(self, text: str) -> bob.AgentRunResult:
-        """Run one turn, print its answer (stdout) and any notice (stderr), return the result.
-        A session that could not be saved raises StoreError once the answer is shown."""
+        """Run a turn, print its answer and notices; a failed save raises StoreError after."""
         try:
             result = self._run(text)
         except bob.StoreError as e:   # the save failed: show the answer, then say so
-            self.notes.error = _one_line(e)
+            self.view.error = _one_line(e)
             if e.result is None:
                 raise self._unsaved() from None
             result = e.result
-        shown = printable(self.printer.shown if self.printer else "")
-        content = printable(result.content)
+        shown, content = self.view.shown, result.content
         if result.finish_reason is bob.FinishReason.CANCELLED:   # one line says it all
             if shown:
                 print(flush=True)
             _note("warning: turn cancelled; the session is kept")
         else:
-            print(content[len(shown):] if content.startswith(shown) else "\n" + content,
-                  flush=True)
-        if self.printer:
-            self.printer.shown = ""
+            print(content[len(shown):] if content.startswith(shown) else "\n" + content, flush=True)
         if result.guard_reason is not None:
             guard = result.guard_reason.value
             _note(f"warning: turn stopped by the {guard} guard; raise "
                   f"{_GUARD_KEYS.get(guard, guard)} under [runtime] in {self.config_name}")
-        if self.notes.cut:
+        if self.view.cut:
             _note("warning: the reply was cut by the token limit; raise max_tokens under [llm] "
                   f"in {self.config_name}")
-        if self.status and result.finish_reason is not bob.FinishReason.CANCELLED:
-            print(f"\x1b[2m  {self.notes.stats(result)}\x1b[0m", file=sys.stderr, flush=True)
-        if self.notes.error is not None:
+        if self.view.out and result.finish_reason is not bob.FinishReason.CANCELLED:
+            print(f"\x1b[2m  {self.view.stats(result)}\x1b[0m", file=sys.stderr, flush=True)
+        if self.view.error is not None:
             raise self._unsaved()
         return result
 
     def _unsaved(self) -> bob.StoreError:
-        return bob.StoreError(f"could not save session {self.session_id}: {self.notes.error}")
+        return bob.StoreError(f"could not save session {self.session_id}: {self.view.error}")
 
     def _run(self, text: str) -> bob.AgentRunResult:
         """runtime.run on a worker thread: SIGINT, which Python handles on the main thread, then
         only sets the cancel token, and the runtime returns within 100 ms of it."""
-        cancel = self.cancel = bob.CancelToken()
-        if self.approvals:
-            self.approvals.cancel = cancel
+        cancel = self.cancel = self.approvals.cancel = bob.CancelToken()
         outcome: list[Any] = []
 
         def work() -> None:
@@ -607,18 +469,15 @@ class Shell:
         worker = threading.Thread(target=work, name="bob-turn", daemon=True)
         previous = signal.signal(signal.SIGINT, lambda signum, frame: cancel.cancel())
         try:
-            if self.status:
-                self.status.begin()
+            self.view.begin()
             worker.start()
             while worker.is_alive():
                 worker.join(0.1)
                 self._answer()
-                if self.status:
-                    self.status.tick()
+                self.view.tick()
         finally:
             signal.signal(signal.SIGINT, previous)
-            if self.status:
-                self.status.clear()
+            self.view.tick(stop=True)
         if isinstance(outcome[0], BaseException):
             raise outcome[0]
         return outcome[0]
@@ -626,42 +485,68 @@ class Shell:
     def _answer(self) -> None:
         """Ask the person about a call waiting for approval, if one is."""
         with contextlib.suppress(queue.Empty):
-            call, answer = self.approvals.asks.get_nowait() if self.approvals else (None, None)
-            if self.status:   # the prompt goes where the status line was
+            call, answer = self.approvals.asks.get_nowait()
+            if self.view.drawing:   # the prompt goes where the status line was (the worker waits)
                 sys.stderr.write("\r\x1b[K")
-            answer.put(typing.cast(Approvals, self.approvals).ask(call))
+            answer.put(self.approvals.ask(call))
 
     def command(self, line: str) -> bool:
         """Run a /command; returns False when the user wants to quit."""
-        match line.split()[0]:
-            case "/help":
+        name, _, arg = line.strip().partition(" ")
+        store, arg = typing.cast(bob.JsonFileSessionStore, self.runtime.store), arg.strip()
+        match name, bool(arg):
+            case "/help", _:
                 print(_HELP)
-            case "/tools":
+            case "/tools", _:
                 self._print_tools()
-            case "/reset":
+            case "/reset", _:
                 self.session_id = new_session_id()
                 print(f"new session {self.session_id}")
-            case "/usage":
-                state = self.runtime.store.load(self.session_id)
-                u = state.usage if state else bob.Usage()
+            case "/usage", _:
+                u = self._state().usage
                 print(f"session {self.session_id}: {u.prompt_tokens} prompt + "
                       f"{u.completion_tokens} completion = {u.total_tokens} tokens")
-            case "/exit" | "/quit":
+            case "/sessions", _:
+                list_sessions(store)
+            case "/resume", True:
+                if _resumed(store, arg):
+                    self.session_id = arg
+                else:
+                    print(f"no session {arg} in {store.directory}; /sessions lists them")
+            case "/history", _:   # one line a message
+                for m in self._state().messages:
+                    print(_cut(f"{m.role}: {_flat(m)}", shutil.get_terminal_size().columns))
+            case "/model", True:
+                self.runtime.llm = typing.cast(Callable[[str], Any], self.llm_for)(arg)
+                print(f"model: {self.runtime.llm.describe()}")
+            case "/save", True:
+                self._save(Path(arg).expanduser())
+            case "/exit" | "/quit", _:
                 return False
-            case name:
-                print(f"unknown command {name}; /help lists the commands")
+            case _:
+                print(f"unknown command {line.strip()!r}; /help lists the commands")
         return True
 
+    def _state(self) -> bob.SessionState:
+        return self.runtime.store.load(self.session_id) or bob.SessionState([], bob.Usage(), 0)
+
+    def _save(self, path: Path) -> None:
+        """The transcript as Markdown: a heading a message, its text, its tool calls as code."""
+        parts = [f"# bob session {self.session_id}"] + [f"## {m.role}\n\n{m.content}" + "".join(
+            f"\n\n-> `{c.name}` `{json.dumps(c.arguments, ensure_ascii=False)}`"
+            for c in m.tool_calls) for m in self._state().messages]
+        path.write_text("\n\n".join(parts) + "\n", "utf-8", "bob")   # OSError: the REPL says why
+        print(f"saved {len(parts) - 1} messages to {path}")
+
     def _print_tools(self) -> None:
-        port = self.mcp.port() if self.mcp else None
+        port = self.mcp
         tools, sources = (port.list_tools(), port.tool_sources()) if port else ([], {})
-        width = max((len(t.name) for t in tools), default=0)
+        width, deny = max((len(t.name) for t in tools), default=0), self.runtime.deny_tools
         for t in tools:
-            denied = bob.is_denied(t.name, self.runtime.deny_tools)
-            mark = "  (denied by [policy])" if denied else ""
-            room = max(20, shutil.get_terminal_size().columns - width - 18 - len(mark))
-            about = (t.description.strip().splitlines() or [""])[0][:room]
-            print(f"  {t.name:<{width}}  {sources.get(t.name, '?'):<12} {about}{mark}")
+            mark = "  (denied by [policy])" if bob.is_denied(t.name, deny) else ""
+            about = (t.description.strip().splitlines() or [""])[0]
+            print(_cut(f"  {t.name:<{width}}  {sources.get(t.name, '?'):<12} {about}",
+                       max(40, shutil.get_terminal_size().columns - len(mark))) + mark)
         if not tools:
             print("no tools (MCP servers are listed under [[mcp.servers]])")
 
@@ -699,9 +584,13 @@ def _prompt(prompt: str, stdin: TextIO) -> str:
     return f"{prompt}\n\n{piped}" if piped.strip() else prompt
 
 
+def _by_use(store: bob.JsonFileSessionStore) -> list[Path]:
+    return sorted(store.directory.glob("*.json"), key=lambda f: f.stat().st_mtime)
+
+
 def list_sessions(store: bob.JsonFileSessionStore) -> int:
     """--sessions: id, last used, turns, the first user line; newest last."""
-    for path in sorted(store.directory.glob("*.json"), key=lambda f: f.stat().st_mtime):
+    for path in _by_use(store):
         with contextlib.suppress(bob.StoreError):
             state = store.load(path.stem)
             users = [m.content for m in (state.messages if state else []) if m.role == "user"]
@@ -716,6 +605,18 @@ def _save_history(readline: Any, path: str) -> None:
         readline.write_history_file(path)
 
 
+def _read_message(prompt: str) -> str:
+    """One message typed at the prompt: a line ending in `\\` goes on on the next one; a line
+    `\"\"\"` opens a block closed by another, kept as typed; a bracketed paste comes whole."""
+    lines = [input(prompt).strip()]
+    if lines[0] == '"""':   # up to the next line that is just """, kept as typed
+        return "\n".join(iter(lambda: input("... "), '"""'))
+    while lines[-1].endswith("\\"):
+        lines[-1] = lines[-1][:-1]
+        lines.append(input("... "))
+    return "\n".join(lines)
+
+
 def run_repl(shell: Shell, banner: str) -> int:
     """Read-eval-print until /exit or Ctrl-D; a failed turn is reported and the REPL goes on."""
     with contextlib.suppress(ImportError):  # without readline, plain input() still works
@@ -724,33 +625,34 @@ def run_repl(shell: Shell, banner: str) -> int:
         with contextlib.suppress(OSError):
             readline.read_history_file(path)
         readline.set_history_length(1000)
+        if os.environ.get("TERM", "dumb") != "dumb":   # a paste of many lines: one message
+            readline.parse_and_bind("set enable-bracketed-paste on")
         atexit.register(_save_history, readline, path)
     print(banner, file=sys.stderr, flush=True)
     prompt = "bob> "
     while True:
         try:
-            line = input(prompt).strip()
+            line = _read_message(prompt)
             if line.startswith("/") and not shell.command(line):
                 return 0
             if line and not line.startswith("/"):
                 asked = shell.turn(line).finish_reason is bob.FinishReason.ASK_USER
                 prompt = "your answer to bob's question> " if asked else "bob> "
-        except KeyboardInterrupt:   # Ctrl-C at the prompt drops the line (in a turn: cancels)
+        except (KeyboardInterrupt, EOFError) as e:   # Ctrl-C drops the line, Ctrl-D quits
             print()
-        except EOFError:
-            print()
-            return 0
-        except bob.BobError as e:
+            if isinstance(e, EOFError):
+                return 0
+        except (bob.BobError, OSError) as e:   # OSError: e.g. /save to a directory not there
             _note(f"error: {_one_line(e)}")
-            if shell.mcp is not None and shell.mcp.startup_error() is not None:
-                return 1    # a required MCP server did not start: stop, as -p does
+            import bob_mcp   # cheap; loaded already when MCP servers are configured
+            if isinstance(e, bob_mcp.McpError):
+                return 1    # e.g. a required MCP server did not start: stop, as -p does
 
 
 def run_demo(sinks: list[Any]) -> int:
     """A scripted model (bob.ScriptedLlm) drives real tools through the real loop, shown live."""
-    runtime = bob.AgentRuntime(bob.ScriptedLlm(_DEMO_REPLIES),
-                               bob.FunctionTools([word_count, add, current_time]),
-                               events=[EventPrinter(), *sinks])
+    runtime = bob.AgentRuntime(bob.ScriptedLlm(_DEMO_REPLIES), bob.FunctionTools([word_count, add]),
+                               events=[EventPrinter(sys.stdout), *sinks])
     print("bob --demo: bob.ScriptedLlm plays the model (no key needed); the tools and the turn "
           f"loop are real, and every event is shown.\nuser> {_DEMO_PROMPT}", flush=True)
     result = runtime.run(bob.AgentRequest(_DEMO_PROMPT, session_id="demo"))
@@ -762,30 +664,26 @@ def run_demo(sinks: list[Any]) -> int:
 # ---- 6. main ------------------------------------------------------------------------------------
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="bob", description="Run the bob agent: a REPL on a terminal, one turn with -p, or "
-        "one turn per line of piped stdin.", epilog="exit codes: 0 ok, 1 runtime error, "
-        "2 usage or config error, 3 a guard or a cancel ended the turn")
+    p = argparse.ArgumentParser(prog="bob", description="Run the bob agent: a REPL on a "
+                                "terminal, one turn with -p, or one turn per piped line.",
+                                epilog="exit codes: 0 ok, 1 runtime error, 2 usage or config "
+                                "error, 3 a guard or a cancel ended the turn")
     add = p.add_argument
-    add("--config", metavar="PATH", help="the agent.toml (default: ./agent.toml, else "
-        "$XDG_CONFIG_HOME/bob/agent.toml, else none)")
-    add("-p", "--prompt", help="run one turn, print the answer, exit; piped stdin is appended "
-        "to PROMPT; '-' reads the whole prompt from stdin")
+    add("--config", metavar="PATH", help="default: ./agent.toml, else $XDG_CONFIG_HOME/bob/")
+    add("-p", "--prompt", help="one turn, then exit; piped stdin follows PROMPT; '-': all stdin")
     add("--session", metavar="ID", help="the session to resume or start (kept across runs)")
     add("-c", "--continue", dest="resume", action="store_true", help="resume the last session")
     add("--sessions", action="store_true", help="list the stored sessions and exit")
     add("--model", help="provider:model (default: $BOB_MODEL, else [runtime] default_model)")
-    add("--base-url", metavar="URL", help="an OpenAI-compatible endpoint, e.g. "
-        "http://127.0.0.1:8080/v1 (default: [llm] base_url, else $OPENAI_BASE_URL)")
+    add("--base-url", metavar="URL", help="an OpenAI-compatible endpoint ($OPENAI_BASE_URL)")
     add("--api-key-env", metavar="NAME", help="the environment variable holding the API key")
     add("--system", metavar="TEXT", help="the system prompt for this run")
     add("--stream", action=argparse.BooleanOptionalAction, help="print the answer as it streams")
     add("--max-steps", metavar="N", type=int, help="LLM calls per turn at most")
-    add("--yes", action="store_true", help="approve every tool call that [policy] ask_tools "
-        "holds for a person (-p and piped runs; else such calls are declined)")
+    add("--yes", action="store_true", help="approve the calls [policy] ask_tools holds (-p, pipes)")
     add("-q", "--quiet", action="store_true", help="do not show tool calls as they run")
     add("--trace", metavar="FILE", help="append every event to FILE as JSON lines")
-    add("-v", "--verbose", action="store_true", help="log every event and traceback on stderr")
+    add("-v", "--verbose", action="store_true", help="every event as a line, logs, tracebacks")
     add("--demo", action="store_true", help="a scripted session with real tools; needs no key")
     add("--version", action="version", version=f"bob {__version__}")
     return p
@@ -799,17 +697,12 @@ class _Voice(logging.Formatter):
 
 
 def _sinks(args: argparse.Namespace) -> list[Any]:
-    """What the flags ask for: -v logs every event, --trace writes them as JSON lines. Without
-    -v only warnings are logged (MCP servers' stderr is logged at INFO: shown only with -v)."""
-    sinks: list[Any] = []
-    if args.verbose:
-        logging.basicConfig(level=logging.INFO, stream=sys.stderr,
-                            format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-        sinks.append(bob.LoggingEventSink())
-    else:
-        handler = logging.StreamHandler(sys.stderr)
-        handler.setFormatter(_Voice())
-        logging.basicConfig(level=logging.WARNING, handlers=[handler])
+    """-v: each event as a line, and INFO logs (MCP servers' stderr); --trace: events as JSONL."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
+                         if args.verbose else _Voice())
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, handlers=[handler])
+    sinks: list[Any] = [EventPrinter(sys.stderr)] if args.verbose and not args.demo else []
     if args.trace:
         try:  # the sink opens it at the first event: find a bad path now, not once per event
             open(args.trace, "a", encoding="utf-8").close()
@@ -861,7 +754,7 @@ def _store(cfg: Config, args: argparse.Namespace) -> tuple[bob.JsonFileSessionSt
     store = bob.JsonFileSessionStore(cfg.store_path or data / "bob" / "sessions")
     session_id = args.session
     if args.resume and not session_id:
-        recent = sorted(store.directory.glob("*.json"), key=lambda f: f.stat().st_mtime)
+        recent = _by_use(store)
         session_id = recent[-1].stem if recent else None
         if not recent:
             _note(f"--continue: no session in {store.directory} yet; starting a new one")
@@ -869,9 +762,8 @@ def _store(cfg: Config, args: argparse.Namespace) -> tuple[bob.JsonFileSessionSt
         store.path_for(session_id or "x")
     except bob.StoreError as e:
         raise bob.ConfigError(f"--session: {e}") from None
-    state = store.load(session_id) if session_id else None
-    if state is not None:
-        _note(f"resumed session {session_id} ({len(state.messages)} messages)")
+    if session_id:
+        _resumed(store, session_id)
     return store, session_id or new_session_id()
 
 
@@ -884,19 +776,24 @@ def build_shell(cfg: Config, args: argparse.Namespace) -> Shell:
             policy = replace(policy, max_steps=args.max_steps)
         except bob.ConfigError as e:
             raise bob.ConfigError(f"--max-steps: {e}") from None
-    status = StatusLine(sys.stderr, policy.max_steps, not args.quiet) if (
-        sys.stderr.isatty() and not args.verbose) else None
-    printer = StreamPrinter(sys.stdout, cfg.action_mode == "json") if llm.stream else None
-    mcp = McpTools(cfg.mcp_servers) if cfg.mcp_servers else None
-    notes = TurnNotes()
+    view = TurnView(sys.stderr if sys.stderr.isatty() and not args.verbose else None,
+                    policy.max_steps, not args.quiet, sys.stdout, cfg.action_mode == "json")
+    mcp = None
+    if cfg.mcp_servers:   # they start in the background: the prompt does not wait for them
+        import bob_mcp
+        try:
+            mcp = bob_mcp.McpToolPort(cfg.mcp_servers).start(wait=False)
+        except bob.ConfigError as e:   # an id used twice
+            raise bob.ConfigError(f"{cfg.path}: {e}") from None
     approvals = Approvals(args.prompt is None and sys.stdin.isatty(), args.yes)
     runtime = bob.AgentRuntime(llm, mcp, store=store, policy=policy,
-                               events=[s for s in (status, printer, notes) if s] + _sinks(args),
+                               events=[view, *_sinks(args)],
                                system_prompt=args.system or cfg.system_prompt,
                                action_mode=cfg.action_mode, deny_tools=cfg.deny_tools,
                                ask_tools=cfg.ask_tools, approver=approvals)
-    return Shell(runtime, session_id, Path(cfg.path or "agent.toml").name, mcp, status, printer,
-                 notes=notes, approvals=approvals)
+    return Shell(runtime, session_id, Path(cfg.path or "agent.toml").name, mcp, view,
+                 approvals=approvals, llm_for=lambda model: _llm(cfg, argparse.Namespace(
+                     **{**vars(args), "model": model})))
 
 
 def _fail(e: BaseException, code: int, verbose: bool) -> int:
@@ -928,26 +825,17 @@ def _start(args: argparse.Namespace, opened: list[Shell]) -> int:
                     f"{shell.session_id}{servers}. /help lists commands, Ctrl-D quits.")
 
 
-def _close(shell: Shell) -> None:
-    """Stop the shell's servers; close() is bounded, so a second Ctrl-C must not cut it short."""
-    held = {s: signal.signal(s, signal.SIG_IGN)
-            for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
-    try:
-        shell.close()
-    finally:
-        for signum, handler in held.items():
-            signal.signal(signum, handler)
-
-
 def main(argv: list[str] | None = None) -> int:
     """Run the CLI on `argv` (default sys.argv[1:]); returns the exit code."""
     parser = _parser()
     args = parser.parse_args(argv)
     if args.prompt is not None and not args.prompt.strip():
         parser.error("-p needs a prompt (or '-' to read it from stdin)")
-    for stream in (sys.stdout, sys.stderr):   # a stray lone surrogate never ends a run
+    # A lone surrogate (half of a cut emoji) prints as U+FFFD instead of ending the run.
+    codecs.register_error("bob", lambda e: ("\ufffd".encode(e.encoding, "replace"), e.end))
+    for stream in (sys.stdout, sys.stderr):
         if isinstance(stream, io.TextIOWrapper):
-            stream.reconfigure(errors="replace")
+            stream.reconfigure(errors="bob")
     for signum in (signal.SIGTERM, signal.SIGHUP):   # a closed terminal sends SIGHUP; the
         signal.signal(signum, lambda n, frame: sys.exit(128 + n))  # exit stops MCP servers
     opened: list[Shell] = []
@@ -962,9 +850,13 @@ def main(argv: list[str] | None = None) -> int:
         return _fail(e, 1, args.verbose)
     except KeyboardInterrupt:
         return 130
-    finally:
+    finally:   # stop MCP servers; bounded, so a second Ctrl-C may not cut it short
+        held = {n: signal.signal(n, signal.SIG_IGN)
+                for n in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
         for shell in opened:
-            _close(shell)
+            shell.close()
+        for signum, handler in held.items():
+            signal.signal(signum, handler)
 
 
 if __name__ == "__main__":

@@ -9,13 +9,12 @@
         agent = AgentRuntime(OpenAICompatLlm("openai:gpt-4o-mini"), tools)
         print(agent.run(AgentRequest("List the files here.")).content)   # calls fs__list_directory
 
-Sections: 1. Errors and configuration; 2. Names and results; 3. One server: the task that
-owns its SDK session; 4. McpToolPort: the loop thread and the sync API.
+Sections: 1. Errors and configuration  2. Names and results  3. One server  4. McpToolPort
 
 Threading: one asyncio loop thread per port. Each server is owned by one task that enters the
-SDK's transport and session context managers and exits them itself (the SDK's task groups must be
-exited by the task that entered them). Sync callers wait on the loop, always with a timeout; no SDK
-object is touched outside the loop thread. Vendoring: copy this file next to bob.py; needs mcp 2.
+SDK's transport and session context managers and exits them itself (the SDK's task groups demand
+it); sync callers wait on the loop, always with a timeout. Vendoring: copy this file next to
+bob.py; running servers needs mcp 2, which start() imports (not `import bob_mcp`).
 """
 from __future__ import annotations
 
@@ -42,16 +41,7 @@ from typing import Any, Sequence
 
 from bob import BobError, CancelToken, ConfigError, ToolCall, ToolDescriptor, ToolResult
 
-try:
-    import anyio
-    from anyio.abc import Process
-    from mcp import ClientSession, MCPError, StdioServerParameters, stdio_client
-    from mcp import types as mcp_types
-    from mcp.client.streamable_http import create_mcp_http_client, streamable_http_client
-except ImportError as e:  # pragma: no cover - depends on the environment
-    raise ImportError(f"bob_mcp needs the MCP SDK ({e}); install it with: pip install mcp") from e
-
-__all__ = ["McpError", "McpServerConfig", "McpToolPort", "exposed_name"]
+__all__ = ["McpError", "McpServerConfig", "McpToolPort", "exposed_name", "url_problem"]
 
 log = logging.getLogger("bob.mcp")
 
@@ -67,15 +57,24 @@ class McpError(BobError):
     """An MCP server could not be started or reached; the message names the server and the cause."""
 
 
-def _is_strings(table: Any) -> bool:
-    return table is None or isinstance(table, dict) and all(
-        isinstance(k, str) and isinstance(v, str) for k, v in table.items())
+def url_problem(url: str | None) -> str | None:
+    """Why url is no http(s) URL with a host and a valid port (not quoting it: keys), or None."""
+    with contextlib.suppress(ValueError, TypeError):   # a bad port, a broken [IPv6] literal
+        parts = urllib.parse.urlsplit(url)
+        if parts.scheme in ("http", "https") and parts.hostname and parts.port != -1:
+            return None
+    return ("must be an http:// or https:// URL with a host and a valid port, "
+            "like http://127.0.0.1:8080/v1")
+
+
+_UNSAFE = re.compile(r"[^A-Za-z0-9_-]")   # providers take tool names of 1-64 A-Za-z0-9_- only
+_DAY_MS = 86_400_000    # longer timeouts overflow thread waits
 
 
 @dataclass(frozen=True)
 class McpServerConfig:
     """One `[[mcp.servers]]` entry. env and header values never appear in repr, logs or errors."""
-    id: str
+    id: str                                   # tools are exposed as <id>__<tool>
     transport: str = "stdio"                  # "stdio" or "streamable_http"
     command: str | None = None                # stdio: the executable, looked up on PATH
     args: tuple[str, ...] = ()
@@ -90,30 +89,41 @@ class McpServerConfig:
     secret_env: tuple[str, ...] = ()          # more env/header keys whose values are masked
 
     def __post_init__(self) -> None:
+        problem = _problem(self)
+        if problem:
+            raise ConfigError(f"MCP server id={self.id!r}: {problem}")
         for name in ("args", "roots", "secret_env"):
             object.__setattr__(self, name, tuple(getattr(self, name)))
-        stdio, http = self.transport == "stdio", self.transport == "streamable_http"
-        for ok, problem in [  # env and headers are checked here: the SDK's errors echo values
-            (isinstance(self.id, str) and re.fullmatch(r"[A-Za-z0-9_-]{1,64}", self.id),
-             "id must be 1-64 letters, digits, '_' or '-'"),
-            (stdio or http, f"transport must be 'stdio' or 'streamable_http', "
-                            f"got {self.transport!r}"),
-            (not stdio or self.command, "transport 'stdio' needs command = \"...\""),
-            (not http or str(self.url or "").startswith("http"),
-             "transport 'streamable_http' needs url = \"http...\""),
-            (all(isinstance(a, str) for a in self.args), "args must be a list of strings"),
-            (_is_strings(self.env), "env must be a table of strings"),
-            (_is_strings(self.headers), "headers must be a table of strings"),
-            (all(v.isprintable() and v.isascii() for v in (self.headers or {}).values()),
-             "a headers value holds a control or non-ASCII character (a stray CR or LF?)"),
-            (all(isinstance(r, str) for r in (*self.roots, *self.secret_env)),
-             "roots and secret_env must be lists of strings"),
-            *[(type(getattr(self, k)) is int and 0 < getattr(self, k) <= 86_400_000,  # no bool
-               f"{k} must be 1 to 86400000 (a day), got {getattr(self, k)!r}")
-              for k in ("tool_timeout_ms", "startup_timeout_ms")],
-        ]:
-            if not ok:
-                raise ConfigError(f"MCP server {self.id!r}: {problem}")
+
+
+def _problem(c: McpServerConfig) -> str | None:
+    """The first thing wrong with a server's settings, or None (the SDK's errors echo values)."""
+    if not (isinstance(c.id, str) and 0 < len(c.id) <= 64 and not _UNSAFE.search(c.id)):
+        return "'id' must be 1-64 letters, digits, '_' or '-' (tools become <id>__<tool>)"
+    if c.transport not in ("stdio", "streamable_http"):
+        return f'transport must be "stdio" or "streamable_http", got {c.transport!r}'
+    for key in ("command", "cwd", "url", "required"):
+        if not isinstance(getattr(c, key), bool if key == "required" else str | None):
+            return f"{key} must be {'true or false' if key == 'required' else 'a string'}"
+    for key in ("args", "roots", "secret_env"):
+        value = getattr(c, key)
+        if not isinstance(value, list | tuple) or not all(isinstance(x, str) for x in value):
+            return f"{key} must be a list of strings"
+    for key in ("env", "headers"):
+        table = getattr(c, key) or {}
+        texts = [*table, *table.values()] if isinstance(table, dict) else [None]
+        if not all(isinstance(x, str) for x in texts):
+            return f"{key} must be a table of strings"
+        for name, value in table.items():  # e.g. a stray CR from a ${VAR}
+            if not value.isprintable() or key == "headers" and not value.isascii():
+                return (f"{key}.{name} holds a control or non-ASCII character (a stray CR "
+                        "or LF?); fix the value")
+    for key in ("tool_timeout_ms", "startup_timeout_ms"):
+        if type(getattr(c, key)) is not int or not 0 < getattr(c, key) <= _DAY_MS:  # no bool
+            return f"{key} must be between 1 and {_DAY_MS} (a day)"
+    if c.transport == "stdio":
+        return None if c.command else 'transport "stdio" needs command = "..."'
+    return f"url {problem}" if (problem := url_problem(c.url)) else None
 
 
 _SECRET_NAME = re.compile(r"KEY|TOKEN|SECRET|PASSWORD|AUTH", re.IGNORECASE)
@@ -132,11 +142,10 @@ def _secrets(cfg: McpServerConfig) -> list[str]:
 
 
 # ---- 2. Names and results -----------------------------------------------------------------------
-# Providers accept tool names matching ^[a-zA-Z0-9_-]{1,64}$; MCP tool names are freer.
 
 def exposed_name(server_id: str, tool: str) -> str:
     """`<server_id>__<tool>` made provider-safe; past 64 chars, cut and suffixed with a hash."""
-    name = re.sub(r"[^A-Za-z0-9_-]", "_", f"{server_id}__{tool}")
+    name = _UNSAFE.sub("_", f"{server_id}__{tool}")
     if len(name) <= 64:
         return name
     return f"{name[:55]}_{hashlib.sha256(f'{server_id}/{tool}'.encode()).hexdigest()[:8]}"
@@ -180,8 +189,7 @@ _serving: contextvars.ContextVar[_Server] = contextvars.ContextVar("bob_mcp_serv
 
 
 def _bad_line(record: logging.LogRecord) -> bool:
-    """On the SDK's stdio logger: it skips a stdout line that is not JSON-RPC and logs it whole at
-    ERROR; inside a server's tasks, log it masked at INFO on bob.mcp instead (`bob -v`)."""
+    """The SDK logs a stdout line that is not JSON-RPC whole, at ERROR: ours go masked, at INFO."""
     server = _serving.get(None)
     if record.funcName != "_parse_line" or server is None:
         return True
@@ -201,8 +209,7 @@ def _kill(pgid: int | None, pids: Sequence[int] = ()) -> None:
 
 
 def _descendants(pid: int | None) -> list[int]:
-    """Every descendant of pid, from /proc (Linux): read before a server ends, as a setsid child
-    that left its process group is tied to the server by nothing else once its parent is gone."""
+    """Every descendant of pid, from /proc (Linux): a setsid child is tied to it by nothing else."""
     parent: dict[int, int] = {}
     for entry in os.listdir("/proc") if os.path.isdir("/proc") else ():
         with contextlib.suppress(OSError, ValueError, IndexError):   # gone, or not a process
@@ -221,7 +228,7 @@ async def _list_all(session: Any) -> list[Any]:
     tools = list(page.tools)
     while page.next_cursor:
         page = await session.list_tools(
-            params=mcp_types.PaginatedRequestParams(cursor=page.next_cursor))
+            params=mcp.types.PaginatedRequestParams(cursor=page.next_cursor))
         tools += page.tools
     return tools
 
@@ -246,12 +253,8 @@ class _Server:
         self._partial = b""                 # the start of a stderr line still being written
         start_s = cfg.startup_timeout_ms / 1000   # stop() cancels the scope: startup, then wait
         self._scope = anyio.CancelScope(deadline=anyio.current_time() + start_s)
-        self._ready = asyncio.get_running_loop().create_future()
+        self.ready = asyncio.get_running_loop().create_future()   # awaited: None or McpError
         self.task = asyncio.create_task(self._own(), name=f"mcp-{cfg.id}")   # the owner
-
-    async def start(self) -> None:
-        """Return once the server is ready, or raise McpError."""
-        await self._ready
 
     async def _own(self) -> None:
         error = None
@@ -261,14 +264,14 @@ class _Server:
                 stack.enter_context(self._scope)
                 read, write = await self._connect(stack)
                 # Sampling, elicitation, unconfigured roots: SDK defaults decline (unadvertised)
-                session = await stack.enter_async_context(ClientSession(
+                session = await stack.enter_async_context(mcp.ClientSession(
                     read, write, list_roots_callback=self._roots if self.cfg.roots else None,
                     message_handler=self._on_message,
-                    client_info=mcp_types.Implementation(name="bob", version="1")))
+                    client_info=mcp.types.Implementation(name="bob", version="1")))
                 await session.initialize()
                 self.tools = await _list_all(session)
                 self.session, self._scope.deadline = session, math.inf
-                self._ready.set_result(None)
+                self.ready.set_result(None)
                 with anyio.CancelScope() as self._scope:  # cancelled: leave the SDK's managers
                     while getattr(self._process, "returncode", None) is None:   # it may exit
                         await anyio.sleep(_POLL_S)
@@ -287,14 +290,15 @@ class _Server:
     async def _connect(self, stack: contextlib.AsyncExitStack) -> Any:
         cfg = self.cfg
         if cfg.transport == "streamable_http":
-            client = await stack.enter_async_context(create_mcp_http_client(headers=cfg.headers))
+            http = mcp.client.streamable_http
+            client = await stack.enter_async_context(http.create_mcp_http_client(cfg.headers))
             return await stack.enter_async_context(
-                streamable_http_client(cfg.url or "", http_client=client))  # url: checked
+                http.streamable_http_client(cfg.url or "", http_client=client))  # url: checked
         self._stderr, write_fd = os.pipe()   # the server's stderr: to the log, never the terminal
         os.set_blocking(self._stderr, False)
         asyncio.get_running_loop().add_reader(self._stderr, self._read_stderr)
         with os.fdopen(write_fd, "w") as errlog:     # closed here once the child holds a copy
-            cm = stdio_client(StdioServerParameters(
+            cm = mcp.stdio_client(mcp.StdioServerParameters(
                 command=cfg.command or "", args=list(cfg.args), env=cfg.env, cwd=cfg.cwd,
                 encoding_error_handler="replace"),   # bad bytes: U+FFFD, the line goes on
                 errlog)
@@ -302,15 +306,15 @@ class _Server:
         # The SDK keeps the Process in a local of stdio_client and exposes it nowhere (no hook
         # either). We only read it: its returncode, and its pid, which is its process group.
         process = typing.cast(Any, cm.gen).ag_frame.f_locals.get("process")
-        if isinstance(process, Process):
+        if isinstance(process, anyio.abc.Process):
             self._process, self.pgid = process, process.pid
         return streams
 
     def _finish(self, error: Exception | None) -> None:
         """Say why the owner ended: to start() while starting, else in `dead` for the calls."""
         error, code = error or self._lost, getattr(self._process, "returncode", None)
-        ready, leaf = self._ready.done(), _leaf(error) if error else None
-        if isinstance(leaf, MCPError) and code == -signal.SIGTERM:  # the SDK's stop, at EOF
+        ready, leaf = self.ready.done(), _leaf(error) if error else None
+        if isinstance(leaf, mcp.MCPError) and code == -signal.SIGTERM:  # the SDK's stop, at EOF
             code, error = None, None      # it closed its stdout but lived on
         if not ready and self.closing:
             cause = "stopped while starting"
@@ -323,7 +327,7 @@ class _Server:
             cause = ("failed: " if ready else "") + f"{type(leaf).__name__}: {leaf}{hint}"
         tail = "; stderr:\n  " + "\n  ".join(self.tail) if self.tail else ""
         if not ready:
-            self._ready.set_exception(McpError(
+            self.ready.set_exception(McpError(
                 self._scrub(f"MCP server {self.cfg.id!r} failed to start: {cause}{tail}")))
         elif not self.closing:
             self.dead = self._scrub(f"server {self.cfg.id} {cause}{tail}")
@@ -336,8 +340,7 @@ class _Server:
         return text
 
     def _read_stderr(self, final: bool = False) -> None:
-        """Log the server's stderr line by line (INFO), keeping the last lines for errors.
-        The loop calls it while the pipe is readable; the owner once more (final) at its end."""
+        """Log stderr lines (INFO), keep the last; when readable, and once more (final) at exit."""
         data, eof = b"", False
         with contextlib.suppress(BlockingIOError):
             while chunk := os.read(self._stderr, 65536):
@@ -358,11 +361,11 @@ class _Server:
 
     async def _roots(self, context: Any) -> Any:
         paths = [Path(p).resolve() for p in self.cfg.roots]
-        return mcp_types.ListRootsResult(roots=[
-            mcp_types.Root(uri=typing.cast(Any, p.as_uri()), name=p.name) for p in paths])
+        return mcp.types.ListRootsResult(roots=[
+            mcp.types.Root(uri=typing.cast(Any, p.as_uri()), name=p.name) for p in paths])
 
     async def _on_message(self, message: Any) -> None:
-        if isinstance(message, mcp_types.ToolListChangedNotification):
+        if isinstance(message, mcp.types.ToolListChangedNotification):
             self.list_changed = True          # acted on before the next turn
 
     async def call(self, tool: str, arguments: dict[str, Any], timeout_s: float
@@ -373,11 +376,11 @@ class _Server:
         try:
             result = await self.session.call_tool(tool, arguments, read_timeout_seconds=timeout_s)
             return _result_text(result), bool(result.is_error)
-        except MCPError as e:   # a server may send the codes the SDK uses for its own errors
+        except mcp.MCPError as e:   # a server may send the codes the SDK uses for its own errors
             err = e.error
-            if err.code == mcp_types.REQUEST_TIMEOUT and err.message.startswith("Request "):
+            if err.code == mcp.types.REQUEST_TIMEOUT and err.message.startswith("Request "):
                 return f"tool {tool} timed out after {round(timeout_s * 1000)} ms", True
-            if (err.code, err.message, err.data) != (mcp_types.CONNECTION_CLOSED,
+            if (err.code, err.message, err.data) != (mcp.types.CONNECTION_CLOSED,
                                                      "Connection closed", None):
                 return f"MCP error from server {self.cfg.id}: {err.message}", True
         except (RuntimeError, ValueError) as e:   # it answered, but not with a valid result
@@ -445,8 +448,14 @@ class McpToolPort:
         self._loop.close()
 
     async def _start_all(self) -> None:
+        global anyio, mcp   # the SDK (~0.7 s) loads here, not on import: start(wait=False) is quick
+        try:
+            import anyio.abc
+            import mcp.client.streamable_http
+        except ImportError as e:
+            raise McpError(f"MCP servers need the MCP SDK ({e}); pip install mcp") from e
         servers = self._servers = [_Server(c) for c in self._configs]
-        results = await asyncio.gather(*(s.start() for s in servers), return_exceptions=True)
+        results = await asyncio.gather(*(s.ready for s in servers), return_exceptions=True)
         self._servers, failed = [], []
         for server, error in zip(servers, results, strict=True):
             if error is None:
@@ -468,10 +477,9 @@ class McpToolPort:
                 name = exposed_name(server.cfg.id, tool.name)
                 if name in names:
                     other, other_tool = names[name]
-                    raise McpError(
-                        f"MCP tool name clash: server {other.cfg.id!r} tool {other_tool!r} and "
-                        f"server {server.cfg.id!r} tool {tool.name!r} are both exposed as "
-                        f"{name!r}; rename one of the server ids")
+                    raise McpError(f"MCP tool name clash: {other.cfg.id!r} tool {other_tool!r} "
+                                   f"and {server.cfg.id!r} tool {tool.name!r} are both exposed "
+                                   f"as {name!r}; rename one of the server ids")
                 names[name] = (server, tool.name)
                 tools.append(ToolDescriptor(name, tool.description or "", tool.input_schema))
         self._names, self._tools = names, tools   # swapped whole: read by other threads
@@ -490,11 +498,13 @@ class McpToolPort:
             raise McpError("this McpToolPort is closed; create a new one")
 
     def _run(self, coro: Any, timeout_s: float, cancel: CancelToken | None = None) -> Any:
-        """Run coro on the loop, wait <= timeout_s; cancelled there at timeout or `cancel`."""
+        """Run coro on the loop; wait <= timeout_s (else McpError); a timeout or cancel ends it."""
         future = asyncio.run_coroutine_threadsafe(coro, self._loop)
         forget = cancel.on_cancel(future.cancel) if cancel else lambda: None
         try:
             return future.result(timeout_s)
+        except concurrent.futures.TimeoutError:
+            raise McpError(f"MCP servers did not answer in {timeout_s:.0f} s") from None
         finally:
             forget()
             future.cancel()   # after a timeout or a cancel; a no-op once it is done
@@ -502,11 +512,7 @@ class McpToolPort:
     def list_tools(self) -> list[ToolDescriptor]:
         """Tools of the running servers; called once a turn: restarts the dead, re-lists changed."""
         self._wait_started()
-        try:
-            self._run(self._before_turn(), self._startup_s)
-        except concurrent.futures.TimeoutError:
-            raise McpError(f"restarting or re-listing MCP servers took over "
-                           f"{self._startup_s:.0f} s") from None
+        self._run(self._before_turn(), self._startup_s)   # restarting or re-listing servers
         return list(self._tools)
 
     async def _before_turn(self) -> None:
@@ -516,7 +522,7 @@ class McpToolPort:
                 if server.dead:                   # restart it: a new _Server in its place
                     fresh = _Server(server.cfg)
                     self._servers = [fresh if s is server else s for s in self._servers]
-                    await fresh.start()
+                    await fresh.ready
                 else:
                     server.list_changed = False
                     with anyio.fail_after(server.cfg.startup_timeout_ms / 1000):
@@ -549,16 +555,11 @@ class McpToolPort:
                 text, is_error = self._run(server.call(tool, call.arguments, limit), limit + 1.0,
                                            cancel)
                 text = server._scrub(text)
-            except concurrent.futures.TimeoutError:
+            except McpError:   # the backstop's timeout
                 text, is_error = f"tool {tool} timed out after {round(limit * 1000)} ms", True
             except concurrent.futures.CancelledError:
                 text, is_error = f"tool {tool} cancelled", True
         return ToolResult(call.id, call.name, text, is_error, (time.monotonic() - start) * 1000)
-
-    def startup_error(self) -> BaseException | None:
-        """Why start() failed, once it has (the port is then closed for good); else None."""
-        started = self._started
-        return started.exception() if started is not None and started.done() else None
 
     def tool_sources(self) -> dict[str, str]:
         """Exposed tool name -> id of the server providing it (for listings such as /tools)."""
@@ -570,8 +571,8 @@ class McpToolPort:
             await server.stop(deadline - time.monotonic())
 
     def close(self) -> None:
-        """Stop every server in reverse order, then the loop thread. Bounded in time,
-        idempotent, and registered with atexit by start(), so no server outlives bob."""
+        """Stop every server (in reverse order), then the loop thread: bounded, idempotent, and
+        registered with atexit by start(), so no server outlives bob."""
         with self._lock:
             first, self._closed = not self._closed, True
         if not first:   # another thread is closing: return once it is done (bounded)
@@ -588,8 +589,7 @@ class McpToolPort:
             return
         try:
             self._run(self._stop_all(_CLOSE_S), _CLOSE_S + 2.0)
-            if self._started is not None:
-                concurrent.futures.wait([self._started], timeout=1.0)  # let a startup finish
+            concurrent.futures.wait([self._started], timeout=1.0)  # let a startup finish
         except BaseException as e:  # the loop is stuck, or Ctrl-C: kill them from this thread
             log.warning("MCP servers did not stop in time (%r); killing them", e)
             for server in self._servers:

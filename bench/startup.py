@@ -5,11 +5,14 @@
 
 Measured, each as the median of N fresh processes:
     import requests      python -c "import requests"            (the baseline)
+    import bob           the import itself, timed inside a fresh process
+    import bob_mcp       the same (bob included, no mcp SDK); its own share is the difference
     --help               python bob_cli.py --help
     prompt               spawn -> "bob> " on a pseudo terminal, no MCP server configured
     prompt + MCP         the same with one MCP server (tests/mcp_server.py) configured
     MCP tools ready      spawn -> /tools lists the MCP server's tools (startup in background)
-Targets: --help under 1.5x the bare `import requests`; the prompt with MCP under 0.5 s.
+Targets: --help under 1.5x the bare `import requests`; the prompt with MCP under 0.5 s;
+`import bob_mcp` under 50 ms.
 No network: the config points base_url at 127.0.0.1 and no turn is run.
 """
 from __future__ import annotations
@@ -52,6 +55,14 @@ def time_command(argv: list[str], cwd: str) -> float:
     t0 = time.perf_counter()
     subprocess.run(argv, cwd=cwd, env=env(cwd), stdout=subprocess.DEVNULL, check=True)
     return time.perf_counter() - t0
+
+
+def time_import(module: str) -> float:
+    """Seconds a fresh process spends in `import module` (interpreter start-up left out)."""
+    code = f"import time; t = time.perf_counter(); import {module}; print(time.perf_counter() - t)"
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env(str(REPO)),
+                         capture_output=True, text=True, check=True).stdout
+    return float(out)
 
 
 def read_until(fd: int, text: bytes, deadline: float, seen: bytes = b"") -> bytes:
@@ -107,6 +118,8 @@ def main() -> None:
         rows = {
             "import requests": median_of(n, time_command,
                                          [sys.executable, "-c", "import requests"], plain),
+            "import bob": median_of(n, time_import, "bob"),
+            "import bob_mcp": median_of(n, time_import, "bob_mcp"),
             "--help": median_of(n, time_command, [sys.executable, str(CLI), "--help"], plain),
             "prompt": median_of(n, time_prompt, plain),
             "prompt + MCP": median_of(n, time_prompt, with_mcp),
@@ -119,6 +132,8 @@ def main() -> None:
     ratio = rows["--help"] / rows["import requests"]
     print(f"target --help < 1.5x import requests: {ratio:.2f}x "
           f"{'ok' if ratio < 1.5 else 'MISSED'}")
+    print(f"target import bob_mcp < 50 ms: {rows['import bob_mcp'] * 1000:.0f} ms "
+          f"{'ok' if rows['import bob_mcp'] < 0.05 else 'MISSED'}")
     print(f"target prompt with MCP < 500 ms: {rows['prompt + MCP'] * 1000:.0f} ms "
           f"{'ok' if rows['prompt + MCP'] < 0.5 else 'MISSED'}")
 

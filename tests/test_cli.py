@@ -141,7 +141,7 @@ def srv():
 def test_repository_agent_toml_is_a_working_example():
     cfg = bob_cli.load_config(REPO / "agent.toml", environ={"HOME": "/home/x"})
     assert cfg.default_model.startswith("openai:")
-    assert cfg.mcp_servers and all(s.get("required") is False for s in cfg.mcp_servers)
+    assert cfg.mcp_servers and all(s.required is False for s in cfg.mcp_servers)
     assert cfg.store_path == REPO / ".bob" / "sessions"
 
 
@@ -163,10 +163,10 @@ def test_load_config_reads_every_table(tmp_path):
     assert cfg.llm == {"stream_default": True, "temperature": 0.5, "seed": 7, "max_tokens": 99}
     assert cfg.store_path == tmp_path / "s" and cfg.deny_tools == ("fs__write_*",)
     server = cfg.mcp_servers[0]
-    assert server["command"] == "run-${WHO}"   # only args, env, headers and url are expanded
-    assert server["args"] == ("--root", "/r") and server["env"] == {"TOKEN": "tok-secret"}
-    assert server["headers"] == {"Authorization": "Bearer tok-secret"}
-    assert server["cwd"] == str(tmp_path / "work")
+    assert server.command == "run-${WHO}"   # only args, env, headers and url are expanded
+    assert server.args == ("--root", "/r") and server.env == {"TOKEN": "tok-secret"}
+    assert server.headers == {"Authorization": "Bearer tok-secret"}
+    assert server.cwd == str(tmp_path / "work")
     assert "tok-secret" not in repr(cfg)
 
 
@@ -407,7 +407,7 @@ def test_a_control_character_in_a_secret_is_refused_without_showing_it(tmp_path)
                  'transport = "streamable_http"\nurl = "http://127.0.0.1:9/mcp"\n'
                  'headers = { Authorization = "Bearer ${BOB_TOK}" }\n')
     r = run_cli(tmp_path, "-p", "hi", env={**child_env(tmp_path), "BOB_TOK": "TOPSECRET-123\r"})
-    assert r.returncode == 2 and "headers.Authorization holds a control character" in r.stderr
+    assert r.returncode == 2 and "headers.Authorization holds a control" in r.stderr
     assert "TOPSECRET" not in r.stderr + r.stdout
 
 

@@ -1,6 +1,6 @@
 """The CLI for daily use (issue 14): no config needed, flags and environment, pipes, sessions,
-stats. Every run is a real subprocess (or a pty) against fake_openai, in an empty temp dir
-with HOME and XDG_* pointed into it."""
+stats, approvals, multiline input, the REPL's session commands, -v. Every run is a real
+subprocess (or a pty) against fake_openai, in an empty temp dir with HOME and XDG_* in it."""
 from __future__ import annotations
 
 import json
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 from fake_openai import FakeOpenAI, completion, stream_reply
-from test_cli import CLI, KEY, Terminal, child_env, final, messages_of, write_config
+from test_cli import CLI, KEY, Terminal, child_env, final, messages_of, run_cli, write_config
 
 
 @pytest.fixture
@@ -239,3 +239,115 @@ def test_a_malformed_base_url_flag_or_environment_is_a_usage_error(tmp_path):
     assert r.returncode == 2 and "--base-url must be an http" in r.stderr
     r = bob(tmp_path, "-p", "hi", OPENAI_BASE_URL="ftp://h/v1", OPENAI_API_KEY=KEY)
     assert r.returncode == 2 and "OPENAI_BASE_URL must be an http" in r.stderr
+
+
+# ---- 6. The REPL: multiline input (issue 14) ----
+
+def user_texts(request: dict) -> list[str]:
+    return [m["content"] for m in request["body"]["messages"] if m["role"] == "user"]
+
+
+def test_backslash_lines_triple_quote_blocks_and_pastes_are_one_message(tmp_path, srv):
+    srv.push(final("a"), final("b"), final("c"))
+    write_config(tmp_path, srv)
+    term = Terminal(tmp_path)
+    try:
+        term.expect(b"bob> ")
+        term.send(b"first \\\r")
+        term.expect(b"... ")
+        term.send(b"second\r")
+        term.expect(b"bob> ", timeout=5)
+        for line in (b'"""\r', b"  indented\r", b"ends in \\\r", b'"""\r'):
+            term.send(line)
+        term.expect(b"bob> ", timeout=5)
+        term.send(b"\x1b[200~pasted one\npasted two\x1b[201~\r")   # a bracketed paste
+        term.expect(b"bob> ", timeout=5)
+    finally:
+        term.close()
+    assert [user_texts(r)[-1] for r in srv.requests] == [
+        "first \nsecond", "  indented\nends in \\", "pasted one\npasted two"]
+
+
+def test_the_repl_asks_the_terminal_for_bracketed_paste(tmp_path, srv, monkeypatch):
+    import test_cli
+    plain = test_cli.child_env
+    monkeypatch.setattr(test_cli, "child_env", lambda *a, **kw: {**plain(*a, **kw),
+                                                                 "TERM": "xterm"})
+    write_config(tmp_path, srv)
+    term = Terminal(tmp_path)
+    try:
+        assert b"\x1b[?2004h" in term.expect(b"bob> ")
+    finally:
+        term.close()
+
+
+# ---- 7. The REPL: /sessions, /resume, /history, /model, /save (issue 14) ----
+
+def test_session_commands_in_the_repl(tmp_path, srv):
+    srv.push(final("one"), final("two"))
+    write_config(tmp_path, srv)
+    assert run_cli(tmp_path, "--session", "s1", "-p", "first words").returncode == 0
+    term = Terminal(tmp_path)
+    try:
+        term.expect(b"bob> ")
+        term.send(b"/sessions\r")
+        assert re.search(rb"s1  \S+ \S+ +1 turns  first words", term.expect(b"bob> "))
+        term.send(b"/resume nope\r")
+        assert b"no session nope" in term.expect(b"bob> ")
+        term.send(b"/resume s1\r")
+        assert b"bob: resumed session s1 (2 messages)" in term.expect(b"bob> ")
+        term.send(b"/history\r")
+        shown = term.expect(b"bob> ").decode().replace("\r", "").splitlines()
+        assert [x for x in shown if x] == ["/history", "user: first words", "assistant: one"]
+        term.send(b"/model openai:other\r")
+        assert b"model: " in term.expect(b"bob> ")
+        term.send(b"second\r")
+        assert b"two" in term.expect(b"bob> ", timeout=5)
+        term.send(b"/save notes/s1.md\r")
+        said = term.expect(b"bob> ")
+        assert b"bob: error: " in said and b"No such file or directory" in said
+        term.send(b"/save s1.md\r")
+        assert b"saved 4 messages to s1.md" in term.expect(b"bob> ")
+        term.send(b"/model\r")
+        assert b"unknown command '/model'" in term.expect(b"bob> ")
+        term.send(b"/model nocolon\r")                 # an error; the model stays
+        assert b"model 'nocolon' must be 'provider:model'" in term.expect(b"bob> ")
+    finally:
+        term.close()
+    assert srv.requests[1]["body"]["model"] == "other"
+    assert user_texts(srv.requests[1]) == ["first words", "second"]
+    saved = (tmp_path / "s1.md").read_text()
+    assert saved.startswith("# bob session s1\n\n## user\n\nfirst words\n\n## assistant\n\none")
+    assert saved.endswith("## assistant\n\ntwo\n")
+
+
+def test_history_lines_are_cut_to_the_terminal_width(tmp_path, srv):
+    srv.push(final("x" * 500))
+    write_config(tmp_path, srv)
+    term = Terminal(tmp_path)
+    try:
+        term.expect(b"bob> ")
+        term.send(("long " * 100).encode() + b"\r")
+        term.expect(b"bob> ", timeout=5)
+        term.send(b"/history\r")
+        lines = term.expect(b"bob> ").decode().replace("\r", "").splitlines()[1:]
+        assert len(lines) == 2 and all(len(x) <= 200 and x.endswith("...") for x in lines), lines
+    finally:
+        term.close()
+
+
+# ---- 8. -v (issue 14) ----
+
+def test_verbose_shows_each_event_once_on_one_short_line(tmp_path, srv):
+    srv.push(final("ok " * 200))
+    work_config(tmp_path, srv)
+    r = bob(tmp_path, "-v", "-p", "hi " * 200, COLUMNS="100")
+    assert r.returncode == 0 and r.stdout == "ok " * 200 + "\n", r.stderr
+    lines = r.stderr.splitlines()
+    kinds = [x.split()[1] for x in lines if x.startswith("  [")]
+    assert kinds[0] == "turn_started" and kinds[-1] == "turn_completed", lines
+    assert kinds.count("turn_completed") == 1 and "llm_call_completed" in kinds
+    assert all(len(x) <= 100 for x in lines), max(lines, key=len)
+    demo = bob(tmp_path, "--demo", "-v", COLUMNS="100")
+    assert demo.returncode == 0 and demo.stdout.count("turn_completed") == 1, demo.stderr
+    assert "turn_completed" not in demo.stderr

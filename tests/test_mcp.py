@@ -124,11 +124,14 @@ def test_exposed_names_are_provider_safe_and_deterministic():
     assert all(c.isalnum() or c in "_-" for c in long_a)
 
 
-def test_import_without_the_sdk_says_how_to_install():
-    code = "import sys; sys.modules['mcp'] = None; import bob_mcp"   # None: import mcp fails
+def test_import_loads_no_sdk_and_a_start_without_it_says_how_to_install():
+    code = ("import sys; import bob_mcp; assert 'mcp' not in sys.modules, 'mcp imported'\n"
+            "sys.modules['mcp'] = None\n"                     # None: import mcp fails
+            "bob_mcp.McpToolPort([bob_mcp.McpServerConfig('a', command='x')]).start()")
     out = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parents[1],
                          capture_output=True, text=True, timeout=30)
-    assert out.returncode != 0 and "pip install mcp" in out.stderr, out.stderr
+    assert out.returncode != 0 and "McpError" in out.stderr, out.stderr
+    assert "pip install mcp" in out.stderr and "mcp imported" not in out.stderr
 
 
 def test_calls_before_start_say_how_to_fix():
