@@ -1,4 +1,8 @@
-"""Shared test helpers: `wait_until`, and ports that block until the test lets them go.
+"""Shared test helpers, defined once and imported by the test modules (`from conftest import
+final`): `wait_until`; JSON-mode replies `tc` and `final`; `ListSink`, an event sink that keeps
+events; `assert_well_formed`, the history invariant; `make_llm`, an OpenAICompatLlm on a fake
+server; and the fixtures `srv` (a FakeOpenAI server) and `hang` (ports that block until the test
+lets them go):
 
     def test_x(hang):
         release = hang()                  # a threading.Event a blocking port waits on
@@ -7,7 +11,16 @@
 """
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import json
+import os
+import pty
+import select
+import struct
+import subprocess
 import sys
+import termios
 import threading
 import time
 from pathlib import Path
@@ -17,6 +30,100 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # bob.py etc., uninstalled too
 
 import bob  # noqa: E402
+from fake_openai import FakeOpenAI  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+CLI = REPO / "bob_cli.py"
+MCP_SERVER = REPO / "tests" / "mcp_server.py"
+KEY = "sk-test-" + "s3cret" * 3   # the fake servers' API key (never a real one)
+
+
+def tc(name: str, **arguments) -> str:
+    """A JSON-mode tool_call reply."""
+    return json.dumps({"type": "tool_call", "name": name, "arguments": arguments})
+
+
+def final(text: str) -> str:
+    """A JSON-mode final reply."""
+    return json.dumps({"type": "final", "content": text})
+
+
+class ListSink:
+    """Keeps every event (thread-safe: text deltas arrive from worker threads)."""
+
+    def __init__(self) -> None:
+        self.events: list[bob.AgentEvent] = []
+        self._lock = threading.Lock()
+
+    def emit(self, event: bob.AgentEvent) -> None:
+        with self._lock:
+            self.events.append(event)
+
+    def kinds(self) -> list[str]:
+        return [e.kind for e in self.events]
+
+    def of(self, kind: str) -> list[dict]:
+        return [e.data for e in self.events if e.kind == kind]
+
+
+def assert_well_formed(history: list[bob.Message]) -> None:
+    """Every assistant tool call has exactly one tool result, right after it, in call order."""
+    i = 0
+    while i < len(history):
+        m = history[i]
+        assert m.role != "tool", f"tool result at {i} follows no assistant call: {m}"
+        if m.role == "assistant" and m.tool_calls:
+            ids = [c.id for c in m.tool_calls]
+            results = history[i + 1:i + 1 + len(ids)]
+            assert [r.role for r in results] == ["tool"] * len(ids), history
+            assert [r.tool_call_id for r in results] == ids, history
+            i += 1 + len(ids)
+        else:
+            i += 1
+
+
+def batch(*calls: tuple[str, str, dict], text: str = "") -> bob.LlmResponse:
+    """A native-mode reply carrying several tool calls: (id, name, arguments) each."""
+    return bob.LlmResponse(text, tuple(bob.ToolCall(i, n, a) for i, n, a in calls))
+
+
+def cancel_once_entered(entered: threading.Event, token: bob.CancelToken) -> dict:
+    """Cancel `token` from another thread as soon as the port is entered; stamp the time."""
+    stamp: dict[str, float] = {}
+
+    def fire() -> None:
+        if entered.wait(5):
+            stamp["t"] = time.monotonic()
+            token.cancel()
+    threading.Thread(target=fire, daemon=True).start()
+    return stamp
+
+
+def marked_pids(marker: str) -> list[int]:
+    """Live processes (not zombies) whose command line carries `marker`."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                if marker.encode() in f.read():
+                    pids.append(int(entry))
+        except (OSError, ValueError):
+            continue
+    return pids
+
+
+def make_llm(server: FakeOpenAI, **kw) -> bob.OpenAICompatLlm:
+    """An OpenAICompatLlm on the fake server, with the test key and fast backoff."""
+    kw.setdefault("api_key", KEY)
+    kw.setdefault("backoff_base_s", 0.01)
+    return bob.OpenAICompatLlm("test:gpt-x", base_url=server.url, **kw)
+
+
+@pytest.fixture
+def srv():
+    """A FakeOpenAI server on 127.0.0.1, closed after the test."""
+    with FakeOpenAI() as server:
+        yield server
 
 
 def wait_until(predicate, timeout: float = 3.0) -> bool:
@@ -45,3 +152,90 @@ def hang():
     for ev in events:
         ev.set()
     assert wait_until(lambda: bob.abandoned_workers() <= before), "blocked workers never ended"
+
+
+# ---- The CLI: config files, runs, a pseudo terminal ----
+
+def child_env(tmp_path: Path, **extra: str) -> dict[str, str]:
+    """A clean environment: no API keys but the test one, HOME in the temp dir."""
+    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(tmp_path),
+           "LANG": "C.UTF-8", "TERM": "dumb", "BOB_TEST_KEY": KEY}
+    env.update(extra)
+    return env
+
+
+def write_config(tmp_path: Path, srv: FakeOpenAI | None, extra: str = "",
+                 runtime: str = "") -> Path:
+    """An agent.toml pointing base_url at the fake server; `extra` follows the [llm] keys."""
+    url = srv.url if srv else "http://127.0.0.1:9/v1"
+    timeout = "" if "turn_timeout_ms" in runtime else "turn_timeout_ms = 5000\n"
+    text = (f'[runtime]\ndefault_model = "openai:test"\n{timeout}{runtime}\n'
+            f'[llm]\nbase_url = "{url}"\napi_key_env = "BOB_TEST_KEY"\nretry_max = 0\n{extra}')
+    path = tmp_path / "agent.toml"
+    path.write_text(text)
+    return path
+
+
+def run_cli(tmp_path: Path, *args: str, stdin: str | None = None,
+            env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, str(CLI), *args], check=False, cwd=tmp_path,
+                          env=env or child_env(tmp_path), input=stdin,
+                          stdin=subprocess.DEVNULL if stdin is None else None,
+                          capture_output=True, text=True, timeout=15)
+
+
+def messages_of(request: dict) -> str:
+    return json.dumps(request["body"]["messages"])
+
+
+class Terminal:
+    """The CLI on a pseudo terminal (its controlling tty), read with select and a deadline."""
+
+    def __init__(self, tmp_path: Path, *args: str, env: dict[str, str] | None = None):
+        master, slave = pty.openpty()
+        fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 200, 0, 0))
+        self.proc = subprocess.Popen(
+            [sys.executable, str(CLI), *args], cwd=tmp_path, env=env or child_env(tmp_path),
+            stdin=slave, stdout=slave, stderr=slave, start_new_session=True,
+            preexec_fn=lambda: fcntl.ioctl(0, termios.TIOCSCTTY, 0))  # noqa: PLW1509 - no lock
+        os.close(slave)                                              # taken: just one syscall
+        self.fd, self.seen = master, b""
+
+    def expect(self, text: bytes, timeout: float = 3.0) -> bytes:
+        """Read until `text` appears; return everything up to it and consume it."""
+        deadline = time.monotonic() + timeout
+        while text not in self.seen:
+            left = deadline - time.monotonic()
+            ready = select.select([self.fd], [], [], max(left, 0))[0] if left > 0 else []
+            if not ready:
+                raise AssertionError(f"{text!r} not seen in time; output: {self.seen[-600:]!r}")
+            try:
+                data = os.read(self.fd, 4096)
+            except OSError:  # EIO: the child closed the terminal
+                data = b""
+            if not data:
+                raise AssertionError(f"{text!r} not seen before EOF; output: {self.seen!r}")
+            self.seen += data
+        head, _, self.seen = self.seen.partition(text)
+        return head
+
+    def send(self, data: bytes) -> None:
+        os.write(self.fd, data)
+
+    def wait_blocked_reading(self, timeout: float = 1.0) -> None:
+        """Wait until the CLI's main thread sleeps in select(): CPython's readline misses a
+        SIGINT that lands just before it enters select() (no human is that fast; a test is).
+        Where the kernel hides wchan this just waits `timeout`."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with contextlib.suppress(OSError):
+                wchan = Path(f"/proc/{self.proc.pid}/wchan").read_text()
+                if "poll" in wchan or "select" in wchan:   # "0" means running, not sleeping
+                    return
+            time.sleep(0.005)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(5)
+        os.close(self.fd)

@@ -16,7 +16,7 @@ import pytest
 import bob
 from bob import (AgentError, AgentRequest, AgentRuntime, Approval, Cancelled, CancelToken,
                  FinishReason, GuardReason, JsonFileSessionStore, ScriptedLlm, TurnPolicy)
-from test_core import ListSink, assert_well_formed, batch, cancel_once_entered, final, tc
+from conftest import ListSink, assert_well_formed, batch, cancel_once_entered, final, tc
 
 
 # ---- 1. Helpers ---------------------------------------------------------------------------------

@@ -11,13 +11,7 @@ from pathlib import Path
 
 import pytest
 from fake_openai import FakeOpenAI, completion, stream_reply
-from test_cli import CLI, KEY, Terminal, child_env, final, messages_of, run_cli, write_config
-
-
-@pytest.fixture
-def srv():
-    with FakeOpenAI() as server:
-        yield server
+from conftest import CLI, KEY, Terminal, child_env, final, messages_of, run_cli, write_config
 
 
 def work_config(tmp_path: Path, srv: FakeOpenAI, **kw: str) -> Path:
@@ -268,13 +262,9 @@ def test_backslash_lines_triple_quote_blocks_and_pastes_are_one_message(tmp_path
         "first \nsecond", "  indented\nends in \\", "pasted one\npasted two"]
 
 
-def test_the_repl_asks_the_terminal_for_bracketed_paste(tmp_path, srv, monkeypatch):
-    import test_cli
-    plain = test_cli.child_env
-    monkeypatch.setattr(test_cli, "child_env", lambda *a, **kw: {**plain(*a, **kw),
-                                                                 "TERM": "xterm"})
+def test_the_repl_asks_the_terminal_for_bracketed_paste(tmp_path, srv):
     write_config(tmp_path, srv)
-    term = Terminal(tmp_path)
+    term = Terminal(tmp_path, env=child_env(tmp_path, TERM="xterm"))
     try:
         assert b"\x1b[?2004h" in term.expect(b"bob> ")
     finally:

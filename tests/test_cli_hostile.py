@@ -13,13 +13,7 @@ import threading
 
 import pytest
 from fake_openai import FakeOpenAI, stream_reply
-from test_cli import CLI, Terminal, child_env, final, run_cli, write_config
-
-
-@pytest.fixture
-def srv():
-    with FakeOpenAI() as server:
-        yield server
+from conftest import CLI, Terminal, child_env, final, run_cli, write_config
 
 
 def xdg_env(tmp_path, **extra: str) -> dict[str, str]:

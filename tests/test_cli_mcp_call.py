@@ -8,7 +8,7 @@ import json
 import sys
 
 from fake_openai import FakeOpenAI
-from test_cli import MCP_SERVER, final, run_cli, write_config
+from conftest import MCP_SERVER, final, run_cli, write_config
 
 
 def test_an_mcp_tool_runs_from_a_one_shot_prompt(tmp_path):

@@ -23,7 +23,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import bob
-from conftest import wait_until
+from conftest import (ListSink, assert_well_formed, batch, cancel_once_entered, final, tc,
+                      wait_until)
 from bob import (AgentError, AgentRequest, AgentRuntime, CancelToken, CompositeToolPort,
                  ConfigError, FinishReason,
                  FunctionTools, GuardReason, LlmError, LlmResponse, Message, ScriptedLlm,
@@ -33,39 +34,6 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 # ---- 1. Helpers ---------------------------------------------------------------------------------
-
-def tc(name: str, **arguments) -> str:
-    """A JSON-mode tool_call reply."""
-    return json.dumps({"type": "tool_call", "name": name, "arguments": arguments})
-
-
-def final(text: str) -> str:
-    """A JSON-mode final reply."""
-    return json.dumps({"type": "final", "content": text})
-
-
-def batch(*calls: tuple[str, str, dict], text: str = "") -> LlmResponse:
-    """A native-mode reply carrying several tool calls: (id, name, arguments) each."""
-    return LlmResponse(text, tuple(ToolCall(i, n, a) for i, n, a in calls))
-
-
-class ListSink:
-    """Keeps every event (thread-safe: text deltas arrive from worker threads)."""
-
-    def __init__(self) -> None:
-        self.events: list[bob.AgentEvent] = []
-        self._lock = threading.Lock()
-
-    def emit(self, event: bob.AgentEvent) -> None:
-        with self._lock:
-            self.events.append(event)
-
-    def kinds(self) -> list[str]:
-        return [e.kind for e in self.events]
-
-    def of(self, kind: str) -> list[dict]:
-        return [e.data for e in self.events if e.kind == kind]
-
 
 class Counter:
     """Trivial tools that count how often they ran."""
@@ -85,22 +53,6 @@ class Counter:
             raise RuntimeError(f"fail #{n}")
 
         return FunctionTools([echo, fail])
-
-
-def assert_well_formed(history: list[Message]) -> None:
-    """Every assistant tool call has exactly one tool result, right after it, in call order."""
-    i = 0
-    while i < len(history):
-        m = history[i]
-        assert m.role != "tool", f"tool result at {i} follows no assistant call: {m}"
-        if m.role == "assistant" and m.tool_calls:
-            ids = [c.id for c in m.tool_calls]
-            results = history[i + 1:i + 1 + len(ids)]
-            assert [r.role for r in results] == ["tool"] * len(ids), history
-            assert [r.tool_call_id for r in results] == ids, history
-            i += 1 + len(ids)
-        else:
-            i += 1
 
 
 
@@ -257,18 +209,6 @@ def blocking_tools(entered: threading.Event, release: threading.Event) -> Functi
         """Returns at once."""
         return "quick result"
     return FunctionTools([stuck, quick])
-
-
-def cancel_once_entered(entered: threading.Event, token: CancelToken) -> dict:
-    """Cancel `token` from another thread as soon as the port is entered; stamp the time."""
-    stamp: dict[str, float] = {}
-
-    def fire() -> None:
-        if entered.wait(5):
-            stamp["t"] = time.monotonic()
-            token.cancel()
-    threading.Thread(target=fire, daemon=True).start()
-    return stamp
 
 
 def run_and_cancel(rt: AgentRuntime, entered: threading.Event):

@@ -18,24 +18,17 @@ import threading
 import time
 
 import pytest
-from conftest import wait_until
+from conftest import make_llm, wait_until
 from fake_openai import FakeOpenAI, chunk, completion, stream_reply, tool_calls_reply
 
 from bob import (AgentRequest, AgentRuntime, CancelToken, ConfigError, FinishReason,
                  FunctionTools, LlmError, LlmRequest, Message, OpenAICompatLlm, ScriptedLlm,
                  ToolCall, ToolDescriptor, Usage, abandoned_workers)
 
-KEY = "sk-test-hostile"
 MB = 1024 * 1024
 
 
 # ---- 1. Helpers ---------------------------------------------------------------------------------
-
-def make_llm(srv: FakeOpenAI, **kw) -> OpenAICompatLlm:
-    kw.setdefault("api_key", KEY)
-    kw.setdefault("backoff_base_s", 0.01)
-    return OpenAICompatLlm("test:gpt-x", base_url=srv.url, **kw)
-
 
 def ask(*, tools=(), mode: str = "json", within: float | None = None) -> LlmRequest:
     return LlmRequest([Message("system", "sys"), Message("user", "hi")], list(tools),

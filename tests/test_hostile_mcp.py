@@ -15,8 +15,7 @@ from pathlib import Path
 import pytest
 
 import bob
-from conftest import wait_until
-from test_mcp import marked_pids
+from conftest import marked_pids, wait_until
 from bob import ToolCall
 import bob_mcp
 from bob_mcp import McpServerConfig, McpToolPort

@@ -28,7 +28,7 @@ import bob
 from bob import (ActionParseError, AgentRequest, AgentRuntime, Final, FinishReason, FunctionTools,
                  JsonFileSessionStore, JsonlEventSink, LlmResponse, LoggingEventSink, ScriptedLlm,
                  StoreError, ToolCall, parse_action)
-from test_core import ListSink, assert_well_formed, final
+from conftest import ListSink, assert_well_formed, final
 
 
 # ---- 1. Helpers ---------------------------------------------------------------------------------

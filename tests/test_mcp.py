@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 import bob
-from conftest import wait_until
+from conftest import marked_pids, wait_until
 from bob import ConfigError, ToolCall
 from bob_mcp import McpError, McpServerConfig, McpToolPort, exposed_name
 
@@ -36,19 +36,6 @@ def stdio(server_id: str, *flags: str, marker: str = MARKER, **kw) -> McpServerC
     """A config running tests/mcp_server.py over stdio."""
     return McpServerConfig(server_id, command=sys.executable,
                            args=(SERVER, "--marker", marker, *flags), **kw)
-
-
-def marked_pids(marker: str) -> list[int]:
-    """Live processes (not zombies) whose command line carries `marker`."""
-    pids = []
-    for entry in os.listdir("/proc"):
-        try:
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
-                if marker.encode() in f.read():
-                    pids.append(int(entry))
-        except (OSError, ValueError):
-            continue
-    return pids
 
 
 def call(port: McpToolPort, tool: str, timeout_s: float = 5.0, **arguments) -> bob.ToolResult:

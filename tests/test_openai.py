@@ -20,21 +20,15 @@ from email.utils import formatdate
 import pytest
 from fake_openai import FakeOpenAI, chunk, completion, stream_reply, tool_calls_reply
 
+from conftest import KEY, make_llm
 from bob import (PROVIDERS, AgentRequest, AgentRuntime, CancelToken, Cancelled, ConfigError,
                  FinishReason, FunctionTools, JsonlEventSink, LlmError, LlmRequest, Message,
                  OpenAICompatLlm, ToolCall, ToolDescriptor, Usage)
 
 
-KEY = "sk-test-" + "s3cret" * 3
 
 
 # ---- 1. Helpers ---------------------------------------------------------------------------------
-
-def make_llm(srv: FakeOpenAI, **kw) -> OpenAICompatLlm:
-    kw.setdefault("api_key", KEY)
-    kw.setdefault("backoff_base_s", 0.01)
-    return OpenAICompatLlm("test:gpt-x", base_url=srv.url, **kw)
-
 
 def ask(text: str = "hi", *, tools=(), mode: str = "json", within: float | None = None,
         messages=None) -> LlmRequest:

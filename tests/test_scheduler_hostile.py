@@ -16,7 +16,7 @@ from fake_openai import FakeOpenAI
 import bob
 from bob import (AgentRequest, AgentRuntime, CancelToken, FinishReason, FunctionTools, LlmError,
                  LlmResponse, Message, OpenAICompatLlm, ScriptedLlm, ToolCall, TurnPolicy)
-from test_core import ListSink, assert_well_formed, final
+from conftest import ListSink, assert_well_formed, final
 
 TOO_LONG = {"status": 400, "body": {"error": {
     "message": "This model's maximum context length is 8192 tokens. However, your messages "

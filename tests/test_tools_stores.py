@@ -19,6 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import bob
+from conftest import ListSink, final, tc
 from bob import (AgentRequest, AgentRuntime, CompositeToolPort, ConfigError, FinishReason,
                  FunctionTools, InMemorySessionStore, JsonFileSessionStore, LlmResponse, Message,
                  ScriptedLlm, SessionState, StoreError, ToolCall, ToolDescriptor, ToolResult,
@@ -26,29 +27,6 @@ from bob import (AgentRequest, AgentRuntime, CompositeToolPort, ConfigError, Fin
 
 
 # ---- 1. Helpers ---------------------------------------------------------------------------------
-
-def tc(name: str, **arguments) -> str:
-    """A JSON-mode tool_call reply."""
-    return json.dumps({"type": "tool_call", "name": name, "arguments": arguments})
-
-
-def final(text: str) -> str:
-    """A JSON-mode final reply."""
-    return json.dumps({"type": "final", "content": text})
-
-
-class ListSink:
-    """Keeps every event."""
-
-    def __init__(self) -> None:
-        self.events: list[bob.AgentEvent] = []
-
-    def emit(self, event: bob.AgentEvent) -> None:
-        self.events.append(event)
-
-    def of(self, kind: str) -> list[dict]:
-        return [e.data for e in self.events if e.kind == kind]
-
 
 def tool_messages(result: bob.AgentRunResult) -> list[Message]:
     return [m for m in result.history if m.role == "tool"]
