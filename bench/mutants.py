@@ -3,6 +3,7 @@
     nice -n 19 /work/venv/bin/python bench/mutants.py -j3           # every target, ~25 min
     nice -n 19 /work/venv/bin/python bench/mutants.py LoopGuard     # names containing this
     /work/venv/bin/python bench/mutants.py --list                   # the mutants, not run
+    .../python bench/mutants.py _remove --tests=tests/test_mutants.py  # only these tests
     MUTANTS_LOG=/tmp/m.log ...                                      # keep pytest's output
 
 A small stdlib mutator (mutmut 3 wants a package layout and copies the project; this needs
@@ -263,6 +264,7 @@ def main(argv: list[str]) -> int:
     os.chdir(ROOT)
     only = next((a for a in argv if not a.startswith("-")), "")
     jobs = int(next((a[2:] for a in argv if a.startswith("-j")), "1") or 1)
+    files = next((a[8:].split(",") for a in argv if a.startswith("--tests=")), TEST_FILES)
     mutants = _mutants(only)
     if "--list" in argv:
         for name, k, line, _ in mutants:
@@ -274,11 +276,11 @@ def main(argv: list[str]) -> int:
     import pytest  # noqa: F401
     import requests  # noqa: F401
     t0 = time.monotonic()
-    if _run(None, TEST_FILES) != "survived" and _run(None, TEST_FILES) != "survived":
+    if _run(None, files) != "survived" and _run(None, files) != "survived":
         print("the unmutated tests fail (twice): fix them first", file=sys.stderr)
         return 2
     trace = f"/tmp/bob-mutants-lines-{os.getpid()}.json"
-    _run(None, TEST_FILES, trace)
+    _run(None, files, trace)
     by_test = {k: set(v) for k, v in json.loads(Path(trace).read_text()).items()}
     os.unlink(trace)
     print(f"unmutated run: {time.monotonic() - t0:.1f} s; {len(mutants)} mutants", flush=True)
