@@ -9,10 +9,16 @@ Sections: 1. CancelToken  2. Guards  3. Scheduler  4. Actions  5. Stores and sin
 """
 from __future__ import annotations
 
+import json
 import logging
+import time
 
-from bob import AgentRequest, CancelToken, FinishReason, GuardReason
-from test_core import Counter, agent, assert_tripped, batch
+import pytest
+
+from bob import (ActionParseError, AgentRequest, AgentRuntime, CancelToken, FinishReason,
+                 GuardReason, InMemorySessionStore, JsonFileSessionStore, Message, ScriptedLlm,
+                 SessionState, StoreError, TurnPolicy, parse_action)
+from test_core import Counter, agent, assert_tripped, batch, final, tc
 
 
 # ---- 1. CancelToken -----------------------------------------------------------------------------
@@ -52,3 +58,89 @@ def test_refused_oversized_batches_count_toward_max_consecutive_errors():
     r = rt.run(AgentRequest("go"))
     assert_tripped(r, GuardReason.MAX_CONSECUTIVE_ERRORS, "max_consecutive_errors=2")
     assert (r.steps, c.calls) == (2, [])
+
+
+
+def test_a_success_resets_the_error_streak_to_zero():
+    c = Counter()
+    replies = [tc("fail", n=1), tc("echo", x=1), tc("fail", n=2), tc("fail", n=3), final("no")]
+    r = agent(replies, tools=c.tools(), max_consecutive_errors=2).run(AgentRequest("go"))
+    assert_tripped(r, GuardReason.MAX_CONSECUTIVE_ERRORS, "2 tool errors in a row")
+    assert r.steps == 4
+
+
+class SlowStore:
+    """An in-memory store whose load takes `seconds` by the clock (past a tiny deadline)."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds, self.inner = seconds, InMemorySessionStore()
+
+    def load(self, session_id: str) -> SessionState | None:
+        end = time.monotonic() + self.seconds
+        while time.monotonic() < end:   # the clock, not another thread: nothing to wait for
+            pass
+        return self.inner.load(session_id)
+
+    def save(self, session_id: str, state: SessionState) -> None:
+        self.inner.save(session_id, state)
+
+
+def test_a_turn_past_its_deadline_before_the_first_step_never_asks_the_model():
+    llm = ScriptedLlm([final("too late")])
+    rt = AgentRuntime(llm, store=SlowStore(0.005), policy=TurnPolicy(turn_timeout_ms=1))
+    r = rt.run(AgentRequest("go"))
+    assert_tripped(r, GuardReason.TURN_TIMEOUT, "the turn took longer than turn_timeout_ms=1")
+    assert (llm.requests, r.steps) == ([], 0)
+
+
+# ---- 4. Actions ---------------------------------------------------------------------------------
+
+def nested_call(levels: int) -> str:
+    """A tool_call reply whose argument is a list nested `levels` deep (the reply object is
+    level 1, its arguments level 2, so the innermost list is level levels + 2)."""
+    value: object = 1
+    for _ in range(levels):
+        value = [value]
+    return json.dumps({"type": "tool_call", "name": "t", "arguments": {"a": value}})
+
+
+def test_a_reply_may_nest_100_levels_and_not_101():
+    assert parse_action(nested_call(98)).calls[0].name == "t"
+    with pytest.raises(ActionParseError, match="nests deeper than 100 levels"):
+        parse_action(nested_call(99))
+
+
+def test_a_reply_may_hold_a_14000_bit_integer_and_not_a_longer_one():
+    reply = {"type": "final", "content": "ok"}
+    assert parse_action(json.dumps({**reply, "n": 2**14000 - 1})).content == "ok"
+    with pytest.raises(ActionParseError, match="integer over 4,000 digits"):
+        parse_action(json.dumps({**reply, "n": 2**14000}))
+
+
+# ---- 5. Stores and sinks ------------------------------------------------------------------------
+
+def test_a_save_conflict_names_the_stored_version_and_the_one_the_turn_started_from():
+    store = InMemorySessionStore()
+    store.save("s", SessionState([Message("user", "hi")], version=1))
+    first, second = store.load("s"), store.load("s")
+    first.version += 1
+    store.save("s", first)
+    second.version += 1
+    with pytest.raises(StoreError, match="at version 2, this turn started from version 1"):
+        store.save("s", second)
+
+
+def test_an_unreadable_session_file_is_a_store_error_naming_it(tmp_path):
+    (tmp_path / "s.json").mkdir()              # reading a directory fails with an OSError
+    with pytest.raises(StoreError, match="cannot read session file .*s.json"):
+        JsonFileSessionStore(tmp_path).load("s")
+
+
+def test_a_corrupt_session_file_says_what_json_found_and_deep_nesting_says_so(tmp_path):
+    store = JsonFileSessionStore(tmp_path)
+    (tmp_path / "bad.json").write_text("{not json")
+    with pytest.raises(StoreError, match=r"is corrupt \(Expecting property name"):
+        store.load("bad")
+    (tmp_path / "deep.json").write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(StoreError, match=r"is corrupt \(nested too deeply\)"):
+        store.load("deep")
