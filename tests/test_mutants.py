@@ -15,7 +15,8 @@ import time
 
 import pytest
 
-from bob import (ActionParseError, AgentRequest, AgentRuntime, CancelToken, FinishReason,
+from bob import (ActionParseError, AgentRequest, AgentRuntime, CancelToken, ConfigError,
+                 FinishReason,
                  GuardReason, InMemorySessionStore, JsonFileSessionStore, Message, ScriptedLlm,
                  SessionState, StoreError, TurnPolicy, parse_action)
 from test_core import Counter, agent, assert_tripped, batch, final, tc
@@ -93,6 +94,14 @@ def test_a_turn_past_its_deadline_before_the_first_step_never_asks_the_model():
     assert (llm.requests, r.steps) == ([], 0)
 
 
+
+# ---- 3. Scheduler -------------------------------------------------------------------------------
+
+def test_an_unknown_action_mode_is_a_config_error_naming_the_two():
+    with pytest.raises(ConfigError, match="action_mode must be 'json' or 'native', got 'xml'"):
+        AgentRuntime(ScriptedLlm(), action_mode="xml")
+
+
 # ---- 4. Actions ---------------------------------------------------------------------------------
 
 def nested_call(levels: int) -> str:
@@ -130,6 +139,13 @@ def test_a_save_conflict_names_the_stored_version_and_the_one_the_turn_started_f
         store.save("s", second)
 
 
+def test_the_first_save_creates_the_store_directory_and_its_parents(tmp_path):
+    store = JsonFileSessionStore(tmp_path / "a" / "b")
+    for text, answer in (("go", "hi"), ("more", "again")):   # the second finds the directory
+        AgentRuntime(ScriptedLlm([final(answer)]), store=store).run(AgentRequest(text, "s"))
+    assert [m.content for m in store.load("s").messages] == ["go", "hi", "more", "again"]
+
+
 def test_an_unreadable_session_file_is_a_store_error_naming_it(tmp_path):
     (tmp_path / "s.json").mkdir()              # reading a directory fails with an OSError
     with pytest.raises(StoreError, match="cannot read session file .*s.json"):
@@ -144,3 +160,30 @@ def test_a_corrupt_session_file_says_what_json_found_and_deep_nesting_says_so(tm
     (tmp_path / "deep.json").write_text("[" * 100_000 + "]" * 100_000)
     with pytest.raises(StoreError, match=r"is corrupt \(nested too deeply\)"):
         store.load("deep")
+
+
+class BrokenSink:
+    """An event sink that raises on every event."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __repr__(self) -> str:
+        return f"BrokenSink({self.name})"
+
+    def emit(self, event: object) -> None:
+        raise RuntimeError(f"{self.name} is broken")
+
+
+def test_each_failing_sink_is_warned_about_once_with_its_traceback_then_quietly(caplog):
+    sinks = [BrokenSink("a"), BrokenSink("b")]
+    rt = AgentRuntime(ScriptedLlm([final("one"), final("two")]), events=sinks)
+    with caplog.at_level(logging.DEBUG, logger="bob"):
+        assert rt.run(AgentRequest("go")).content == "one"
+        assert rt.run(AgentRequest("again")).content == "two"   # a later turn: still once
+    failures = [r for r in caplog.records if "failed on" in r.getMessage()]
+    warned = [r for r in failures if r.levelno == logging.WARNING]
+    assert [r.getMessage().split()[2] for r in warned] == ["BrokenSink(a)", "BrokenSink(b)"]
+    assert all(r.exc_info for r in warned)
+    quiet = [r for r in failures if r not in warned]
+    assert len(quiet) > 10 and all(r.levelno == logging.DEBUG and not r.exc_info for r in quiet)
