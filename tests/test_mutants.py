@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from bob import (ActionParseError, AgentRequest, AgentRuntime, CancelToken, ConfigError,
+from bob import (ActionParseError, AgentRequest, Approval, AgentRuntime, CancelToken, ConfigError,
                  FinishReason,
                  GuardReason, InMemorySessionStore, JsonFileSessionStore, Message, ScriptedLlm,
                  SessionState, StoreError, TurnPolicy, parse_action)
@@ -92,6 +92,19 @@ def test_a_turn_past_its_deadline_before_the_first_step_never_asks_the_model():
     r = rt.run(AgentRequest("go"))
     assert_tripped(r, GuardReason.TURN_TIMEOUT, "the turn took longer than turn_timeout_ms=1")
     assert (llm.requests, r.steps) == ([], 0)
+
+
+def test_a_batch_resumed_after_its_deadline_is_answered_not_run():
+    store, c = SlowStore(0.005), Counter()
+    paused = AgentRuntime(ScriptedLlm([tc("echo", x=1)]), c.tools(), store=store,
+                          ask_tools=["echo"]).run(AgentRequest("go"))
+    assert paused.finish_reason is FinishReason.NEEDS_APPROVAL
+    # No tool port: the resume lists no tools, so no worker can race the 1 ms deadline.
+    r = AgentRuntime(ScriptedLlm(), None, store=store, policy=TurnPolicy(turn_timeout_ms=1)).run(
+        AgentRequest(None, approvals={paused.pending[0].id: Approval(True)}))
+    assert_tripped(r, GuardReason.TURN_TIMEOUT, "the turn took longer than turn_timeout_ms=1")
+    assert r.history[-1].content == "not run: the turn took longer than turn_timeout_ms=1"
+    assert c.calls == []
 
 
 
