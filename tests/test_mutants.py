@@ -11,15 +11,17 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 import time
 
 import pytest
 
-from bob import (ActionParseError, AgentRequest, Approval, AgentRuntime, CancelToken, ConfigError,
-                 FinishReason,
-                 GuardReason, InMemorySessionStore, JsonFileSessionStore, Message, ScriptedLlm,
-                 SessionState, StoreError, TurnPolicy, parse_action)
-from test_core import Counter, agent, assert_tripped, batch, final, tc
+from bob import (ACTION_CONTRACT, ActionParseError, AgentError, AgentRequest, AgentRuntime,
+                 Approval, CancelToken, ConfigError, FinishReason, GuardReason,
+                 InMemorySessionStore, JsonFileSessionStore, LlmError, LlmResponse, Message,
+                 ScriptedLlm, SessionState, StoreError, ToolCall, ToolDescriptor, ToolResult,
+                 TurnPolicy, parse_action)
+from test_core import Counter, ListSink, agent, assert_tripped, batch, final, tc
 
 
 # ---- 1. CancelToken -----------------------------------------------------------------------------
@@ -113,6 +115,126 @@ def test_a_batch_resumed_after_its_deadline_is_answered_not_run():
 def test_an_unknown_action_mode_is_a_config_error_naming_the_two():
     with pytest.raises(ConfigError, match="action_mode must be 'json' or 'native', got 'xml'"):
         AgentRuntime(ScriptedLlm(), action_mode="xml")
+
+
+def test_a_turn_given_a_cancelled_token_ends_cancelled_without_calling_the_model():
+    token, llm = CancelToken(), ScriptedLlm([final("never")])
+    token.cancel()
+    r = AgentRuntime(llm).run(AgentRequest("go"), token)
+    assert (r.finish_reason, r.content, r.steps, llm.requests) == (
+        FinishReason.CANCELLED, "Cancelled.", 0, [])
+
+
+class StoppableTool:
+    """A tool port whose one tool blocks until its call is cancelled."""
+
+    def __init__(self) -> None:
+        self.cancelled = threading.Event()
+
+    def list_tools(self) -> list[ToolDescriptor]:
+        return [ToolDescriptor("block", "Blocks until cancelled.", {"type": "object"})]
+
+    def call_tool(self, call: ToolCall, timeout_s: float,
+                  cancel: CancelToken | None = None) -> ToolResult:
+        assert cancel is not None
+        if cancel.wait(10):
+            self.cancelled.set()
+        return ToolResult(call.id, call.name, "stopped", True)
+
+
+def test_a_tool_call_given_up_on_is_cancelled_when_the_turn_ends():
+    port = StoppableTool()
+    rt = agent([tc("block"), final("gave up")], tools=port, tool_timeout_ms=50)
+    r = rt.run(AgentRequest("go"))
+    assert r.content == "gave up" and "timed out after 50 ms" in r.history[-2].content
+    assert port.cancelled.wait(3), "the abandoned call never saw the turn's cancel"
+
+
+def too_long() -> LlmError:
+    return LlmError("too long", 400, "This model's maximum context length is 8192 tokens.")
+
+
+def test_a_too_long_prompt_of_one_message_is_not_retried():
+    llm = ScriptedLlm([too_long(), final("never")])
+    with pytest.raises(LlmError, match="too long"):
+        AgentRuntime(llm).run(AgentRequest("go"))
+    assert len(llm.requests) == 1
+
+
+def test_a_too_long_prompt_of_two_messages_is_retried_with_one():
+    llm, sink = ScriptedLlm([too_long(), final("short")]), ListSink()
+    r = AgentRuntime(llm, events=sink).run(
+        AgentRequest("go", history=[Message("user", "old")]))
+    assert r.content == "short" and sink.of("history_truncated") == [{"from": 2, "to": 1}]
+    assert [m.content for m in llm.requests[1].messages[1:]] == ["go"]
+
+
+def test_after_a_valid_action_two_more_invalid_replies_end_the_turn():
+    c = Counter()
+    rt = agent(["nope", tc("echo", x=1), "nope", "nope", final("never")], tools=c.tools())
+    with pytest.raises(AgentError, match="invalid action twice in a row"):
+        rt.run(AgentRequest("go"))
+
+
+def test_the_tool_calling_text_is_kept_in_native_mode_and_not_in_json_mode():
+    c = Counter()
+    native = agent([batch(("a", "echo", {"x": 1}), text="let me look"), "done"], mode="native",
+                   tools=c.tools()).run(AgentRequest("go"))
+    json_mode = agent([tc("echo", x=1), final("done")], tools=c.tools()).run(AgentRequest("go"))
+    assert native.history[1].content == "let me look" and json_mode.history[1].content == ""
+
+
+def test_the_corrective_prompt_asks_for_the_modes_kind_of_answer():
+    native = agent([LlmResponse(""), "ok"], mode="native").run(AgentRequest("go"))
+    json_mode = agent(["nope", final("ok")]).run(AgentRequest("go"))
+    assert native.history[1].content.endswith("Answer in text or call a tool.")
+    assert json_mode.history[1].content.endswith(ACTION_CONTRACT)
+    assert ACTION_CONTRACT not in native.history[1].content
+
+
+def test_a_failed_turn_emits_its_error_and_then_turn_completed_without_a_finish_reason():
+    sink = ListSink()
+    with pytest.raises(AgentError):
+        agent(["nope", "nope"], events=sink).run(AgentRequest("go"))
+    assert sink.kinds()[-2:] == ["error", "turn_completed"]
+    assert sink.of("error")[-1]["where"] == "turn"
+    assert sink.of("error")[-1]["error"].startswith("AgentError: the model replied with an invalid")
+    assert sink.of("turn_completed")[-1]["finish_reason"] is None
+
+
+class BrokenDisk:
+    """A store whose saves fail with a plain OSError (`load_error`: loads fail too)."""
+
+    def __init__(self, load_error: Exception | None = None) -> None:
+        self.load_error, self.saved = load_error, []
+
+    def load(self, session_id: str) -> SessionState | None:
+        if self.load_error:
+            raise self.load_error
+        return None
+
+    def save(self, session_id: str, state: SessionState) -> None:
+        self.saved.append(state)
+        raise OSError("disk full")
+
+
+def test_a_store_failing_with_any_error_raises_a_store_error_holding_the_answer():
+    with pytest.raises(StoreError, match="cannot save session 'default': OSError: disk full") as e:
+        AgentRuntime(ScriptedLlm([final("hi")]), store=BrokenDisk()).run(AgentRequest("go"))
+    assert e.value.result.content == "hi"
+
+
+def test_a_session_that_cannot_be_loaded_is_never_saved_over():
+    store, sink = BrokenDisk(StoreError("cannot read it")), ListSink()
+    with pytest.raises(StoreError, match="cannot read it"):
+        AgentRuntime(ScriptedLlm([final("hi")]), store=store, events=sink).run(AgentRequest("go"))
+    assert store.saved == [] and sink.kinds() == []
+
+
+def test_an_internal_error_is_an_agent_error_caused_by_it():
+    with pytest.raises(AgentError, match="internal error in build_prompt: AttributeError") as e:
+        AgentRuntime(ScriptedLlm()).run(AgentRequest("go", history=["not a Message"]))
+    assert isinstance(e.value.__cause__, AttributeError)
 
 
 # ---- 4. Actions ---------------------------------------------------------------------------------
