@@ -1,11 +1,14 @@
-"""Tests that kill mutants: behaviour of bob.py's CancelToken, LoopGuard, scheduler, action
-parser and session stores that no other test pinned down, each found by `bench/mutants.py`
-(a change to one line of bob.py that the rest of the suite did not notice).
+"""Tests that kill mutants: behaviour of bob.py's CancelToken, LoopGuard, scheduler, approvals,
+action parser and session stores that no other fast test pinned down. Each was found by
+`bench/mutants.py`: a one-line change to bob.py (a flipped comparison, a dropped statement, a
+constant off by one) that the rest of the suite did not notice.
 
-Real parts only: AgentRuntime with ScriptedLlm and FunctionTools, real stores on tmp_path.
+Real parts only: AgentRuntime with ScriptedLlm, FunctionTools and small ports and stores written
+here (a tool that blocks until cancelled, a store that is slow or whose disk fails), real files on
+tmp_path. No sleeps: blocking ports wait on events; where a deadline must pass, the clock runs.
 The helpers come from test_core.
 
-Sections: 1. CancelToken  2. Guards  3. Scheduler  4. Actions  5. Stores and sinks
+Sections: 1. CancelToken  2. Guards  3. Scheduler  4. Approvals  5. Actions  6. Stores and sinks
 """
 from __future__ import annotations
 
@@ -17,11 +20,12 @@ import time
 import pytest
 
 from bob import (ACTION_CONTRACT, ActionParseError, AgentError, AgentRequest, AgentRuntime,
-                 Approval, CancelToken, ConfigError, FinishReason, GuardReason,
+                 Approval, CancelToken, ConfigError, FinishReason, FunctionTools, GuardReason,
                  InMemorySessionStore, JsonFileSessionStore, LlmError, LlmResponse, Message,
                  ScriptedLlm, SessionState, StoreError, ToolCall, ToolDescriptor, ToolResult,
                  TurnPolicy, parse_action)
-from test_core import Counter, ListSink, agent, assert_tripped, batch, final, tc
+from test_core import (Counter, ListSink, agent, assert_tripped, assert_well_formed, batch,
+                       final, tc)
 
 
 # ---- 1. CancelToken -----------------------------------------------------------------------------
@@ -237,7 +241,109 @@ def test_an_internal_error_is_an_agent_error_caused_by_it():
     assert isinstance(e.value.__cause__, AttributeError)
 
 
-# ---- 4. Actions ---------------------------------------------------------------------------------
+
+def test_tool_calls_are_refused_while_too_many_earlier_port_calls_hang(hang):
+    release, store, c = hang(), InMemorySessionStore(), Counter()
+
+    def stuck() -> str:
+        """Blocks until the test ends."""
+        release.wait()
+        return "late"
+
+    def reply(req, cancel):
+        # Another turn, meanwhile, gives up on 32 calls that never return.
+        calls = [(f"h{i}", "stuck", {}) for i in range(32)]
+        other = agent([batch(*calls)], mode="native", tools=FunctionTools([stuck]),
+                      max_parallel_tools=32, max_tool_calls=32, tool_timeout_ms=1)
+        other.run(AgentRequest("hang"))          # ends on max_consecutive_errors
+        return tc("echo", x=1)
+
+    with pytest.raises(AgentError, match="restart the program"):   # at the next model call
+        AgentRuntime(ScriptedLlm([reply]), c.tools(), store=store).run(AgentRequest("go"))
+    result = store.load("default").messages[-1]
+    assert c.calls == [] and result.is_error
+    assert result.content == ("executor unavailable: 32 earlier port calls are still hung; "
+                              "restart the program")
+
+
+# ---- 4. Approvals: pause and resume -----------------------------------------------------------
+
+def asking(replies, c: Counter, store, **kw) -> AgentRuntime:
+    """A runtime whose `echo` calls need a decision."""
+    return AgentRuntime(ScriptedLlm(replies), c.tools(), store=store, ask_tools=["echo"], **kw)
+
+
+def test_pausing_without_an_approver_decides_nothing_and_says_what_waits():
+    sink, c = ListSink(), Counter()
+    r = asking([tc("echo", x=1)], c, InMemorySessionStore(), events=sink).run(AgentRequest("go"))
+    assert (r.finish_reason, r.content) == (FinishReason.NEEDS_APPROVAL,
+                                            "Waiting for approval: echo.")
+    assert len(sink.of("approval_requested")) == 1 and sink.of("approval_decided") == []
+
+
+def test_edited_arguments_change_only_the_call_in_history():
+    c = Counter()
+    r = asking([tc("echo", x=1), final("ok")], c, InMemorySessionStore(),
+               approver=lambda call: Approval(True, arguments={"x": 30})).run(AgentRequest("go"))
+    assert c.calls == [("echo", {"x": 30, "a": 0, "b": 0})]
+    assert [(m.role, m.content) for m in r.history[:2]] == [("user", "go"), ("assistant", "")]
+    assert r.history[1].tool_calls[0].arguments == {"x": 30}
+    assert_well_formed(r.history)
+
+
+def test_an_approver_returning_no_approval_declines_the_call():
+    c = Counter()
+    r = asking([tc("echo", x=1), final("ok")], c, InMemorySessionStore(),
+               approver=lambda call: "yes").run(AgentRequest("go"))
+    assert c.calls == [] and r.content == "ok"
+    assert r.history[2].is_error
+    assert r.history[2].content == "the user declined this call: the approver returned str, " \
+                                   "not an Approval"
+
+
+def test_a_resumed_batch_is_not_counted_again_by_the_loop_guard():
+    store, c = InMemorySessionStore(), Counter()
+    paused = asking([tc("echo", x=1)], c, store, policy=TurnPolicy(max_repeated_batches=1)).run(
+        AgentRequest("go"))
+    r = asking([final("done")], c, store, policy=TurnPolicy(max_repeated_batches=1)).run(
+        AgentRequest(None, approvals={paused.pending[0].id: Approval(True)}))
+    assert (r.finish_reason, r.content, len(c.calls)) == (FinishReason.FINAL, "done", 1)
+
+
+def test_a_resumed_turn_still_sends_its_question_when_history_is_cut():
+    store, c = InMemorySessionStore(), Counter()
+    old = [Message("user", "old question"), Message("assistant", "old answer")]
+    paused = asking([tc("echo", x=1)], c, store).run(AgentRequest("go", history=old))
+    llm = ScriptedLlm([final("done")])
+    AgentRuntime(llm, c.tools(), store=store, ask_tools=["echo"],
+                 policy=TurnPolicy(max_history_messages=3)).run(
+        AgentRequest(None, approvals={paused.pending[0].id: Approval(True)}))
+    sent = [m.content for m in llm.requests[0].messages[1:]]
+    assert sent[0] == "go" and "old question" not in sent and len(sent) == 3
+
+
+def test_decisions_from_an_earlier_resume_are_kept_until_the_batch_runs():
+    store, c = InMemorySessionStore(), Counter()
+    two = batch(("a", "echo", {"x": 1}), ("b", "echo", {"x": 2}))
+    asking([two], c, store, action_mode="native").run(AgentRequest("go"))
+    again = asking([], c, store, action_mode="native").run(
+        AgentRequest(None, approvals={"a": Approval(False, "no")}))
+    assert [p.id for p in again.pending] == ["b"] and c.calls == []
+    r = asking(["done"], c, store, action_mode="native").run(
+        AgentRequest(None, approvals={"b": Approval(True)}))
+    assert r.content == "done" and c.calls == [("echo", {"x": 2, "a": 0, "b": 0})]
+    assert r.history[2].content == "the user declined this call: no"
+
+
+def test_new_input_ends_the_pause_in_the_stored_session():
+    store, c = InMemorySessionStore(), Counter()
+    asking([tc("echo", x=1)], c, store).run(AgentRequest("go"))
+    assert store.load("default").paused is not None
+    asking([final("fine")], c, store).run(AgentRequest("never mind"))
+    assert store.load("default").paused is None
+
+
+# ---- 5. Actions ---------------------------------------------------------------------------------
 
 def nested_call(levels: int) -> str:
     """A tool_call reply whose argument is a list nested `levels` deep (the reply object is
@@ -261,7 +367,7 @@ def test_a_reply_may_hold_a_14000_bit_integer_and_not_a_longer_one():
         parse_action(json.dumps({**reply, "n": 2**14000}))
 
 
-# ---- 5. Stores and sinks ------------------------------------------------------------------------
+# ---- 6. Stores and sinks ------------------------------------------------------------------------
 
 def test_a_save_conflict_names_the_stored_version_and_the_one_the_turn_started_from():
     store = InMemorySessionStore()
