@@ -1,6 +1,6 @@
 """Mutation test of bob.py's core: would the fast tests notice if this line were wrong?
 
-    nice -n 19 /work/venv/bin/python bench/mutants.py -j3           # every target, ~25 min
+    nice -n 19 /work/venv/bin/python bench/mutants.py -j3           # every target, ~10 min
     nice -n 19 /work/venv/bin/python bench/mutants.py LoopGuard     # names containing this
     /work/venv/bin/python bench/mutants.py --list                   # the mutants, not run
     .../python bench/mutants.py _remove --tests=tests/test_mutants.py  # only these tests
@@ -260,39 +260,29 @@ def _run(tree: ast.Module | None, tests: list[str], trace: str | None = None) ->
 
 # ---- 4. Main -----------------------------------------------------------------------------------
 
-def main(argv: list[str]) -> int:
-    os.chdir(ROOT)
-    only = next((a for a in argv if not a.startswith("-")), "")
-    jobs = int(next((a[2:] for a in argv if a.startswith("-j")), "1") or 1)
-    files = next((a[8:].split(",") for a in argv if a.startswith("--tests=")), TEST_FILES)
-    mutants = _mutants(only)
-    if "--list" in argv:
-        for name, k, line, _ in mutants:
-            _, before, after = _mutate(name, k)
-            print(f"bob.py:{line} {name}: {before}  ->  {after}")
-        print(f"{len(mutants)} mutants")
-        return 0
-    import hypothesis  # noqa: F401  (imported once here; every forked child reuses them)
-    import pytest  # noqa: F401
-    import requests  # noqa: F401
-    t0 = time.monotonic()
+def _coverage(files: list[str]) -> dict[str, set[int]] | None:
+    """The lines of bob.py each test runs, from a traced run; None if the tests fail unmutated
+    (twice: one failure may be a flake)."""
     if _run(None, files) != "survived" and _run(None, files) != "survived":
-        print("the unmutated tests fail (twice): fix them first", file=sys.stderr)
-        return 2
+        return None
     trace = f"/tmp/bob-mutants-lines-{os.getpid()}.json"
     _run(None, files, trace)
     by_test = {k: set(v) for k, v in json.loads(Path(trace).read_text()).items()}
     os.unlink(trace)
-    print(f"unmutated run: {time.monotonic() - t0:.1f} s; {len(mutants)} mutants", flush=True)
-    counts = {"killed": 0, "survived": 0, "timeout": 0}
-    survivors = []
+    return by_test
+
+
+def _run_all(mutants: list, by_test: dict[str, set[int]], jobs: int
+             ) -> tuple[dict[str, int], list[str]]:
+    """Run every mutant, `jobs` at a time; the counts by outcome and the survivors in order."""
+    counts, survivors = {"killed": 0, "survived": 0, "timeout": 0}, []
     running: dict[int, tuple[int, str]] = {}   # pid -> (mutant number, what it changed)
 
     def record(i: int, what: str, outcome: str) -> None:
         counts[outcome] += 1
+        if outcome == "survived":
+            survivors.append((i, what))
         if outcome != "killed":
-            if outcome == "survived":
-                survivors.append((i, what))
             print(f"  [{i}/{len(mutants)}] {outcome.upper()} {what}", flush=True)
 
     for i, (name, k, line, (first, last)) in enumerate(mutants, 1):
@@ -310,13 +300,37 @@ def main(argv: list[str]) -> int:
     while running:
         pid, status = os.wait()
         record(*running.pop(pid), _outcome(status))
-    survivors = [w for _, w in sorted(survivors)]
+    return counts, [w for _, w in sorted(survivors)]
+
+
+def main(argv: list[str]) -> int:
+    os.chdir(ROOT)
+    only = next((a for a in argv if not a.startswith("-")), "")
+    jobs = int(next((a[2:] for a in argv if a.startswith("-j")), "1") or 1)
+    files = next((a[8:].split(",") for a in argv if a.startswith("--tests=")), TEST_FILES)
+    mutants = _mutants(only)
+    if "--list" in argv:
+        for name, k, line, _ in mutants:
+            _, before, after = _mutate(name, k)
+            print(f"bob.py:{line} {name}: {before}  ->  {after}")
+        print(f"{len(mutants)} mutants")
+        return 0
+    import hypothesis  # noqa: F401  (imported once here; every forked child reuses them)
+    import pytest  # noqa: F401
+    import requests  # noqa: F401
+    t0 = time.monotonic()
+    by_test = _coverage(files)
+    if by_test is None:
+        print("the unmutated tests fail (twice): fix them first", file=sys.stderr)
+        return 2
+    print(f"unmutated run: {time.monotonic() - t0:.1f} s; {len(mutants)} mutants", flush=True)
+    counts, survivors = _run_all(mutants, by_test, jobs)
     print(f"\nmutants: {len(mutants)}  killed: {counts['killed']}  survived: "
           f"{counts['survived']}  timeouts: {counts['timeout']}  "
           f"run time: {(time.monotonic() - t0) / 60:.1f} min")
     print("survivors:" if survivors else "no survivors")
-    for s in survivors:
-        print(f"  {s}")
+    for line in survivors:
+        print(f"  {line}")
     return 0
 
 
