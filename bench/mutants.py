@@ -58,7 +58,7 @@ _FLIP = {ast.Eq: ast.NotEq, ast.NotEq: ast.Eq, ast.Lt: ast.GtE, ast.GtE: ast.Lt,
          ast.In: ast.NotIn, ast.NotIn: ast.In}
 
 
-# ---- 1. Finding the mutation sites -------------------------------------------------------------
+# ---- 1. Finding the mutation sites --------------------------------------------------------------
 
 def _targets(tree: ast.Module, only: str) -> list[tuple[str, ast.AST]]:
     """(qualified name, function node) of every targeted function, in file order."""
@@ -113,7 +113,7 @@ def _sites(fn: ast.AST) -> list[tuple[ast.AST, str, int]]:
     return sites
 
 
-# ---- 2. Applying one mutation ------------------------------------------------------------------
+# ---- 2. Applying one mutation -------------------------------------------------------------------
 
 def _replace(fn: ast.AST, old: ast.AST, new: ast.AST) -> None:
     """Put `new` where `old` is, in its parent inside `fn`."""
@@ -181,7 +181,7 @@ def _show(node: ast.AST) -> str:
     return one if len(one) <= 70 else one[:67] + "..."
 
 
-# ---- 3. Running the tests against a mutant -----------------------------------------------------
+# ---- 3. Running the tests against a mutant ------------------------------------------------------
 
 def _load(tree: ast.Module | None) -> None:
     """Install bob (mutated if `tree`) as sys.modules['bob'] before the tests import it."""
@@ -258,7 +258,7 @@ def _run(tree: ast.Module | None, tests: list[str], trace: str | None = None) ->
     return _outcome(os.waitpid(_start(tree, tests, trace), 0)[1])
 
 
-# ---- 4. Main -----------------------------------------------------------------------------------
+# ---- 4. Main ------------------------------------------------------------------------------------
 
 def _coverage(files: list[str]) -> dict[str, set[int]] | None:
     """The lines of bob.py each test runs, from a traced run; None if the tests fail unmutated

@@ -67,7 +67,6 @@ def test_refused_oversized_batches_count_toward_max_consecutive_errors():
     assert (r.steps, c.calls) == (2, [])
 
 
-
 def test_a_success_resets_the_error_streak_to_zero():
     c = Counter()
     replies = [tc("fail", n=1), tc("echo", x=1), tc("fail", n=2), tc("fail", n=3), final("no")]
@@ -84,7 +83,7 @@ class SlowStore:
 
     def load(self, session_id: str) -> SessionState | None:
         end = time.monotonic() + self.seconds
-        while time.monotonic() < end:   # the clock, not another thread: nothing to wait for
+        while time.monotonic() < end:   # only the clock must move on: no thread to wait for
             pass
         return self.inner.load(session_id)
 
@@ -111,7 +110,6 @@ def test_a_batch_resumed_after_its_deadline_is_answered_not_run():
     assert_tripped(r, GuardReason.TURN_TIMEOUT, "the turn took longer than turn_timeout_ms=1")
     assert r.history[-1].content == "not run: the turn took longer than turn_timeout_ms=1"
     assert c.calls == []
-
 
 
 # ---- 3. Scheduler -------------------------------------------------------------------------------
@@ -241,7 +239,6 @@ def test_an_internal_error_is_an_agent_error_caused_by_it():
     assert isinstance(e.value.__cause__, AttributeError)
 
 
-
 def test_tool_calls_are_refused_while_too_many_earlier_port_calls_hang(hang):
     release, store, c = hang(), InMemorySessionStore(), Counter()
 
@@ -266,7 +263,7 @@ def test_tool_calls_are_refused_while_too_many_earlier_port_calls_hang(hang):
                               "restart the program")
 
 
-# ---- 4. Approvals: pause and resume -----------------------------------------------------------
+# ---- 4. Approvals: pause and resume -------------------------------------------------------------
 
 def asking(replies, c: Counter, store, **kw) -> AgentRuntime:
     """A runtime whose `echo` calls need a decision."""
