@@ -43,9 +43,9 @@ TEST_FILES = ["tests/test_mutants.py", "tests/test_core.py", "tests/test_approva
               "tests/test_scheduler_hostile.py", "tests/test_tools_stores.py",
               "tests/test_sink_surrogates.py", "tests/test_hostile_stores.py",
               "tests/test_hostile_llm.py"]
-# Tests left out: they assert the order in which two concurrent tool calls ran, which a forked
-# child under load does not keep (they pass in a normal run).
-FLAKY = ["tests/test_approval.py::test_a_call_left_without_a_decision_pauses_again"]
+# Tests left out (none now): a test that fails in a forked child under load, though it passes
+# in a normal run, goes here by its node id until it is fixed.
+FLAKY: list[str] = []
 # Qualified names mutated: a class name means all of its methods.
 TARGETS = ["CancelToken", "_json_problem", "parse_action", "_required_str", "LoopGuard",
            "_check_newer", "InMemorySessionStore", "JsonFileSessionStore", "_wait_all", "_call",

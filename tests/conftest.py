@@ -112,6 +112,40 @@ def marked_pids(marker: str) -> list[int]:
     return pids
 
 
+class Counter:
+    """Trivial tools that count how often they ran."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, dict]] = []
+
+    def tools(self) -> bob.FunctionTools:
+        def echo(x: int = 0, a: int = 0, b: int = 0) -> str:
+            """Echo x."""
+            self.calls.append(("echo", {"x": x, "a": a, "b": b}))
+            return f"echo {x}"
+
+        def fail(n: int = 0) -> str:
+            """Always fails."""
+            self.calls.append(("fail", {"n": n}))
+            raise RuntimeError(f"fail #{n}")
+
+        return bob.FunctionTools([echo, fail])
+
+
+def agent(replies, *, tools=None, mode="json", events=None, **policy) -> bob.AgentRuntime:
+    """A runtime on ScriptedLlm(replies) with a TurnPolicy of the given fields."""
+    return bob.AgentRuntime(bob.ScriptedLlm(replies), tools, events=events, action_mode=mode,
+                            policy=bob.TurnPolicy(**policy))
+
+
+def assert_tripped(result: bob.AgentRunResult, reason: bob.GuardReason, field: str) -> None:
+    """The turn ended on this guard, says so, and left a well-formed history."""
+    assert result.finish_reason is bob.FinishReason.GUARD_EXCEEDED
+    assert result.guard_reason is reason
+    assert field in result.content, result.content
+    assert_well_formed(result.history)
+
+
 def make_llm(server: FakeOpenAI, **kw) -> bob.OpenAICompatLlm:
     """An OpenAICompatLlm on the fake server, with the test key and fast backoff."""
     kw.setdefault("api_key", KEY)

@@ -23,8 +23,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import bob
-from conftest import (ListSink, assert_well_formed, batch, cancel_once_entered, final, tc,
-                      wait_until)
+from conftest import (Counter, ListSink, agent, assert_tripped, assert_well_formed, batch,
+                      cancel_once_entered, final, tc, wait_until)
 from bob import (AgentError, AgentRequest, AgentRuntime, CancelToken, CompositeToolPort,
                  ConfigError, FinishReason,
                  FunctionTools, GuardReason, LlmError, LlmResponse, Message, ScriptedLlm,
@@ -34,40 +34,6 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 # ---- 1. Helpers ---------------------------------------------------------------------------------
-
-class Counter:
-    """Trivial tools that count how often they ran."""
-
-    def __init__(self) -> None:
-        self.calls: list[tuple[str, dict]] = []
-
-    def tools(self) -> FunctionTools:
-        def echo(x: int = 0, a: int = 0, b: int = 0) -> str:
-            """Echo x."""
-            self.calls.append(("echo", {"x": x, "a": a, "b": b}))
-            return f"echo {x}"
-
-        def fail(n: int = 0) -> str:
-            """Always fails."""
-            self.calls.append(("fail", {"n": n}))
-            raise RuntimeError(f"fail #{n}")
-
-        return FunctionTools([echo, fail])
-
-
-
-
-def agent(replies, *, tools=None, mode="json", events=None, **policy) -> AgentRuntime:
-    return AgentRuntime(ScriptedLlm(replies), tools, events=events, action_mode=mode,
-                        policy=TurnPolicy(**policy))
-
-
-def assert_tripped(result: bob.AgentRunResult, reason: GuardReason, field: str) -> None:
-    assert result.finish_reason is FinishReason.GUARD_EXCEEDED
-    assert result.guard_reason is reason
-    assert field in result.content, result.content
-    assert_well_formed(result.history)
-
 
 # ---- 2. Guards ----------------------------------------------------------------------------------
 

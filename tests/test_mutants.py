@@ -24,8 +24,8 @@ from bob import (ACTION_CONTRACT, ActionParseError, AgentError, AgentRequest, Ag
                  InMemorySessionStore, JsonFileSessionStore, LlmError, LlmResponse, Message,
                  ScriptedLlm, SessionState, StoreError, ToolCall, ToolDescriptor, ToolResult,
                  TurnPolicy, parse_action)
-from test_core import (Counter, ListSink, agent, assert_tripped, assert_well_formed, batch,
-                       final, tc)
+from conftest import (Counter, ListSink, agent, assert_tripped, assert_well_formed, batch, final,
+                      tc)
 
 
 # ---- 1. CancelToken -----------------------------------------------------------------------------
