@@ -17,6 +17,7 @@ Sections:
     3. Ports                  8. Workers: threads with deadlines and cancel
     4. Actions and prompts    9. The scheduler (AgentRuntime)
     5. LoopGuard             10. LLM adapters: ScriptedLlm, OpenAICompatLlm
+                             11. Trace and replay
 
 Vendoring: copy this file. It needs Python >= 3.11 and the standard library; `requests` is imported
 only when an OpenAICompatLlm is created. Nothing happens at import time.
@@ -50,7 +51,7 @@ from typing import Any, Callable, Iterable, Iterator, Literal, Protocol, Sequenc
 __all__ = [
     # errors
     "BobError", "ConfigError", "LlmError", "ActionParseError", "StoreError", "AgentError",
-    "Cancelled",
+    "Cancelled", "TraceError",
     # domain
     "Message", "ToolDescriptor", "ToolCall", "ToolResult", "Final", "CallTools", "AskUser",
     "AgentAction", "TurnPolicy", "Usage", "FinishReason", "GuardReason", "AgentRequest",
@@ -64,7 +65,11 @@ __all__ = [
     "cut_output", "redact", "FunctionTools", "CompositeToolPort",
     "InMemorySessionStore", "JsonFileSessionStore", "LoggingEventSink", "JsonlEventSink",
     "AgentRuntime", "ScriptedLlm", "OpenAICompatLlm", "PROVIDERS", "RETRYABLE_STATUSES",
+    # trace and replay
+    "TRACE_FORMAT", "request_digest", "read_trace", "ReplayLlm", "ReplayTools", "replay",
 ]
+__version__ = "0.1.0"
+TRACE_FORMAT = 1   # the format of what a trace records (README: "Record and replay")
 
 log = logging.getLogger("bob")
 
@@ -141,6 +146,10 @@ class ToolCall:
     arguments: dict[str, Any]
     error: str | None = None  # why the model's arguments are unusable: not run, the model is told
 
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON-ready dict; `error` only when set."""
+        return {k: v for k, v in vars(self).items() if v is not None}
+
 
 @dataclass(frozen=True)
 class ToolResult:
@@ -174,8 +183,7 @@ class Message:
         """Plain JSON-ready dict; `Message.from_dict` reverses it exactly."""
         d: dict[str, Any] = {"role": self.role, "content": self.content}
         if self.tool_calls:
-            d["tool_calls"] = [{k: v for k, v in vars(c).items() if v is not None}  # no copies
-                               for c in self.tool_calls]
+            d["tool_calls"] = [c.to_dict() for c in self.tool_calls]
         if self.tool_call_id is not None:
             d["tool_call_id"] = self.tool_call_id
         if self.name is not None:
@@ -1078,17 +1086,58 @@ class JsonlEventSink:
                 self._file = None
 
 
-_SECRET_KEY = re.compile(r"(?i)(api[_-]?key|authorization|password|secret|access[_-]?token)")
+_SECRETS = r"api[_-]?key|authorization|password|secret|access[_-]?token"
+_SECRET_KEY = re.compile(f"(?i)({_SECRETS})")
+# the same keys inside text, e.g. a JSON-mode reply {"arguments": {"api_key": "sk-..."}}
+_SECRET_PAIR = re.compile(f'(?i)("[^"]*(?:{_SECRETS})[^"]*"\\s*:\\s*)"(?:[^"\\\\]|\\\\.)*"')
+
+
+@functools.lru_cache(maxsize=4096)  # keys repeat across calls: 20,000 calls mask in milliseconds
+def _secret_key(key: Any) -> bool:
+    return isinstance(key, str) and bool(_SECRET_KEY.search(key))
 
 
 def redact(data: Any) -> Any:
-    """A copy of JSON-like data with the values of secret-looking keys replaced by '***'."""
+    """A copy of JSON-like data with the values of secret-looking keys replaced by '***', in
+    dicts and in JSON text inside strings; applying it twice changes nothing."""
     if isinstance(data, dict):
-        return {k: "***" if isinstance(k, str) and _SECRET_KEY.search(k) else redact(v)
-                for k, v in data.items()}
+        return {k: "***" if _secret_key(k) else redact(v) for k, v in data.items()}
     if isinstance(data, list):
         return [redact(v) for v in data]
+    if isinstance(data, str) and '"' in data:
+        return _SECRET_PAIR.sub(r'\1"***"', data)
     return data
+
+
+def request_digest(req: LlmRequest, cache: dict[int, tuple[Message, str]] | None = None) -> str:
+    """sha256 of the canonical JSON of what an LlmPort receives: {"messages" (masked),
+    "response_format", "tools"}. `cache` keeps each message's part (and the message, so its
+    id stays its own): a step then pays only for its new messages."""
+    cache = {} if cache is None else cache
+    canonical = functools.partial(json.dumps, sort_keys=True, separators=(",", ":"), default=str)
+    parts = [(cache.get(id(m)) or cache.setdefault(id(m), (m, canonical(redact(
+        m.to_dict())))))[1] for m in req.messages]
+    text = (f'{{"messages":[{",".join(parts)}],"response_format":'
+            f'{canonical(req.response_format)},"tools":'
+            f'{canonical([dataclasses.asdict(d) for d in req.tools])}}}')
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _fit(call: ToolCall) -> ToolCall:
+    """The call, or when its arguments are unfit to keep (too deep, a huge integer) the call
+    with none, not to be run: the model is told, like for arguments that are not JSON."""
+    problem = _json_problem(call.arguments)
+    if problem is None:
+        return call
+    return dataclasses.replace(call, arguments={}, error=f"the arguments of {call.name!r} "
+                               f"{problem}; call it again with smaller arguments")
+
+
+def _reply_data(reply: LlmResponse, duration_ms: float) -> dict[str, Any]:
+    """llm_call_completed: the reply as the port gave it (ids before bob fixes them, arguments
+    unfit to keep already replaced), masked."""
+    return redact({**vars(reply), "tool_calls": [_fit(c).to_dict() for c in reply.tool_calls],
+                   "usage": vars(reply.usage), "duration_ms": duration_ms})
 
 
 # ---- 8. Workers: threads with deadlines and cancel ----------------------------------------------
@@ -1243,7 +1292,9 @@ class _Turn:
     approvals: dict[str, Approval] = field(default_factory=dict)  # decisions, by call id
     resumed: bool = False                   # took up a paused batch (its guards already ran)
     pending: tuple[ToolCall, ...] = ()      # calls left waiting for a decision
+    masked: dict[int, Any] = field(default_factory=dict)  # id(arguments) -> masked, this step
     closed: bool = False                    # set at the end: late worker events are dropped
+    parts: dict[int, tuple[Message, str]] = field(default_factory=dict)  # for request_digest
 
 
 class AgentRuntime:
@@ -1269,6 +1320,7 @@ class AgentRuntime:
         self.approver = approver
         self._failing: set[int] = set()   # ids of sinks that raised (logged once each)
         self._probe: _Worker | None = None  # health()'s list_tools call
+        self._traced: dict[str, int] = {}  # session -> the version its traced turns lead to
         self._states: dict[State, Callable[[_Turn], State]] = {
             State.START: self._start, State.BUILD_PROMPT: self._build_prompt,
             State.LLM_INFER: self._llm_infer, State.PARSE_ACTION: self._parse_action,
@@ -1331,20 +1383,19 @@ class AgentRuntime:
         t.session = stored or SessionState()
         if t.request.history is not None:
             t.session.messages = list(t.request.history)
+        self._trace_loaded(t)
         resume = self._take_up(t)
         worker = self._call_port(t, self.tools.list_tools) if self.tools is not None else None
         if worker is not None and worker.done and worker.error is None:
             t.tools = [d for d in worker.value if not is_denied(d.name, self.deny_tools)]
-        self._emit(t, "turn_started", {"input": t.request.input,
-                                       "tools": [d.name for d in t.tools]})
+        self._trace_start(t)
         stop = worker and self._stopped(t, worker, "listing the tools")
         return stop or (State.CALL_TOOL if resume else State.BUILD_PROMPT)
 
     def _build_prompt(self, t: _Turn) -> State:
         """System message + history cut to max_history_messages, in the mode's wire shape."""
         if t.system is None:
-            instructions = t.request.system_prompt or self.system_prompt or DEFAULT_INSTRUCTIONS
-            t.system = Message("system", build_system_prompt(instructions, t.tools,
+            t.system = Message("system", build_system_prompt(self._instructions(t), t.tools,
                                                              self.action_mode))
         t.prompt = self._prompt(t, t.policy.max_history_messages)
         return State.LLM_INFER
@@ -1358,7 +1409,8 @@ class AgentRuntime:
             return self._trip(t, trip)
         assert t.prompt is not None
         prompt = t.prompt
-        self._emit(t, "llm_call_started", {"messages": len(prompt.messages)})
+        self._emit(t, "llm_call_started", {"messages": len(prompt.messages), "digest": (
+            request_digest(prompt, t.parts) if self.sinks else None)})
         t0 = time.perf_counter()
         worker = self._complete(t, prompt)
         if _too_long(worker.error) and len(prompt.messages) > 2 and not t.cancel.cancelled:
@@ -1371,9 +1423,10 @@ class AgentRuntime:
             return stop
         t.reply = worker.value
         t.usage += t.reply.usage
-        self._emit(t, "llm_call_completed", {
-            "usage": dict(vars(t.reply.usage)), "duration_ms": _ms_since(t0),
-            "finish_reason": t.reply.finish_reason})
+        data = _reply_data(t.reply, _ms_since(t0))
+        t.masked = {id(c.arguments): d["arguments"]  # masked once, for tool_call_started too
+                    for c, d in zip(t.reply.tool_calls, data["tool_calls"])}
+        self._emit(t, "llm_call_completed", data)
         return State.PARSE_ACTION
 
     def _parse_action(self, t: _Turn) -> State:
@@ -1419,14 +1472,8 @@ class AgentRuntime:
         if t.caller_cancel.cancelled:  # cancelled while the model answered: start nothing
             return self._interrupted(t)
         if not t.resumed:  # a resumed batch passed these two before it paused
-            n = t.policy.max_parallel_tools
-            if len(calls) > n:  # first: refusing costs O(1) per call, hashing would not
-                self._append_results(t, [_error(c, f"not run: this batch has {len(calls)} calls "
-                                                f"and at most max_parallel_tools={n} may run at "
-                                                f"once; call at most {n} tools at a time")
-                                         for c in calls])
-                t.guard.record_refusal()
-                return State.BUILD_PROMPT
+            if len(calls) > t.policy.max_parallel_tools:  # first: O(1) per call, unlike hashing
+                return self._refuse_batch(t, calls)
             trip = t.guard.check_loop(calls)
             if trip:
                 return self._not_run(t, trip)
@@ -1466,7 +1513,7 @@ class AgentRuntime:
         self._emit(t, "turn_completed", {  # a turn that raises has no finish reason
             "finish_reason": None if failed else t.finish.value, "usage": dict(vars(t.usage)),
             "guard_reason": t.guard_reason.value if t.guard_reason else None,
-            "steps": t.guard.steps, "tool_calls": t.guard.tool_calls})
+            "steps": t.guard.steps, "tool_calls": t.guard.tool_calls, "content": t.content})
         t.closed = True
         if failed is not None:
             raise failed
@@ -1515,7 +1562,7 @@ class AgentRuntime:
             return True
         t.session.paused = None
         self._append_results(t, [_error(c, "not run: the user sent a new message instead of "
-                                           "deciding on this call") for c in waiting])
+                                           "deciding on this call") for c in waiting], waiting)
         t.session.messages.append(Message("user", t.request.input))
         t.input_index = len(t.session.messages) - 1
         return False
@@ -1573,7 +1620,8 @@ class AgentRuntime:
         t.approvals[call.id] = approval
         changed = approval.allow and approval.arguments not in (None, call.arguments)
         self._emit(t, "approval_decided", {"call_id": call.id, "allow": approval.allow,
-                                           "arguments_changed": changed})
+                                           "arguments_changed": changed, "reason": approval.reason,
+                                           "arguments": redact(approval.arguments)})
 
     def _pause(self, t: _Turn, waiting: list[ToolCall]) -> State:
         """End the turn NEEDS_APPROVAL with the batch unrun, saving what a resume needs."""
@@ -1584,17 +1632,28 @@ class AgentRuntime:
         t.content = "Waiting for approval: " + ", ".join(c.name for c in waiting) + "."
         return State.DONE
 
+    def _refuse_batch(self, t: _Turn, calls: Sequence[ToolCall]) -> State:
+        """An over-size batch runs not at all; it counts as one error and the loop goes on."""
+        n = t.policy.max_parallel_tools
+        self._append_results(t, [_error(c, f"not run: this batch has {len(calls)} calls and "
+                                        f"at most max_parallel_tools={n} may run at once; "
+                                        f"call at most {n} tools at a time") for c in calls],
+                             calls)
+        t.guard.record_refusal()
+        return State.BUILD_PROMPT
+
     def _not_run(self, t: _Turn, trip: Trip) -> State:
         """A guard stopped the batch: every call gets a result, so history stays well-formed."""
         assert isinstance(t.action, CallTools)
-        self._append_results(t, [_error(c, f"not run: {trip.detail}") for c in t.action.calls])
+        calls = t.action.calls
+        self._append_results(t, [_error(c, f"not run: {trip.detail}") for c in calls], calls)
         return self._trip(t, trip)
 
     def _interrupted(self, t: _Turn) -> State:
         """Cancelled with the batch unrun: each call gets an "interrupted" result."""
         assert isinstance(t.action, CallTools)
         self._append_results(t, [_error(c, "interrupted: the turn was cancelled before this call "
-                                           "started") for c in t.action.calls])
+                                           "started") for c in t.action.calls], t.action.calls)
         return self._cancelled(t)
 
     def _call_port(self, t: _Turn, fn: Callable[[], Any]) -> _Worker:
@@ -1627,12 +1686,8 @@ class AgentRuntime:
             for i, c in enumerate(reply.tool_calls):
                 if not c.id or c.id in seen:
                     c = dataclasses.replace(c, id=f"{call_id}_{i}")
-                problem = _json_problem(c.arguments)
-                if problem:  # not run, like arguments that are not JSON (see _call_from_wire)
-                    c = dataclasses.replace(c, arguments={}, error=f"the arguments of {c.name!r} "
-                                            f"{problem}; call it again with smaller arguments")
                 seen.add(c.id)
-                calls.append(c)
+                calls.append(_fit(c))
             return CallTools(tuple(calls))
         if not reply.content.strip():
             raise ActionParseError("the reply was empty: no text and no tool calls")
@@ -1645,8 +1700,7 @@ class AgentRuntime:
         results = list(refusals)
         running: list[tuple[int, _Worker, float]] = []
         for i, call in enumerate(calls):
-            self._emit(t, "tool_call_started", {"call_id": call.id, "name": call.name,
-                                                "arguments": redact(call.arguments)})
+            self._trace_call(t, call, results[i] is None)
             if results[i] is None:
                 timeout = min(t.policy.tool_timeout_ms / 1000, t.guard.remaining_s())
                 assert self.tools is not None  # _refusal lets only listed tools through
@@ -1689,13 +1743,46 @@ class AgentRuntime:
         content = cut_output(r.content, t.policy.max_tool_output_chars)
         return ToolResult(call.id, call.name, content, r.is_error, r.duration_ms)
 
-    def _append_results(self, t: _Turn, results: Sequence[ToolResult]) -> None:
+    def _append_results(self, t: _Turn, results: Sequence[ToolResult],
+                        refused: Sequence[ToolCall] = ()) -> None:
+        for call in refused:  # never started: the trace still says they were asked for
+            self._trace_call(t, call, False)
         for r in results:
             self._emit(t, "tool_call_completed", {"call_id": r.call_id, "name": r.name,
                                                   "is_error": r.is_error, "content": redact(
                                                       r.content), "duration_ms": r.duration_ms})
             t.session.messages.append(Message("tool", r.content, tool_call_id=r.call_id,
                                               name=r.name, is_error=r.is_error))
+
+    def _trace_call(self, t: _Turn, call: ToolCall, runs: bool) -> None:
+        masked = t.masked.get(id(call.arguments))
+        self._emit(t, "tool_call_started", {"call_id": call.id, "name": call.name, "runs": runs,
+                                            "arguments": masked if masked is not None
+                                            else redact(call.arguments)})
+
+    def _trace_loaded(self, t: _Turn) -> None:
+        """session_loaded, unless the session is as this runtime's trace left it: so a trace
+        begun mid-session, or after a failed save or another writer, replays alone."""
+        sid, version = t.request.session_id, t.session.version
+        fresh = t.request.history is not None or self._traced.get(sid) != version
+        self._traced[sid] = version + 1   # what _done saves
+        if fresh and self.sinks:   # the copy costs O(history)
+            self._emit(t, "session_loaded", {"paused": redact(t.session.paused), "messages": [
+                redact(m.to_dict()) for m in t.session.messages]})
+
+    def _trace_start(self, t: _Turn) -> None:
+        """turn_started: all that decides the run."""
+        self._emit(t, "turn_started", {
+            "format": TRACE_FORMAT, "version": __version__, "input": t.request.input,
+            "model": getattr(self.llm, "describe", lambda: type(self.llm).__name__)(),
+            "action_mode": self.action_mode, "policy": dataclasses.asdict(t.policy),
+            "deny_tools": list(self.deny_tools), "system_prompt": self._instructions(t),
+            "tools": [dataclasses.asdict(d) for d in t.tools], "ask_tools": list(self.ask_tools),
+            "approver": self.approver is not None, "approvals": {
+                k: redact(dataclasses.asdict(a)) for k, a in (t.request.approvals or {}).items()}})
+
+    def _instructions(self, t: _Turn) -> str:
+        return t.request.system_prompt or self.system_prompt or DEFAULT_INSTRUCTIONS
 
     def _delta(self, t: _Turn, text: str) -> None:
         """Streamed text from the model; dropped once the turn gave the call up."""
@@ -2244,3 +2331,136 @@ class OpenAICompatLlm:
                 acc.add(chunk)
             except (*_BAD_JSON, TypeError) as e:
                 raise self._error(200, f"sent a bad stream event ({e})", payload) from None
+
+
+# ---- 11. Trace and replay -----------------------------------------------------------------------
+# A JSONL trace is a complete record of a run; these ports answer from one (bob_replay.py compares).
+
+class TraceError(BobError):
+    """A trace that cannot be read or was cut short; the message names the line."""
+
+
+def _json_or_none(line: str) -> Any:
+    try:
+        return _json(line)
+    except _BAD_JSON:
+        return None
+
+
+def read_trace(trace: str | os.PathLike[str] | Sequence[dict[str, Any]]
+               ) -> list[dict[str, Any]]:
+    """The events of a JSONL trace file (or a list of them), each with its `line`."""
+    if not isinstance(trace, (str, os.PathLike)):
+        return list(trace)
+    try:
+        lines = Path(trace).read_text(encoding="utf-8").splitlines()
+    except (OSError, ValueError) as e:
+        raise TraceError(f"cannot read the trace {trace}: {e}") from None
+    events = [{**d, "line": n} if isinstance(d := _json_or_none(line), dict) else {"line": n}
+              for n, line in enumerate(lines, 1)]
+    for e in events:
+        if not (isinstance(e.get("kind"), str) and isinstance(e.get("data"), dict)):
+            raise TraceError(f"{trace} line {e['line']} is not a trace event (cut short?)")
+    return events
+
+
+class ReplayLlm:
+    """An LlmPort answering from a trace: a request must have the recorded digest, and gets the
+    recorded reply; otherwise LlmError, and `divergence` says why. Never calls a model."""
+
+    def __init__(self, trace: str | os.PathLike[str] | Sequence[dict[str, Any]]):
+        self._script: list[list[Any]] = []   # [digest, reply or None, error text or None]
+        for e in read_trace(trace):
+            kind, d = e["kind"], e["data"]
+            if kind == "llm_call_started":
+                self._script.append([d.get("digest"), None, None])
+            elif kind == "llm_call_completed" and self._script:
+                self._script[-1][1] = LlmResponse(d["content"], tuple(
+                    ToolCall(**c) for c in d["tool_calls"]), Usage(**d["usage"]),
+                    d["finish_reason"])
+            elif kind == "error" and d.get("where") == "turn" and self._script:
+                self._script[-1][2] = d["error"].partition(": ")[2]
+        self.requests: list[LlmRequest] = []
+        self.divergence: str | None = None
+        self._lock, self._parts = threading.Lock(), {}   # the parts of request_digest
+
+    @property
+    def left_over(self) -> int:
+        """Recorded replies that no request asked for."""
+        return sum(s[1] is not None for s in self._script[len(self.requests):])
+
+    def complete(self, req: LlmRequest, cancel: CancelToken,
+                 on_delta: Callable[[str], None] | None = None) -> LlmResponse:
+        """The recorded reply to this request."""
+        with self._lock:
+            n = len(self.requests)
+            self.requests.append(req)
+        digest, reply, error = self._script[n] if n < len(self._script) else (None,) * 3
+        if digest is None or request_digest(req, self._parts) != digest:
+            self.divergence = self.divergence or f"LLM request {n + 1} " + (
+                "differs from the recorded" if digest else "has no recorded reply")
+            raise LlmError(f"replay: {self.divergence}")
+        if reply is None and error is None:   # unanswered: cancelled or out of time meanwhile
+            cancel.wait(60.0 if req.deadline is None else req.deadline - time.monotonic() + 1)
+            raise Cancelled("the recorded request was never answered")
+        if reply is None:
+            raise LlmError(error)
+        return typing.cast(LlmResponse, reply)
+
+
+class ReplayTools:
+    """A ToolPort answering from a trace: the recorded tools, and each call's recorded result
+    once its name and arguments match (else an error result, and `divergence` says why). A call
+    interrupted in the recording calls `on_interrupt` once its batch's other calls returned."""
+
+    def __init__(self, trace: str | os.PathLike[str] | Sequence[dict[str, Any]],
+                 on_interrupt: Callable[[], None] | None = None):
+        events = read_trace(trace)
+        starts = [e["data"] for e in events if e["kind"] == "turn_started"]
+        self.tools = [ToolDescriptor(**d) for d in starts[0]["tools"]] if starts else []
+        self.on_interrupt, self.divergence = on_interrupt, None
+        self._calls: dict[str, list[dict[str, Any]]] = {}  # call id -> recorded, oldest first
+        self._running: collections.Counter[int] = collections.Counter()  # batch -> unanswered
+        self._cond, started, batch = threading.Condition(), {}, 0
+        for e in events:
+            kind, d = e["kind"], e["data"]
+            batch += kind == "llm_call_completed"
+            started.update({d["call_id"]: d} if kind == "tool_call_started" else {})
+            if kind == "tool_call_completed" and started.get(d["call_id"], {}).get("runs"):
+                rec = {**started[d["call_id"]], **d, "batch": batch,
+                       "cut": "before this call ended" in d["content"]}
+                self._calls.setdefault(d["call_id"], []).append(rec)
+                self._running[batch] += not rec["cut"]
+
+    def list_tools(self) -> list[ToolDescriptor]:
+        """The tools the (first) recorded turn offered."""
+        return list(self.tools)
+
+    def call_tool(self, call: ToolCall, timeout_s: float,
+                  cancel: CancelToken | None = None) -> ToolResult:
+        """The recorded result of this call."""
+        with self._cond:
+            rec = (self._calls.get(call.id) or [None]).pop(0)
+        if rec is None or (rec["name"], rec["arguments"]) != (call.name, redact(call.arguments)):
+            what = f"tool call {call.id} {call.name}({json.dumps(redact(call.arguments))}) " \
+                   "was never recorded" + (rec and f"; recorded: {rec['name']}("
+                                                   f"{json.dumps(rec['arguments'])})" or "")
+            self.divergence = self.divergence or what
+            return _error(call, f"replay: {what}")
+        with self._cond:  # an interrupted call: the others of its batch ended before the cancel
+            self._running[rec["batch"]] -= not rec["cut"]
+            self._cond.notify_all()
+            self._cond.wait_for(lambda: not rec["cut"] or not self._running[rec["batch"]], 10)
+        if rec["cut"] and self.on_interrupt:
+            self.on_interrupt()
+        return ToolResult(call.id, call.name, rec["content"], rec["is_error"])
+
+
+def replay(trace: str | os.PathLike[str] | Sequence[dict[str, Any]], *,
+           tools: ToolPort | None = None, policy: TurnPolicy | None = None,
+           system_prompt: str | None = None, action_mode: str | None = None,
+           deny_tools: Sequence[str] = ()) -> Any:
+    """Re-run a trace offline; a bob_replay.ReplayReport (bob_replay.py, beside this file)."""
+    import bob_replay
+    return bob_replay.replay(trace, tools=tools, policy=policy, system_prompt=system_prompt,
+                             action_mode=action_mode, deny_tools=deny_tools)
