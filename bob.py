@@ -60,15 +60,13 @@ __all__ = [
     "LlmResponse",
     # ports
     "LlmPort", "ToolPort", "SessionStore", "EventSink",
-    # machinery and adapters
-    "parse_action", "LoopGuard", "Trip", "State", "TRANSITIONS", "abandoned_workers",
-    "build_system_prompt", "truncate_history", "render_for_wire", "is_denied",
-    "cut_output", "redact", "FunctionTools", "CompositeToolPort",
-    "InMemorySessionStore", "JsonFileSessionStore", "LoggingEventSink", "JsonlEventSink",
-    "AgentRuntime", "ScriptedLlm", "OpenAICompatLlm", "PROVIDERS", "RETRYABLE_STATUSES",
-    # trace and replay
-    "TRACE_FORMAT", "request_digest", "read_trace", "ReplayLlm", "ReplayTools", "replay",
-    "ReplayReport",
+    # functions and adapters
+    "parse_action", "truncate_history", "is_denied", "abandoned_workers", "FunctionTools",
+    "CompositeToolPort", "InMemorySessionStore", "JsonFileSessionStore", "LoggingEventSink",
+    "JsonlEventSink", "AgentRuntime", "ScriptedLlm", "OpenAICompatLlm", "PROVIDERS",
+    "RETRYABLE_STATUSES",
+    # replay
+    "replay", "ReplayReport", "ReplayLlm", "ReplayTools", "read_trace", "request_digest",
 ]
 __version__ = "0.1.0"
 TRACE_FORMAT = 1   # the format of what a trace records (README: "Record and replay")
@@ -102,8 +100,7 @@ class ActionParseError(BobError):
 
 
 class StoreError(BobError):
-    """A session could not be loaded or saved; the message names the file or the session.
-    A turn whose save failed raises it with `result`: what the turn would have returned."""
+    """A session could not be loaded or saved (the message names it); a failed save: `result`."""
     result: AgentRunResult | None = None
 
 
@@ -244,19 +241,15 @@ class TurnPolicy:
     max_tool_output_chars: int = 20_000  # longer outputs are cut to head + tail
 
     def __post_init__(self) -> None:
-        for f in dataclasses.fields(self):
-            value = getattr(self, f.name)
+        for name, value in vars(self).items():
+            low = 200 if name == "max_tool_output_chars" else 1
             if not isinstance(value, int) or isinstance(value, bool):
-                raise ConfigError(f"TurnPolicy.{f.name} must be an integer, got {value!r}")
-            if value < 1:
-                raise ConfigError(f"TurnPolicy.{f.name} must be at least 1, got {value}")
-        for name in ("turn_timeout_ms", "tool_timeout_ms"):
-            if getattr(self, name) > 86_400_000:   # past a day, thread waits overflow
+                raise ConfigError(f"TurnPolicy.{name} must be an integer, got {value!r}")
+            if value < low:
+                raise ConfigError(f"TurnPolicy.{name} must be at least {low}, got {value}")
+            if name.endswith("timeout_ms") and value > 86_400_000:  # thread waits overflow
                 raise ConfigError(f"TurnPolicy.{name} must be at most 86400000 (a day), "
-                                  f"got {getattr(self, name)}")
-        if self.max_tool_output_chars < 200:
-            raise ConfigError("TurnPolicy.max_tool_output_chars must be at least 200, "
-                              f"got {self.max_tool_output_chars}")
+                                  f"got {value}")
 
 
 @dataclass(frozen=True)
@@ -296,8 +289,7 @@ class GuardReason(str, enum.Enum):
 
 @dataclass(frozen=True)
 class Approval:
-    """A person's decision on one tool call: `reason` is told to the model when declined,
-    `arguments` (when allowed) replace the call's arguments."""
+    """A decision on one tool call: `reason` is told the model if declined; `arguments` replace."""
     allow: bool
     reason: str = ""
     arguments: dict[str, Any] | None = None
@@ -305,8 +297,7 @@ class Approval:
 
 @dataclass
 class AgentRequest:
-    """One user turn. A given `history` replaces the stored one for this turn. `input=None` with
-    `approvals={call_id: Approval}` resumes a turn paused with NEEDS_APPROVAL."""
+    """One user turn; `history` replaces the stored one; `input=None` + `approvals` resumes."""
     input: str | None
     session_id: str = "default"
     system_prompt: str | None = None
@@ -326,6 +317,19 @@ class AgentRunResult:
     tool_calls: int
     history: list[Message]
     pending: tuple[ToolCall, ...] = ()  # the calls waiting for a decision (NEEDS_APPROVAL)
+
+
+def _paused(p: dict[str, Any], n: int) -> dict[str, Any]:
+    """A paused turn as AgentRuntime saved it (counts, decisions), checked; else ValueError."""
+    counts, decided = _field(p, "guard", (dict,)), _field(p, "approvals", (dict,)).values()
+    if not (0 <= _field(p, "input_index", (int,)) < n and not {"policy", "deadline"} & set(counts)
+            and all(type(i) is int for v in counts.values() for i in (
+                v.values() if isinstance(v, dict) else [v]))
+            and all(isinstance(a, dict) and set(a) <= {"allow", "reason", "arguments"}
+                    and type(a.get("allow")) is bool and isinstance(a.get("reason", ""), str)
+                    and isinstance(a.get("arguments"), (dict, type(None))) for a in decided)):
+        raise ValueError("the paused turn is not as bob saved it")
+    return p
 
 
 @dataclass
@@ -351,20 +355,6 @@ class SessionState:
                                    _field(u, "completion_tokens", (int,), 0)),
                    _field(d, "version", (int,), 0),
                    None if paused is None else _paused(paused, len(messages)))
-
-
-def _paused(p: dict[str, Any], n: int) -> dict[str, Any]:
-    """A paused turn as AgentRuntime._pause saved it: its counts (ints, or tables of ints) and
-    the decisions taken (Approval fields), checked."""
-    counts, decided = _field(p, "guard", (dict,)), _field(p, "approvals", (dict,)).values()
-    if not (0 <= _field(p, "input_index", (int,)) < n and not {"policy", "deadline"} & set(counts)
-            and all(type(i) is int for v in counts.values() for i in (
-                v.values() if isinstance(v, dict) else [v]))
-            and all(isinstance(a, dict) and set(a) <= {"allow", "reason", "arguments"}
-                    and type(a.get("allow")) is bool and isinstance(a.get("reason", ""), str)
-                    and isinstance(a.get("arguments"), (dict, type(None))) for a in decided)):
-        raise ValueError("the paused turn is not as bob saved it")
-    return p
 
 
 class CancelToken:
@@ -424,12 +414,8 @@ class AgentEvent:
 
 @dataclass(frozen=True)
 class LlmRequest:
-    """What the runtime asks of an LlmPort. `deadline` is an absolute time.monotonic() value.
-
-    `messages` are already in wire shape for the action mode: in json mode there are no `tool`
-    messages (results are user messages), in native mode tool results are `tool` messages.
-    `response_format` is "json" when the JSON action contract is in force, else None.
-    """
+    """What the runtime asks of an LlmPort: `messages` in the action mode's wire shape (json mode:
+    tool results as user messages), `response_format` "json" or None, `deadline` monotonic."""
     messages: list[Message]
     tools: list[ToolDescriptor]
     response_format: str | None
@@ -449,21 +435,16 @@ class LlmResponse:
 # The scheduler talks only to these. Adapters implement them structurally; nothing inherits.
 
 class LlmPort(Protocol):
-    """A chat model. Blocks until the reply is complete; may stream text to `on_delta`.
-
-    The runtime calls it from a worker thread and stops waiting at cancel or deadline; a port
-    that notices `cancel` should stop and raise Cancelled. Transport failures raise LlmError.
-    """
+    """A chat model: blocks until the reply is complete (text may stream to `on_delta`); on
+    `cancel` it should stop and raise Cancelled (the runtime stops waiting anyway); LlmError."""
 
     def complete(self, req: LlmRequest, cancel: CancelToken,
                  on_delta: Callable[[str], None] | None = None) -> LlmResponse: ...
 
 
 class ToolPort(Protocol):
-    """A set of tools. `call_tool` returns is_error results for tool failures and raises only
-    when the tool infrastructure itself is gone (the runtime reports that to the model).
-    A port that can stop a call stops it when `cancel` fires (turn cancel, deadline, turn end);
-    a running Python function cannot be interrupted and runs on."""
+    """A set of tools: tool failures are is_error results (raise only if the tools are gone);
+    a port that can stop a call stops it when `cancel` fires (a Python function runs on)."""
 
     def list_tools(self) -> list[ToolDescriptor]: ...
 
@@ -505,8 +486,7 @@ _MAX_DEPTH = 100  # of a model's JSON: no tool needs more, and a session holding
 
 
 def _json_problem(value: Any) -> str | None:
-    """Why JSON from the model is unfit to keep (json could not write or read it back), or
-    None. Not recursive: the value may be as deep as json parses."""
+    """Why JSON from the model is unfit to keep (json could not write or read it back), or None."""
     stack = [(value, 0)]
     while stack:
         v, depth = stack.pop()
@@ -519,11 +499,17 @@ def _json_problem(value: Any) -> str | None:
     return None
 
 
+def _required_str(obj: dict[str, Any], key: str, kind: str) -> str:
+    value = obj.get(key)
+    if not isinstance(value, str) or (key == "name" and not value):
+        raise ActionParseError(f'a {kind} action needs a string "{key}" field')
+    return value
+
+
 def parse_action(text: str, call_id: str = "call_1") -> AgentAction:
     """Parse one JSON action (whitespace and a ```json fence tolerated); ActionParseError if not."""
     body = text.strip()
-    fenced = _FENCE.match(body)
-    if fenced:
+    if fenced := _FENCE.match(body):
         body = fenced.group(1).strip()
     if not body:
         raise ActionParseError("the reply was empty")
@@ -534,8 +520,7 @@ def parse_action(text: str, call_id: str = "call_1") -> AgentAction:
                                f"line {e.lineno} column {e.colno})") from None
     except _BAD_JSON:  # past Python's recursion limit or its int-digit limit
         raise ActionParseError("the reply nests too deeply or holds too long an integer") from None
-    problem = _json_problem(obj)
-    if problem:
+    if problem := _json_problem(obj):
         raise ActionParseError(f"the reply {problem}")
     if not isinstance(obj, dict):
         raise ActionParseError(f"the reply must be a JSON object, not {type(obj).__name__}")
@@ -551,13 +536,6 @@ def parse_action(text: str, call_id: str = "call_1") -> AgentAction:
             raise ActionParseError('"arguments" of a tool_call must be a JSON object')
         return CallTools((ToolCall(call_id, name, args),))
     raise ActionParseError(f'"type" must be "final", "tool_call" or "ask_user", got {kind!r}')
-
-
-def _required_str(obj: dict[str, Any], key: str, kind: str) -> str:
-    value = obj.get(key)
-    if not isinstance(value, str) or (key == "name" and not value):
-        raise ActionParseError(f'a {kind} action needs a string "{key}" field')
-    return value
 
 
 def build_system_prompt(instructions: str, tools: Sequence[ToolDescriptor], mode: str) -> str:
@@ -576,9 +554,8 @@ def build_system_prompt(instructions: str, tools: Sequence[ToolDescriptor], mode
 
 
 def _units(messages: Sequence[Message]) -> list[list[int]]:
-    """Indices of the non-system messages, grouped: an assistant tool call with the results
-    right after it, or one other message. A tool result whose call is not right before it is
-    an orphan (its call was cut off) and belongs to no unit."""
+    """Indices of non-system messages in units: an assistant tool call with the results right
+    after it, or one other message; a result whose call is not right before it is in none."""
     units: list[list[int]] = []
     open_ids: set[str | None] = set()        # calls of the last unit still without a result
     for i, m in enumerate(messages):
@@ -611,10 +588,8 @@ def _kept(messages: Sequence[Message], limit: int, keep: int | None) -> list[int
 
 def truncate_history(messages: Sequence[Message], limit: int, keep: int | None = None
                      ) -> list[Message]:
-    """At most `limit` non-system messages: the newest whole units (an assistant tool call with
-    its results, or one other message), oldest dropped first, plus the unit holding index `keep`
-    (the current question), which is always sent. System messages are always sent and not
-    counted; a tool result whose call is not right before it is never sent."""
+    """System messages, plus at most `limit` others: the newest whole units (see _units), oldest
+    dropped first, and always the unit holding index `keep` (the current question)."""
     return [messages[i] for i in _kept(messages, limit, keep)]
 
 
@@ -622,6 +597,14 @@ def truncate_history(messages: Sequence[Message], limit: int, keep: int | None =
 # llama.cpp): the adapter names the fix, the scheduler retries the step with half the history.
 _CONTEXT_TOO_LONG = re.compile(r"context.(length|window|size)|maximum context|too many tokens|"
                                r"prompt is too long|input is too long|reduce the length", re.I)
+
+
+def _action_text(m: Message) -> str:
+    """An assistant message as the JSON action the model would have written."""
+    if not m.tool_calls:
+        return json.dumps({"type": "final", "content": m.content}, ensure_ascii=False)
+    return "\n".join(json.dumps({"type": "tool_call", "name": c.name, "arguments": c.arguments},
+                                ensure_ascii=False) for c in m.tool_calls)
 
 
 def render_for_wire(m: Message, mode: str) -> Message:
@@ -637,17 +620,9 @@ def render_for_wire(m: Message, mode: str) -> Message:
     return m
 
 
-def _action_text(m: Message) -> str:
-    """An assistant message as the JSON action the model would have written."""
-    if not m.tool_calls:
-        return json.dumps({"type": "final", "content": m.content}, ensure_ascii=False)
-    return "\n".join(json.dumps({"type": "tool_call", "name": c.name, "arguments": c.arguments},
-                                ensure_ascii=False) for c in m.tool_calls)
-
-
 # ---- 5. LoopGuard -------------------------------------------------------------------------------
 # Every limit of a turn in one place. Each check returns a Trip or None; the scheduler ends the
-# turn on a Trip. Exact limits: see DESIGN.md section 4.
+# turn on a Trip. N = the setting: N LLM calls, N tool calls run, the N-th error in a row trips.
 
 @dataclass(frozen=True)
 class Trip:
@@ -660,11 +635,8 @@ class LoopGuard:
     """Counts steps, tool calls, errors, repeated batches and repeated texts within one turn."""
 
     def __init__(self, policy: TurnPolicy, deadline: float):
-        self.policy = policy
-        self.deadline = deadline
-        self.steps = 0
-        self.tool_calls = 0
-        self.consecutive_errors = 0
+        self.policy, self.deadline = policy, deadline
+        self.steps = self.tool_calls = self.consecutive_errors = 0
         self._batches: dict[str, int] = {}
         self._texts: dict[str, int] = {}
 
@@ -682,8 +654,7 @@ class LoopGuard:
     def before_llm_call(self) -> Trip | None:
         """Checked before every LLM call: deadline, error streak, step budget."""
         p = self.policy
-        trip = self.out_of_time()
-        if trip:
+        if trip := self.out_of_time():
             return trip
         if self.consecutive_errors >= p.max_consecutive_errors:
             return Trip(GuardReason.MAX_CONSECUTIVE_ERRORS,
@@ -717,11 +688,9 @@ class LoopGuard:
         return None
 
     def check_budget(self, runnable: int) -> Trip | None:
-        """Before a batch runs: is there time left, and would its `runnable` calls pass the
-        tool-call budget? (Refused calls, e.g. unknown tools, never run, so they do not count.)"""
+        """Before a batch runs: time left, and room for its `runnable` (not refused) calls?"""
         p = self.policy
-        trip = self.out_of_time()  # no tool should start with a 0 ms timeout
-        if trip:
+        if trip := self.out_of_time():  # no tool should start with a 0 ms timeout
             return trip
         if self.tool_calls + runnable > p.max_tool_calls:
             return Trip(GuardReason.MAX_TOOL_CALLS, f"{self.tool_calls} tool calls ran and "
@@ -729,8 +698,7 @@ class LoopGuard:
         return None
 
     def record_results(self, results: Sequence[ToolResult], ran: int) -> None:
-        """Count the `ran` calls that ran; an error result (refusals too) extends the streak,
-        a success resets it."""
+        """Count the `ran` calls; an error result (refusals too) extends the streak, else resets."""
         self.tool_calls += ran
         for r in results:
             self.consecutive_errors = self.consecutive_errors + 1 if r.is_error else 0
@@ -779,6 +747,19 @@ def _matches(value: Any, schema: dict[str, Any]) -> bool:
     return want is None or isinstance(value, want)
 
 
+def _expected(schema: dict[str, Any]) -> str:
+    """What a schema made by _schema_for accepts, in words for an error message."""
+    if "enum" in schema:
+        return "one of " + json.dumps(schema["enum"])
+    if "anyOf" in schema:
+        return " or ".join(_expected(s) for s in schema["anyOf"])
+    return schema.get("type", "any value")
+
+
+def _ms_since(t0: float) -> float:
+    return round((time.perf_counter() - t0) * 1000, 3)
+
+
 @dataclass(frozen=True)
 class _Function:
     fn: Callable[..., Any]
@@ -788,11 +769,8 @@ class _Function:
 
 
 class FunctionTools:
-    """Plain Python functions as tools: schema from type hints, description from the docstring.
-
-    Calls run inline on the caller's thread (the runtime runs each call in a worker with its
-    timeout). A function that raises gives an is_error result with the exception text.
-    """
+    """Plain Python functions as tools: schema from type hints, description from the docstring;
+    calls run inline (the runtime gives each a worker); a raise is an is_error result."""
 
     def __init__(self, functions: Iterable[Callable[..., Any]] = ()):
         self._functions: dict[str, _Function] = {}
@@ -842,8 +820,7 @@ class FunctionTools:
         try:
             if f is None:
                 raise LookupError(f"unknown tool {call.name!r}")
-            problem = self._check_args(f, call.arguments)
-            if problem:
+            if problem := self._check_args(f, call.arguments):
                 return ToolResult(call.id, call.name, problem, True, _ms_since(t0))
             value = f.fn(**call.arguments)
             text = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False,
@@ -867,19 +844,6 @@ class FunctionTools:
                  f"wrong types: {', '.join(wrong)}" if wrong else ""]
         return (f"invalid arguments for {f.descriptor.name}: " + "; ".join(p for p in parts if p)
                 + f". Input schema: {json.dumps(schema, sort_keys=True)}")
-
-
-def _expected(schema: dict[str, Any]) -> str:
-    """What a schema made by _schema_for accepts, in words for an error message."""
-    if "enum" in schema:
-        return "one of " + json.dumps(schema["enum"])
-    if "anyOf" in schema:
-        return " or ".join(_expected(s) for s in schema["anyOf"])
-    return schema.get("type", "any value")
-
-
-def _ms_since(t0: float) -> float:
-    return round((time.perf_counter() - t0) * 1000, 3)
 
 
 class CompositeToolPort:
@@ -933,8 +897,7 @@ def cut_output(text: str, limit: int) -> str:
 # ---- 7. Stores and event sinks ------------------------------------------------------------------
 
 def _check_newer(session_id: str, stored: int | None, state: SessionState) -> None:
-    """Both stores: a save must carry a newer version than the stored state (a turn saves the
-    version it loaded + 1), else another turn saved in between, and saving would lose it."""
+    """A save must be newer than the stored version, else another turn saved in between."""
     if stored is not None and stored >= state.version:
         raise StoreError(f"session {session_id!r} was changed by another turn while this one ran "
                          f"(it is at version {stored}, this turn started from version "
@@ -963,9 +926,8 @@ class InMemorySessionStore:
 
 
 def _session_json(state: SessionState) -> str:
-    """`state.to_dict()` as ASCII JSON (any str round-trips, escaped), the messages encoded a
-    thousand at a time: their dicts die young, so the garbage collector does not walk a big
-    heap again and again (100,000 messages: 125 ms instead of 250-350)."""
+    """`state.to_dict()` as ASCII JSON, messages encoded a thousand at a time: their dicts die
+    young, so the GC does not walk a big heap again and again (100,000: 125 ms, not 250-350)."""
     ms, head = state.messages, json.dumps(dataclasses.replace(state, messages=[]).to_dict())
     parts = (json.dumps([m.to_dict() for m in ms[i:i + 1000]], ensure_ascii=True)[1:-1]
              for i in range(0, len(ms), 1000))
@@ -1007,9 +969,8 @@ class JsonFileSessionStore:
                              "that session afresh") from e
 
     def save(self, session_id: str, state: SessionState) -> None:
-        """Write the state (StoreError if another turn saved the session since it was loaded).
-        One temp file name per session, used under the lock: a killed save leaves at most that
-        one file, and the next save reuses it."""
+        """Write the state; StoreError if another turn saved the session since it was loaded.
+        One temp file per session, used under the lock: a killed save leaves at most that one."""
         import fcntl  # POSIX only; imported here so that `import bob` works anywhere
         path, tmp = self.path_for(session_id), self.directory / f".{session_id}.json.tmp"
         data = _session_json(state)
@@ -1038,8 +999,7 @@ class JsonFileSessionStore:
 
 
 def _data_json(data: Any) -> str:
-    """Event data as ASCII JSON (any text escaped, a lone surrogate too); data json cannot
-    write (too deep, a huge integer, a cycle) is a note saying why: the event is still written."""
+    """Event data as ASCII JSON (lone surrogates too); unwritable data becomes a note of why."""
     try:
         return json.dumps(data, default=str, ensure_ascii=True)
     except Exception as e:  # also a str() that raises, from default=str
@@ -1100,8 +1060,7 @@ def _secret_key(key: Any) -> bool:
 
 
 def redact(data: Any) -> Any:
-    """A copy of JSON-like data with the values of secret-looking keys replaced by '***', in
-    dicts and in JSON text inside strings; applying it twice changes nothing."""
+    """A copy of JSON-like data with secret-looking keys' values (also in JSON text) as '***'."""
     if isinstance(data, dict):
         return {k: "***" if _secret_key(k) else redact(v) for k, v in data.items()}
     if isinstance(data, list):
@@ -1112,9 +1071,8 @@ def redact(data: Any) -> Any:
 
 
 def request_digest(req: LlmRequest, cache: dict[int, tuple[Message, str]] | None = None) -> str:
-    """sha256 of the canonical JSON of what an LlmPort receives: {"messages" (masked),
-    "response_format", "tools"}. `cache` keeps each message's part (and the message, so its
-    id stays its own): a step then pays only for its new messages."""
+    """sha256 of the canonical JSON of {"messages" (masked), "response_format", "tools"};
+    `cache` keeps each message's part (and the message, so its id stays its own)."""
     cache = {} if cache is None else cache
     canonical = functools.partial(json.dumps, sort_keys=True, separators=(",", ":"), default=str)
     parts = [(cache.get(id(m)) or cache.setdefault(id(m), (m, canonical(redact(
@@ -1126,8 +1084,7 @@ def request_digest(req: LlmRequest, cache: dict[int, tuple[Message, str]] | None
 
 
 def _fit(call: ToolCall) -> ToolCall:
-    """The call, or when its arguments are unfit to keep (too deep, a huge integer) the call
-    with none, not to be run: the model is told, like for arguments that are not JSON."""
+    """The call, or if its arguments are unfit to keep, the call with none and an `error`."""
     problem = _json_problem(call.arguments)
     if problem is None:
         return call
@@ -1136,8 +1093,7 @@ def _fit(call: ToolCall) -> ToolCall:
 
 
 def _reply_data(reply: LlmResponse, duration_ms: float) -> dict[str, Any]:
-    """llm_call_completed: the reply as the port gave it (ids before bob fixes them, arguments
-    unfit to keep already replaced), masked."""
+    """llm_call_completed: the reply as the port gave it (ids before bob fixes them), masked."""
     return redact({**vars(reply), "tool_calls": [_fit(c).to_dict() for c in reply.tool_calls],
                    "usage": vars(reply.usage), "duration_ms": duration_ms})
 
@@ -1220,9 +1176,7 @@ class _Worker:
 def _wait_all(workers: Sequence[_Worker], deadlines: Sequence[float],
               wake: queue.SimpleQueue[None], cancel: CancelToken) -> None:
     """Wait until each worker is done or past its deadline, or until cancel; give up the rest.
-
-    Workers put a token in `wake` when they end, and the caller has `cancel` put one too (once
-    per turn). A token left from an earlier wait only costs one more look."""
+    Workers and the caller's cancel put a token in `wake`; a stale one costs one more look."""
     try:
         while not cancel.cancelled:
             now = time.monotonic()
@@ -1379,8 +1333,7 @@ class AgentRuntime:
     # -- the states, in the order a turn visits them --
 
     def _start(self, t: _Turn) -> State:
-        """Load the session, append the user's message (or take up a paused batch: a resume goes
-        straight to CallTool), list tools once (bounded like any port)."""
+        """Load the session, add the input (or resume a paused batch), list the tools once."""
         stored = self.store.load(t.request.session_id)
         t.session = stored or SessionState()
         if t.request.history is not None:
@@ -1494,8 +1447,7 @@ class AgentRuntime:
         return State.BUILD_PROMPT
 
     def _done(self, t: _Turn) -> AgentRunResult:
-        """Save the session, then report. A failed save raises StoreError after the events: a
-        turn whose result is not stored (e.g. another turn saved meanwhile) did not return."""
+        """Save the session, then report; a failed save raises StoreError after the events."""
         t.session.usage += t.usage
         t.session.version += 1
         result, failed = AgentRunResult(t.content, t.finish, t.guard_reason, t.usage,
@@ -1524,8 +1476,7 @@ class AgentRuntime:
     # -- helpers of the states --
 
     def _prompt(self, t: _Turn, limit: int) -> LlmRequest:
-        """The system message and the history cut to `limit`, in the mode's wire shape. A turn
-        only appends to history (an edit comes before rendering), so each message renders once."""
+        """System message + history cut to `limit`, in wire shape; each message renders once."""
         messages = t.session.messages
         kept = _kept(messages, limit, t.input_index)
         for i in kept:
@@ -1541,9 +1492,8 @@ class AgentRuntime:
             prompt, t.cancel, functools.partial(self._delta, t)))
 
     def _take_up(self, t: _Turn) -> bool:
-        """Append the user's message; or, for `input=None`, take up the batch a paused turn left
-        waiting, with its counts and decisions (True). The pause is kept until CallTool answers
-        the batch. New input answers waiting calls "not run" first."""
+        """Append the input (waiting calls get "not run" first), or for `input=None` take up
+        the paused batch with its counts and decisions (True); CallTool answers the pause."""
         paused = t.session.paused if t.request.history is None else None
         waiting = t.session.messages[-1].tool_calls if paused else ()
         if t.request.input is None:
@@ -1570,9 +1520,8 @@ class AgentRuntime:
         return False
 
     def _decide(self, t: _Turn, refusals: list[ToolResult | None]) -> State | list[ToolCall]:
-        """The batch as it will run. Each call matching ask_tools and not refused (deny wins)
-        needs a decision: a declined call gets its error result in `refusals`, an allowed one
-        maybe new arguments. Without an approver, undecided calls pause the turn."""
+        """The batch as it runs: calls matching ask_tools (not refused) need a decision; declined
+        ones get an error in `refusals`; without an approver, undecided calls pause the turn."""
         assert isinstance(t.action, CallTools)
         calls, waiting = list(t.action.calls), []
         for i, call in enumerate(calls):
@@ -1602,8 +1551,7 @@ class AgentRuntime:
         return calls
 
     def _ask(self, t: _Turn, call: ToolCall) -> Approval | State:
-        """The approver's decision, on a worker: its time counts against the deadline and cancel
-        holds. Cancelled from it ends the turn; any other exception declines with its text."""
+        """The approver's decision, on a worker (deadline and cancel hold); a raise declines."""
         approver = typing.cast(Callable[[ToolCall], Approval], self.approver)
         worker = self._call_port(t, lambda: approver(call))
         if t.caller_cancel.cancelled or isinstance(worker.error, Cancelled):
@@ -1697,8 +1645,7 @@ class AgentRuntime:
 
     def _run_batch(self, t: _Turn, calls: Sequence[ToolCall],
                    refusals: list[ToolResult | None]) -> tuple[list[ToolResult], int]:
-        """Run the calls not refused concurrently, each in a worker with its own timeout;
-        return all results in call order and how many calls ran."""
+        """Run the calls not refused at once, each with its timeout: results in order, # ran."""
         results = list(refusals)
         running: list[tuple[int, _Worker, float]] = []
         for i, call in enumerate(calls):
@@ -1763,8 +1710,8 @@ class AgentRuntime:
                                             else redact(call.arguments)})
 
     def _trace_loaded(self, t: _Turn) -> None:
-        """session_loaded, unless the session is as this runtime's trace left it: so a trace
-        begun mid-session, or after a failed save or another writer, replays alone."""
+        """session_loaded unless the session is as this runtime's last turn left it: a trace
+        begun mid-session (or after a failed save, or another writer) replays alone."""
         sid, version = t.request.session_id, t.session.version
         fresh = t.request.history is not None or self._traced.get(sid) != version
         self._traced[sid] = version + 1   # what _done saves
@@ -1829,11 +1776,8 @@ def _too_long(e: BaseException | None) -> bool:
 # ---- 10. LLM adapters: ScriptedLlm, OpenAICompatLlm ---------------------------------------------
 
 class ScriptedLlm:
-    """A test double: replies from a list, in order, and records every request.
-
-    A reply is a str (the assistant text), an LlmResponse, an Exception (raised), or a callable
-    (req, cancel) -> str | LlmResponse, which may block to play a slow or hanging model.
-    """
+    """A test double: replies from a list in order (a str, an LlmResponse, an exception to
+    raise, or a callable (req, cancel) -> either), recording every request."""
 
     def __init__(self, replies: Iterable[Any] = ()):
         self.replies = list(replies)
@@ -2074,11 +2018,8 @@ class _Retry:
 
 
 class OpenAICompatLlm:
-    """An LlmPort for OpenAI-compatible /chat/completions endpoints (OpenAI, Ollama, vLLM, ...).
-
-    `model` is "provider:model" (split at the first colon; see PROVIDERS). `base_url` and
-    `api_key_env` override the provider's defaults; an unknown provider works with a base_url.
-    """
+    """An LlmPort for OpenAI-compatible /chat/completions endpoints; `model` is "provider:model"
+    (see PROVIDERS); `base_url` and `api_key_env` override the provider's defaults."""
 
     def __init__(self, model: str, base_url: str | None = None, api_key: str | None = None,
                  api_key_env: str | None = None, retry_max: int = 2, stream: bool = False,
@@ -2150,8 +2091,7 @@ class OpenAICompatLlm:
 
     def complete(self, req: LlmRequest, cancel: CancelToken,
                  on_delta: Callable[[str], None] | None = None) -> LlmResponse:
-        """One chat completion, with retries, all within timeout_s (or the request's deadline);
-        LlmError after the last try, Cancelled on cancel."""
+        """One chat completion with retries, by timeout_s or the deadline; LlmError, Cancelled."""
         body = self._to_wire(req)
         end = time.monotonic() + self.timeout_s if req.deadline is None else req.deadline
         me = threading.get_ident()
