@@ -91,8 +91,7 @@ class LlmError(BobError):
 
     def __init__(self, message: str, status_code: int | None = None, body: str = ""):
         super().__init__(message)
-        self.status_code = status_code
-        self.body = body
+        self.status_code, self.body = status_code, body
 
 
 class ActionParseError(BobError):
@@ -361,8 +360,7 @@ class CancelToken:
     """A thread-safe cancel flag around a threading.Event, with callbacks run on cancel."""
 
     def __init__(self) -> None:
-        self._event = threading.Event()
-        self._lock = threading.Lock()
+        self._event, self._lock = threading.Event(), threading.Lock()
         self._callbacks: list[Callable[[], None]] = []
 
     def cancel(self) -> None:
@@ -801,10 +799,9 @@ class FunctionTools:
                 required.append(p.name)
             elif isinstance(p.default, (str, int, float, bool)):
                 props[p.name] = {**props[p.name], "default": p.default}
-        doc = inspect.getdoc(fn) or ""
         schema = {"type": "object", "properties": props, "required": required,
                   "additionalProperties": False}
-        desc = description or doc.split("\n\n")[0].strip() or name
+        desc = description or (inspect.getdoc(fn) or "").split("\n\n")[0].strip() or name
         self._functions[name] = _Function(fn, ToolDescriptor(name, desc, schema), props,
                                           frozenset(nullable))
 
@@ -1011,8 +1008,7 @@ class LoggingEventSink:
     """Events as log lines on the `bob.events` logger (or the one given)."""
 
     def __init__(self, logger: logging.Logger | None = None, level: int = logging.INFO):
-        self.logger = logger or logging.getLogger("bob.events")
-        self.level = level
+        self.logger, self.level = logger or logging.getLogger("bob.events"), level
 
     def emit(self, event: AgentEvent) -> None:
         """One line: kind, session, step, data as JSON."""
@@ -1025,8 +1021,7 @@ class JsonlEventSink:
     """Events appended to a file, one JSON object per line, flushed per event."""
 
     def __init__(self, path: str | os.PathLike[str]):
-        self.path = Path(path)
-        self._lock = threading.Lock()
+        self.path, self._lock = Path(path), threading.Lock()
         self._file: Any = None
 
     def emit(self, event: AgentEvent) -> None:
@@ -1148,8 +1143,7 @@ class _Worker:
         self.fn, self.wake = fn, wake
         self.value: Any = None
         self.error: BaseException | None = None
-        self.done = False
-        self._given_up = False
+        self.done = self._given_up = False
         _submit(self._run)
 
     def _run(self) -> None:
@@ -1190,14 +1184,6 @@ def _wait_all(workers: Sequence[_Worker], deadlines: Sequence[float],
             w.give_up()
 
 
-def _call(fn: Callable[[], Any], deadline: float, wake: queue.SimpleQueue[None],
-          cancel: CancelToken) -> _Worker:
-    """Run one port call on a worker; wait until it ends, the deadline, or a cancel."""
-    worker = _Worker(fn, wake)
-    _wait_all([worker], [deadline], wake, cancel)
-    return worker
-
-
 # ---- 9. The scheduler (AgentRuntime) ------------------------------------------------------------
 # A turn is a walk through six explicit states. Each state is one method that does its work and
 # returns the next state; `run` checks every transition against TRANSITIONS and emits it.
@@ -1220,6 +1206,16 @@ TRANSITIONS: dict[State, frozenset[State]] = {
     State.CALL_TOOL: frozenset({State.BUILD_PROMPT, State.DONE}),
     State.DONE: frozenset(),
 }
+
+
+def _error(call: ToolCall, text: str) -> ToolResult:
+    return ToolResult(call.id, call.name, text, True)
+
+
+def _too_long(e: BaseException | None) -> bool:
+    """The endpoint refused the request as too long for the model's context."""
+    return (isinstance(e, LlmError) and e.status_code == 400
+            and bool(_CONTEXT_TOO_LONG.search(e.body)))
 
 
 @dataclass
@@ -1270,8 +1266,7 @@ class AgentRuntime:
         self.sinks: list[EventSink] = (
             [] if events is None else list(events) if isinstance(events, (list, tuple))
             else [typing.cast(EventSink, events)])
-        self.policy = policy or TurnPolicy()
-        self.system_prompt = system_prompt
+        self.policy, self.system_prompt = policy or TurnPolicy(), system_prompt
         self.deny_tools, self.ask_tools = tuple(deny_tools), tuple(ask_tools)
         self.approver = approver
         self._failing: set[int] = set()   # ids of sinks that raised (logged once each)
@@ -1315,27 +1310,25 @@ class AgentRuntime:
         report: dict[str, Any] = {"ok": abandoned_workers() < _MAX_ABANDONED, "tools": 0,
                                   "action_mode": self.action_mode,
                                   "abandoned_workers": abandoned_workers()}
-        if self.tools is not None:
-            # One probe at a time: a later call waits on a hung one rather than leak a thread.
-            if self._probe is None or self._probe.done:
-                self._probe = _Worker(self.tools.list_tools, queue.SimpleQueue())
-            worker = self._probe
-            _wait_all([worker], [time.monotonic() + timeout_s], worker.wake, CancelToken())
-            if not worker.done:
-                report.update(ok=False, tools_error=f"list_tools did not answer in {timeout_s} s")
-            elif worker.error is not None:
-                e = worker.error
-                report.update(ok=False, tools_error=f"{type(e).__name__}: {e}")
-            else:
-                report["tools"] = len(worker.value)
+        if self.tools is None:
+            return report
+        if self._probe is None or self._probe.done:  # one at a time: no thread leak if it hangs
+            self._probe = _Worker(self.tools.list_tools, queue.SimpleQueue())
+        worker = self._probe
+        _wait_all([worker], [time.monotonic() + timeout_s], worker.wake, CancelToken())
+        done, e = worker.done, worker.error   # in this order: `error` is set before `done`
+        if done and e is None:
+            report["tools"] = len(worker.value)
+        else:
+            report.update(ok=False, tools_error=f"{type(e).__name__}: {e}" if done
+                          else f"list_tools did not answer in {timeout_s} s")
         return report
 
     # -- the states, in the order a turn visits them --
 
     def _start(self, t: _Turn) -> State:
         """Load the session, add the input (or resume a paused batch), list the tools once."""
-        stored = self.store.load(t.request.session_id)
-        t.session = stored or SessionState()
+        t.session = self.store.load(t.request.session_id) or SessionState()
         if t.request.history is not None:
             t.session.messages = list(t.request.history)
         self._trace_loaded(t)
@@ -1359,11 +1352,9 @@ class AgentRuntime:
         """Check cancel and the guards, then call the model in a worker until deadline/cancel."""
         if t.caller_cancel.cancelled:
             return self._cancelled(t)
-        trip = t.guard.before_llm_call()
-        if trip:
+        if trip := t.guard.before_llm_call():
             return self._trip(t, trip)
-        assert t.prompt is not None
-        prompt = t.prompt
+        prompt = typing.cast(LlmRequest, t.prompt)
         self._emit(t, "llm_call_started", {"messages": len(prompt.messages), "digest": (
             request_digest(prompt, t.parts) if self.sinks else None)})
         t0 = time.perf_counter()
@@ -1373,8 +1364,7 @@ class AgentRuntime:
             t.prompt = prompt = self._prompt(t, sent // 2)
             self._emit(t, "history_truncated", {"from": sent, "to": len(prompt.messages) - 1})
             worker = self._complete(t, prompt)
-        stop = self._stopped(t, worker, "the model")
-        if stop:
+        if stop := self._stopped(t, worker, "the model"):
             return stop
         t.reply = worker.value
         t.usage += t.reply.usage
@@ -1386,8 +1376,7 @@ class AgentRuntime:
 
     def _parse_action(self, t: _Turn) -> State:
         """Turn the reply into an action; one corrective re-prompt, then AgentError."""
-        reply = t.reply
-        assert reply is not None
+        reply = typing.cast(LlmResponse, t.reply)
         try:
             t.action = self._to_action(reply, f"call_{len(t.session.messages)}")
         except ActionParseError as e:
@@ -1408,13 +1397,11 @@ class AgentRuntime:
             "type": {Final: "final", AskUser: "ask_user", CallTools: "tool_call"}[type(action)],
             "tools": [c.name for c in action.calls] if isinstance(action, CallTools) else []})
         if isinstance(action, (Final, AskUser)):
-            text = action.content if isinstance(action, Final) else action.question
-            t.session.messages.append(Message("assistant", text))
-            t.content = text
+            t.content = action.content if isinstance(action, Final) else action.question
+            t.session.messages.append(Message("assistant", t.content))
             t.finish = FinishReason.FINAL if isinstance(action, Final) else FinishReason.ASK_USER
             return State.DONE
-        trip = t.guard.check_text(reply.content)  # stagnation never blocks a final answer
-        if trip:
+        if trip := t.guard.check_text(reply.content):  # stagnation never blocks a final answer
             return self._trip(t, trip)
         text = reply.content if self.action_mode == "native" else ""
         t.session.messages.append(Message("assistant", text, action.calls))
@@ -1429,27 +1416,22 @@ class AgentRuntime:
         if not t.resumed:  # a resumed batch passed these two before it paused
             if len(calls) > t.policy.max_parallel_tools:  # first: O(1) per call, unlike hashing
                 return self._refuse_batch(t, calls)
-            trip = t.guard.check_loop(calls)
-            if trip:
+            if trip := t.guard.check_loop(calls):
                 return self._not_run(t, trip)
         refusals = [self._refusal(t, c) for c in calls]
         decided = self._decide(t, refusals)
         if isinstance(decided, State):
             return decided
-        trip = t.guard.check_budget(sum(r is None for r in refusals))
-        if trip:
+        if trip := t.guard.check_budget(sum(r is None for r in refusals)):
             return self._not_run(t, trip)
         results, ran = self._run_batch(t, decided, refusals)
         t.guard.record_results(results, ran)
         self._append_results(t, results)
-        if t.caller_cancel.cancelled:
-            return self._cancelled(t)
-        return State.BUILD_PROMPT
+        return self._cancelled(t) if t.caller_cancel.cancelled else State.BUILD_PROMPT
 
     def _done(self, t: _Turn) -> AgentRunResult:
         """Save the session, then report; a failed save raises StoreError after the events."""
-        t.session.usage += t.usage
-        t.session.version += 1
+        t.session.usage, t.session.version = t.session.usage + t.usage, t.session.version + 1
         result, failed = AgentRunResult(t.content, t.finish, t.guard_reason, t.usage,
                                         t.guard.steps, t.guard.tool_calls,
                                         list(t.session.messages), t.pending), None
@@ -1513,8 +1495,8 @@ class AgentRuntime:
             t.action, t.resumed = CallTools(waiting), True
             return True
         t.session.paused = None
-        self._append_results(t, [_error(c, "not run: the user sent a new message instead of "
-                                           "deciding on this call") for c in waiting], waiting)
+        self._unrun(t, waiting, "not run: the user sent a new message instead of deciding on "
+                                "this call")
         t.session.messages.append(Message("user", t.request.input))
         t.input_index = len(t.session.messages) - 1
         return False
@@ -1582,28 +1564,32 @@ class AgentRuntime:
         t.content = "Waiting for approval: " + ", ".join(c.name for c in waiting) + "."
         return State.DONE
 
+    def _unrun(self, t: _Turn, calls: Sequence[ToolCall], text: str) -> None:
+        """Calls that never start get `text` as their result, so history stays well-formed."""
+        for call in calls:  # the trace still says they were asked for
+            self._trace_call(t, call, False)
+        self._append_results(t, [_error(c, text) for c in calls])
+
     def _refuse_batch(self, t: _Turn, calls: Sequence[ToolCall]) -> State:
         """An over-size batch runs not at all; it counts as one error and the loop goes on."""
         n = t.policy.max_parallel_tools
-        self._append_results(t, [_error(c, f"not run: this batch has {len(calls)} calls and "
-                                        f"at most max_parallel_tools={n} may run at once; "
-                                        f"call at most {n} tools at a time") for c in calls],
-                             calls)
+        self._unrun(t, calls, f"not run: this batch has {len(calls)} calls and at most "
+                              f"max_parallel_tools={n} may run at once; call at most {n} tools "
+                              "at a time")
         t.guard.record_refusal()
         return State.BUILD_PROMPT
 
     def _not_run(self, t: _Turn, trip: Trip) -> State:
-        """A guard stopped the batch: every call gets a result, so history stays well-formed."""
+        """A guard stopped the batch: every call gets a "not run" result."""
         assert isinstance(t.action, CallTools)
-        calls = t.action.calls
-        self._append_results(t, [_error(c, f"not run: {trip.detail}") for c in calls], calls)
+        self._unrun(t, t.action.calls, f"not run: {trip.detail}")
         return self._trip(t, trip)
 
     def _interrupted(self, t: _Turn) -> State:
         """Cancelled with the batch unrun: each call gets an "interrupted" result."""
         assert isinstance(t.action, CallTools)
-        self._append_results(t, [_error(c, "interrupted: the turn was cancelled before this call "
-                                           "started") for c in t.action.calls], t.action.calls)
+        self._unrun(t, t.action.calls, "interrupted: the turn was cancelled before this call "
+                                       "started")
         return self._cancelled(t)
 
     def _call_port(self, t: _Turn, fn: Callable[[], Any]) -> _Worker:
@@ -1611,7 +1597,9 @@ class AgentRuntime:
         if abandoned_workers() >= _MAX_ABANDONED:  # a port that ignores cancel: stop leaking
             raise AgentError(f"{_MAX_ABANDONED} earlier port calls are still hung (a port that "
                              "ignores cancel and deadlines); restart the program")
-        return _call(fn, t.guard.deadline, t.wake, t.cancel)
+        worker = _Worker(fn, t.wake)
+        _wait_all([worker], [t.guard.deadline], t.wake, t.cancel)
+        return worker
 
     def _stopped(self, t: _Turn, worker: _Worker, what: str) -> State | None:
         """DONE if the port call was cancelled, timed out or raised; None if it gave a value."""
@@ -1692,10 +1680,7 @@ class AgentRuntime:
         content = cut_output(r.content, t.policy.max_tool_output_chars)
         return ToolResult(call.id, call.name, content, r.is_error, r.duration_ms)
 
-    def _append_results(self, t: _Turn, results: Sequence[ToolResult],
-                        refused: Sequence[ToolCall] = ()) -> None:
-        for call in refused:  # never started: the trace still says they were asked for
-            self._trace_call(t, call, False)
+    def _append_results(self, t: _Turn, results: Sequence[ToolResult]) -> None:
         for r in results:
             self._emit(t, "tool_call_completed", {"call_id": r.call_id, "name": r.name,
                                                   "is_error": r.is_error, "content": redact(
@@ -1761,16 +1746,6 @@ class AgentRuntime:
                 self._failing.add(id(sink))
                 log.log(logging.WARNING if first else logging.DEBUG, "event sink %r failed on "
                         "%s; ignored", sink, kind, exc_info=first)
-
-
-def _error(call: ToolCall, text: str) -> ToolResult:
-    return ToolResult(call.id, call.name, text, True)
-
-
-def _too_long(e: BaseException | None) -> bool:
-    """The endpoint refused the request as too long for the model's context."""
-    return (isinstance(e, LlmError) and e.status_code == 400
-            and bool(_CONTEXT_TOO_LONG.search(e.body)))
 
 
 # ---- 10. LLM adapters: ScriptedLlm, OpenAICompatLlm ---------------------------------------------
@@ -1961,48 +1936,50 @@ def _abort(conn: Any) -> None:
         pass
 
 
+# Why these hooks: cancel() must wake a thread blocked on a reply, but closing a Session only
+# closes idle connections; so each thread's connection is noted, and _abort shuts its socket.
+# A cancel that comes before the connection is noted is seen through `cancels` instead.
+
+def _tracked(pool_cls: Any, inflight: dict[int, Any], cancels: dict[int, CancelToken]) -> Any:
+    """A urllib3 pool class noting in `inflight` the connection each thread uses."""
+    def cancelled_here() -> bool:
+        token = cancels.get(threading.get_ident())
+        return token is not None and token.cancelled
+
+    class Connection(pool_cls.ConnectionCls):  # test_cancel_aborts_a_tls_handshake_...
+        def _new_conn(self) -> Any:
+            sock = super()._new_conn()
+            self.bob_fd = sock.fileno()  # TLS wrapping detaches `sock`; _abort needs this
+            if cancelled_here():  # test_a_cancel_before_the_connection_is_taken_still_aborts_it
+                sock.shutdown(socket.SHUT_RDWR)
+            return sock
+
+    class Pool(pool_cls):
+        ConnectionCls = Connection
+
+        def _make_request(self, conn: Any, *args: Any, **kwargs: Any) -> Any:
+            inflight[threading.get_ident()] = conn  # until _attempt ends
+            if cancelled_here():  # the cancel came first and found nothing to shut (same test)
+                _abort(conn)
+            try:
+                return super()._make_request(conn, *args, **kwargs)
+            finally:
+                conn.bob_fd = None  # connected, or failed: _abort must not use the fd
+    return Pool
+
+
 def _tracking_session(inflight: dict[int, Any], cancels: dict[int, CancelToken]
                       ) -> tuple[Any, tuple[type[BaseException], ...]]:
-    """A requests.Session whose pools note in `inflight` the connection each thread is using,
-    and the exceptions that mean the transport failed."""
-    # Why: cancel() must wake a thread blocked on a reply, but closing a Session only closes
-    # idle connections; so we keep each thread's connection, and _abort shuts its socket.
-    # A cancel that comes before the connection is noted is seen through `cancels` instead.
+    """A requests.Session whose pools are _tracked, and the exceptions of a failed transport."""
     try:
         import requests
         import urllib3
     except ImportError as e:
         raise ConfigError(f"OpenAICompatLlm needs requests ({e}): pip install requests") from e
-
-    def cancelled_here() -> bool:
-        token = cancels.get(threading.get_ident())
-        return token is not None and token.cancelled
-
-    def tracked(pool_cls: Any) -> Any:
-        class Connection(pool_cls.ConnectionCls):
-            def _new_conn(self) -> Any:
-                sock = super()._new_conn()
-                self.bob_fd = sock.fileno()  # TLS wrapping detaches `sock`; _abort needs this
-                if cancelled_here():
-                    sock.shutdown(socket.SHUT_RDWR)
-                return sock
-
-        class Pool(pool_cls):
-            ConnectionCls = Connection
-
-            def _make_request(self, conn: Any, *args: Any, **kwargs: Any) -> Any:
-                inflight[threading.get_ident()] = conn  # until _attempt ends
-                if cancelled_here():  # the cancel came first and found nothing to shut
-                    _abort(conn)
-                try:
-                    return super()._make_request(conn, *args, **kwargs)
-                finally:
-                    conn.bob_fd = None  # connected, or failed: _abort must not use the fd
-        return Pool
-
     adapter = requests.adapters.HTTPAdapter()
     adapter.poolmanager.pool_classes_by_scheme = {
-        "http": tracked(urllib3.HTTPConnectionPool), "https": tracked(urllib3.HTTPSConnectionPool)}
+        "http": _tracked(urllib3.HTTPConnectionPool, inflight, cancels),
+        "https": _tracked(urllib3.HTTPSConnectionPool, inflight, cancels)}
     session = requests.Session()
     session.mount("http://", adapter)
     session.mount("https://", adapter)
@@ -2278,19 +2255,15 @@ class OpenAICompatLlm:
 # ---- 11. Replay --------------------------------------------------------------------------------
 # A JSONL trace is a complete record of a run; these ports answer from one, replay() compares.
 
+_Event = dict[str, Any]   # one event of a trace, as JSON has it, with its `line`
+_Trace = Union[str, os.PathLike, Sequence[_Event]]   # a JSONL file, or its events
+
+
 class TraceError(BobError):
     """A trace that cannot be read or was cut short; the message names the line."""
 
 
-def _json_or_none(line: str) -> Any:
-    try:
-        return _json(line)
-    except _BAD_JSON:
-        return None
-
-
-def read_trace(trace: str | os.PathLike[str] | Sequence[dict[str, Any]]
-               ) -> list[dict[str, Any]]:
+def read_trace(trace: _Trace) -> list[_Event]:
     """The events of a JSONL trace file (or a list of them), each with its `line`."""
     if not isinstance(trace, (str, os.PathLike)):
         return list(trace)
@@ -2298,11 +2271,13 @@ def read_trace(trace: str | os.PathLike[str] | Sequence[dict[str, Any]]
         lines = Path(trace).read_text(encoding="utf-8").splitlines()
     except (OSError, ValueError) as e:
         raise TraceError(f"cannot read the trace {trace}: {e}") from None
-    events = [{**d, "line": n} if isinstance(d := _json_or_none(line), dict) else {"line": n}
-              for n, line in enumerate(lines, 1)]
-    for e in events:
-        if not (isinstance(e.get("kind"), str) and isinstance(e.get("data"), dict)):
-            raise TraceError(f"{trace} line {e['line']} is not a trace event (cut short?)")
+    events = []
+    for n, line in enumerate(lines, 1):
+        with contextlib.suppress(*_BAD_JSON):
+            events.append({**_want(_json(line), dict, "an event"), "line": n})
+        if not (len(events) == n and isinstance(events[-1].get("kind"), str)
+                and isinstance(events[-1].get("data"), dict)):
+            raise TraceError(f"{trace} line {n} is not a trace event (cut short?)")
     return events
 
 
@@ -2310,7 +2285,7 @@ class ReplayLlm:
     """An LlmPort answering from a trace: a request must have the recorded digest, and gets the
     recorded reply; otherwise LlmError, and `divergence` says why. Never calls a model."""
 
-    def __init__(self, trace: str | os.PathLike[str] | Sequence[dict[str, Any]]):
+    def __init__(self, trace: _Trace):
         self._script: list[list[Any]] = []   # [digest, reply or None, error text or None]
         for e in read_trace(trace):
             kind, d = e["kind"], e["data"]
@@ -2355,13 +2330,12 @@ class ReplayTools:
     once its name and arguments match (else an error result, and `divergence` says why). A call
     interrupted in the recording calls `on_interrupt` once its batch's other calls returned."""
 
-    def __init__(self, trace: str | os.PathLike[str] | Sequence[dict[str, Any]],
-                 on_interrupt: Callable[[], None] | None = None):
+    def __init__(self, trace: _Trace, on_interrupt: Callable[[], None] | None = None):
         events = read_trace(trace)
         starts = [e["data"] for e in events if e["kind"] == "turn_started"]
         self.tools = [ToolDescriptor(**d) for d in starts[0]["tools"]] if starts else []
         self.on_interrupt, self.divergence = on_interrupt, None
-        self._calls: dict[str, list[dict[str, Any]]] = {}  # call id -> recorded, oldest first
+        self._calls: dict[str, list[_Event]] = {}  # call id -> recorded, oldest first
         self._running: collections.Counter[int] = collections.Counter()  # batch -> unanswered
         self._cond, started, batch = threading.Condition(), {}, 0
         for e in events:
@@ -2435,34 +2409,34 @@ def _compared(e: dict[str, Any]) -> bool:
     return e["kind"] in _COMPARED and e["data"].get("where") != "store.save"
 
 
-def _turns(events: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
+def _turn_start(turn: list[_Event]) -> _Event | None:
+    """The data of a turn's turn_started, if it has one yet."""
+    return next((e["data"] for e in turn if e["kind"] == "turn_started"), None)
+
+
+def _turns(events: list[_Event]) -> list[list[_Event]]:
     """The events grouped by turn (what a turn emits before turn_started, such as
     session_loaded, included); TraceError for a turn cut short."""
-    turns: list[list[dict[str, Any]]] = []
-    open_turns: dict[Any, list[dict[str, Any]]] = {}   # session -> its turn so far
+    turns: list[list[_Event]] = []
+    open_turns: dict[Any, list[_Event]] = {}   # session -> its turn so far
     for e in events:
         turn = open_turns.setdefault(e.get("session_id"), [])
         if e["kind"] == "turn_started":
-            if e["data"].get("format") != TRACE_FORMAT or _start(turn):
+            if e["data"].get("format") != TRACE_FORMAT or _turn_start(turn):
                 raise TraceError(f"line {e['line']}: not a turn this bob replays (format "
-                                     f"{e['data'].get('format')}, or the last turn never ended)")
+                                 f"{e['data'].get('format')}, or the last turn never ended)")
             turns.append(turn)
         turn.append(e)
         if e["kind"] == "turn_completed":
             open_turns.pop(e.get("session_id"))
     for turn in open_turns.values():
-        if _start(turn):
+        if _turn_start(turn):
             raise TraceError(f"the turn that starts at line {turn[0]['line']} has no "
-                                 "turn_completed: the trace is cut short")
+                             "turn_completed: the trace is cut short")
     return turns
 
 
-def _start(turn: list[dict[str, Any]]) -> dict[str, Any] | None:
-    """The data of a turn's turn_started, if it has one yet."""
-    return next((e["data"] for e in turn if e["kind"] == "turn_started"), None)
-
-
-def _cancel_point(events: list[dict[str, Any]]) -> int | None:
+def _cancel_point(events: list[_Event]) -> int | None:
     """The index (among compared events) of the event a recorded cancel came right after; None
     when the turn was not cancelled or a tool was interrupted (ReplayTools cancels then)."""
     texts = [e["data"]["content"] for e in events if e["kind"] == "tool_call_completed"]
@@ -2481,7 +2455,7 @@ class _Recorder:
     """The replay's event sink: keeps compared events as JSON has them; cancels at `cancel_at`."""
 
     def __init__(self, cancel: CancelToken, cancel_at: int | None):
-        self.events: list[dict[str, Any]] = []
+        self.events: list[_Event] = []
         self.cancel, self.cancel_at = cancel, cancel_at
 
     def emit(self, event: AgentEvent) -> None:
@@ -2492,12 +2466,11 @@ class _Recorder:
                 self.cancel.cancel()
 
 
-def _shown(e: dict[str, Any] | None) -> dict[str, Any] | None:
+def _shown(e: _Event | None) -> _Event | None:
     return e and {"kind": e["kind"], **{f: e["data"].get(f) for f in _COMPARED[e["kind"]]}}
 
 
-def _first_difference(recorded: list[dict[str, Any]], new: list[dict[str, Any]]
-                      ) -> tuple[int, str, Any, Any] | None:
+def _first_difference(recorded: list[_Event], new: list[_Event]) -> tuple[Any, ...] | None:
     """(step, what, recorded, new) of the first compared event that differs, or None."""
     for a, b in itertools.zip_longest(recorded, new):
         if a is None or b is None or a["kind"] != b["kind"]:
@@ -2520,18 +2493,18 @@ class _FailedSave:
         raise StoreError("replay: the recorded save failed")
 
 
-def _approver(events: list[dict[str, Any]]) -> Callable[[ToolCall], Approval]:
+def _approver(events: list[_Event]) -> Callable[[ToolCall], Approval]:
     """An approver that gives the decisions recorded in a turn, by call id."""
     decided = {d["call_id"]: Approval(d["allow"], d.get("reason", ""), d.get("arguments"))
                for d in (e["data"] for e in events if e["kind"] == "approval_decided")}
     return lambda call: decided.get(call.id, Approval(False, "replay: no recorded decision"))
 
 
-def _replay_turn(events: list[dict[str, Any]], store: SessionStore, tools: ToolPort | None,
-                 deny_tools: Sequence[str], overrides: dict[str, Any]
-                 ) -> tuple[list[dict[str, Any]], ReplayLlm]:
-    """Run one recorded turn again; returns the compared events it emitted and its ReplayLlm."""
-    start, sid = _start(events) or {}, events[0]["session_id"]
+def _replay_turn(events: list[_Event], store: SessionStore, given: dict[str, Any]
+                 ) -> tuple[list[_Event], ReplayLlm]:
+    """Run one recorded turn again, with the settings `given` to replay(): the compared events
+    it emitted, and its ReplayLlm."""
+    start, sid = _turn_start(events) or {}, events[0]["session_id"]
     for e in events:
         if e["kind"] == "session_loaded":   # a version past the replayed one, so the save takes
             version = getattr(store.load(sid), "version", -1) + 1
@@ -2543,27 +2516,27 @@ def _replay_turn(events: list[dict[str, Any]], store: SessionStore, tools: ToolP
     sink = _Recorder(caller, _cancel_point([e for e in events if _compared(e)]))
     settings = {"policy": TurnPolicy(**start["policy"]), "system_prompt": start["system_prompt"],
                 "action_mode": start["action_mode"]}
-    settings.update((k, v) for k, v in overrides.items() if v is not None)
-    deny = (*deny_tools, *start.get("deny_tools", ()))   # what the recording denied stays denied
+    settings.update((k, given[k]) for k in settings if given.get(k) is not None)
+    tools = given.get("tools")
     runtime = AgentRuntime(llm, tools if tools is not None else ReplayTools(events, caller.cancel),
-                           store=store, events=sink, deny_tools=deny, **settings,
-                           ask_tools=start.get("ask_tools", ()),
+                           store=store, events=sink, **settings, ask_tools=start.get(
+                               "ask_tools", ()), deny_tools=(  # the recorded denials stay
+                               *given.get("deny_tools", ()), *start.get("deny_tools", ())),
                            approver=_approver(events) if start.get("approver") else None)
-    given = {k: Approval(**a) for k, a in start.get("approvals", {}).items()}
+    approvals = {k: Approval(**a) for k, a in start.get("approvals", {}).items()}
     with contextlib.suppress(BobError):  # an error that ends the turn is an event
-        runtime.run(AgentRequest(start["input"], sid, approvals=given or None), caller)
+        runtime.run(AgentRequest(start["input"], sid, approvals=approvals or None), caller)
     return sink.events, llm
 
 
-def _request_diff(events: list[dict[str, Any]], before: SessionState | None,
-                  llm: ReplayLlm) -> str:
+def _request_diff(events: list[_Event], before: SessionState | None, llm: ReplayLlm) -> str:
     """The first message of the last request `llm` got that differs from the recorded one
     (index, role, unified diff); the recorded request is rebuilt by replaying the turn as
     recorded, and its digest proves it is the one the trace holds."""
     store, k = InMemorySessionStore(), len(llm.requests) - 1
     if before is not None:
         store.save(events[0]["session_id"], before)
-    ref = _replay_turn(events, store, None, (), {})[1].requests
+    ref = _replay_turn(events, store, {})[1].requests
     digests = [e["data"]["digest"] for e in events if e["kind"] == "llm_call_started"]
     if len(ref) <= k or k >= len(digests) or request_digest(ref[k]) != digests[k]:
         return "  (the recorded request cannot be rebuilt from the trace)"
@@ -2576,11 +2549,11 @@ def _request_diff(events: list[dict[str, Any]], before: SessionState | None,
     return "  the messages are the same: the tools or the response format differ"
 
 
-def _check_turn(events: list[dict[str, Any]], store: SessionStore, tools: ToolPort | None,
-                deny_tools: Sequence[str], overrides: dict[str, Any]) -> str | ReplayReport:
+def _check_turn(events: list[_Event], store: SessionStore, given: dict[str, Any]
+                ) -> str | ReplayReport:
     """Replay one turn: "same (...)" or the report of its first divergence."""
     before = store.load(events[0]["session_id"])
-    new, llm = _replay_turn(events, store, tools, deny_tools, overrides)
+    new, llm = _replay_turn(events, store, given)
     found = _first_difference([e for e in events if _compared(e)], new)
     if found is None:
         end = events[-1]["data"]
@@ -2597,24 +2570,25 @@ def _check_turn(events: list[dict[str, Any]], store: SessionStore, tools: ToolPo
 
 # -- replay() --
 
-def replay(trace: str | os.PathLike[str] | Sequence[dict[str, Any]], *,
+def replay(trace: _Trace, *,
            tools: ToolPort | None = None, policy: TurnPolicy | None = None,
            system_prompt: str | None = None, action_mode: str | None = None,
            deny_tools: Sequence[str] = ()) -> ReplayReport:
     """Re-run every recorded turn, answered from the trace (`tools`, if given, run for real,
     minus `deny_tools` and the recorded ones), until the first divergence; the overrides
     replace the recorded settings. TraceError for a trace that cannot be read or is cut short."""
-    overrides = {"policy": policy, "system_prompt": system_prompt, "action_mode": action_mode}
+    given = {"policy": policy, "system_prompt": system_prompt, "action_mode": action_mode,
+             "tools": tools, "deny_tools": deny_tools}
     store, lines, turns = InMemorySessionStore(), [], _turns(read_trace(trace))
     if not turns:
         raise TraceError(f"{trace if isinstance(trace, (str, os.PathLike)) else 'the trace'}"
-                             " has no turn_started: it is not a bob trace, or it is empty")
+                         " has no turn_started: it is not a bob trace, or it is empty")
     for n, events in enumerate(turns, 1):
         try:
-            outcome = _check_turn(events, store, tools, deny_tools, overrides)
+            outcome = _check_turn(events, store, given)
         except (TypeError, KeyError, ValueError, AttributeError, IndexError) as e:
             raise TraceError(f"the turn that starts at line {events[0].get('line')} cannot "
-                                 f"be replayed: {type(e).__name__}: {e}") from None
+                             f"be replayed: {type(e).__name__}: {e}") from None
         if isinstance(outcome, ReplayReport):
             return dataclasses.replace(outcome, turns=[*lines, f"turn {n}: DIFFERENT"], turn=n)
         lines.append(f"turn {n}: {outcome}")
