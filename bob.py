@@ -1780,13 +1780,10 @@ class ScriptedLlm:
 # here, in _to_wire / _from_wire and the stream reader; transport errors become LlmError in
 # _attempt, the one place that talks HTTP.
 
-PROVIDERS: dict[str, tuple[str, str | None]] = {
-    # provider: (default base_url, environment variable holding the API key or None)
+PROVIDERS: dict[str, tuple[str, str | None]] = {  # (default base_url, API key variable or None)
     "openai": ("https://api.openai.com/v1", "OPENAI_API_KEY"),
-    "ollama": ("http://localhost:11434/v1", None),
-    "vllm": ("http://localhost:8000/v1", None),
-    "llamacpp": ("http://localhost:8080/v1", None),
-    "lmstudio": ("http://localhost:1234/v1", None),
+    "ollama": ("http://localhost:11434/v1", None), "vllm": ("http://localhost:8000/v1", None),
+    "llamacpp": ("http://localhost:8080/v1", None), "lmstudio": ("http://localhost:1234/v1", None),
     "openrouter": ("https://openrouter.ai/api/v1", "OPENROUTER_API_KEY"),
     "groq": ("https://api.groq.com/openai/v1", "GROQ_API_KEY"),
     "together": ("https://api.together.xyz/v1", "TOGETHER_API_KEY"),
@@ -2026,8 +2023,8 @@ class OpenAICompatLlm:
         self.retry_max, self.stream, self.stream_usage = retry_max, stream, stream_usage
         self.temperature, self.seed, self.max_tokens = temperature, seed, max_tokens
         self.json_response_format, self.tool_choice = json_response_format, tool_choice
-        self.max_response_bytes = max_response_bytes
         self.timeout_s, self.backoff_base_s = timeout_s, backoff_base_s
+        self.max_response_bytes = max_response_bytes
         self._api_key, self._key_source = self._find_key(model, api_key)
         self._url = self.base_url + "/chat/completions"
         # For messages, repr and describe(): user:password@ in a URL is a secret too.
@@ -2055,8 +2052,8 @@ class OpenAICompatLlm:
         return key or None, source
 
     def __repr__(self) -> str:
-        shown = self._shown.removesuffix("/chat/completions")
-        return f"OpenAICompatLlm({self.provider + ':' + self.model!r}, base_url={shown!r})"
+        return (f"OpenAICompatLlm({self.provider + ':' + self.model!r}, "
+                f"base_url={self._shown.removesuffix('/chat/completions')!r})")
 
     def describe(self) -> str:
         """One line for humans, e.g. "openai:gpt-4o-mini at https://api.openai.com/v1"."""
@@ -2164,9 +2161,8 @@ class OpenAICompatLlm:
 
     def _error(self, status: int, what: str, text: str | bytes) -> LlmError:
         """LlmError "<endpoint> <what>: '<what the server sent>'", with the API key masked."""
-        if isinstance(text, bytes):
-            text = text.decode("utf-8", "replace")
-        text = " ".join(text.split())
+        text = " ".join((text.decode("utf-8", "replace") if isinstance(text, bytes) else text
+                         ).split())
         excerpt = (text.replace(self._api_key, "***") if self._api_key else text)[:300]
         return LlmError(f"{self.describe()} {what}: {excerpt!r}", status, excerpt)
 
@@ -2326,9 +2322,8 @@ class ReplayLlm:
 
 
 class ReplayTools:
-    """A ToolPort answering from a trace: the recorded tools, and each call's recorded result
-    once its name and arguments match (else an error result, and `divergence` says why). A call
-    interrupted in the recording calls `on_interrupt` once its batch's other calls returned."""
+    """A ToolPort answering each call with its recorded result if name and arguments match (else
+    an error; `divergence` says why); a call interrupted in the recording calls `on_interrupt`."""
 
     def __init__(self, trace: _Trace, on_interrupt: Callable[[], None] | None = None):
         events = read_trace(trace)
@@ -2415,8 +2410,7 @@ def _turn_start(turn: list[_Event]) -> _Event | None:
 
 
 def _turns(events: list[_Event]) -> list[list[_Event]]:
-    """The events grouped by turn (what a turn emits before turn_started, such as
-    session_loaded, included); TraceError for a turn cut short."""
+    """The events grouped by turn (session_loaded included); TraceError for a turn cut short."""
     turns: list[list[_Event]] = []
     open_turns: dict[Any, list[_Event]] = {}   # session -> its turn so far
     for e in events:
@@ -2502,8 +2496,7 @@ def _approver(events: list[_Event]) -> Callable[[ToolCall], Approval]:
 
 def _replay_turn(events: list[_Event], store: SessionStore, given: dict[str, Any]
                  ) -> tuple[list[_Event], ReplayLlm]:
-    """Run one recorded turn again, with the settings `given` to replay(): the compared events
-    it emitted, and its ReplayLlm."""
+    """Run a recorded turn again with replay()'s settings: the compared events, its ReplayLlm."""
     start, sid = _turn_start(events) or {}, events[0]["session_id"]
     for e in events:
         if e["kind"] == "session_loaded":   # a version past the replayed one, so the save takes
@@ -2530,9 +2523,8 @@ def _replay_turn(events: list[_Event], store: SessionStore, given: dict[str, Any
 
 
 def _request_diff(events: list[_Event], before: SessionState | None, llm: ReplayLlm) -> str:
-    """The first message of the last request `llm` got that differs from the recorded one
-    (index, role, unified diff); the recorded request is rebuilt by replaying the turn as
-    recorded, and its digest proves it is the one the trace holds."""
+    """The first message of `llm`'s last request that differs from the recorded one (rebuilt by
+    replaying the turn as recorded, proved by its digest): index, role, unified diff."""
     store, k = InMemorySessionStore(), len(llm.requests) - 1
     if before is not None:
         store.save(events[0]["session_id"], before)
@@ -2574,9 +2566,8 @@ def replay(trace: _Trace, *,
            tools: ToolPort | None = None, policy: TurnPolicy | None = None,
            system_prompt: str | None = None, action_mode: str | None = None,
            deny_tools: Sequence[str] = ()) -> ReplayReport:
-    """Re-run every recorded turn, answered from the trace (`tools`, if given, run for real,
-    minus `deny_tools` and the recorded ones), until the first divergence; the overrides
-    replace the recorded settings. TraceError for a trace that cannot be read or is cut short."""
+    """Re-run every recorded turn offline until the first divergence: `tools` (less `deny_tools`)
+    run for real if given; the overrides replace the recorded settings; TraceError."""
     given = {"policy": policy, "system_prompt": system_prompt, "action_mode": action_mode,
              "tools": tools, "deny_tools": deny_tools}
     store, lines, turns = InMemorySessionStore(), [], _turns(read_trace(trace))
