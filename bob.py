@@ -528,8 +528,7 @@ def parse_action(text: str, call_id: str = "call_1") -> AgentAction:
     if kind == "ask_user":
         return AskUser(_required_str(obj, "question", kind))
     if kind == "tool_call":
-        name = _required_str(obj, "name", kind)
-        args = obj.get("arguments", {})
+        name, args = _required_str(obj, "name", kind), obj.get("arguments", {})
         if not isinstance(args, dict):
             raise ActionParseError('"arguments" of a tool_call must be a JSON object')
         return CallTools((ToolCall(call_id, name, args),))
@@ -613,9 +612,7 @@ def render_for_wire(m: Message, mode: str) -> Message:
         status = "failed" if m.is_error else "succeeded"
         return Message("user", f"Tool {m.name} (call {m.tool_call_id}) {status}. "
                                f"Result:\n{m.content}")
-    if m.role == "assistant":
-        return Message("assistant", _action_text(m))
-    return m
+    return Message("assistant", _action_text(m)) if m.role == "assistant" else m
 
 
 # ---- 5. LoopGuard -------------------------------------------------------------------------------
@@ -644,10 +641,9 @@ class LoopGuard:
 
     def out_of_time(self) -> Trip | None:
         """The turn deadline has passed."""
-        if time.monotonic() < self.deadline:
-            return None
-        return Trip(GuardReason.TURN_TIMEOUT,
-                    f"the turn took longer than turn_timeout_ms={self.policy.turn_timeout_ms}")
+        return None if time.monotonic() < self.deadline else Trip(
+            GuardReason.TURN_TIMEOUT,
+            f"the turn took longer than turn_timeout_ms={self.policy.turn_timeout_ms}")
 
     def before_llm_call(self) -> Trip | None:
         """Checked before every LLM call: deadline, error streak, step budget."""
@@ -725,9 +721,7 @@ def _schema_for(tp: Any) -> dict[str, Any]:
             "anyOf": [_schema_for(a) for a in options]}
     if origin in (list, tuple, collections.abc.Sequence):
         return {"type": "array", **({"items": _schema_for(args[0])} if args else {})}
-    if origin is dict:
-        return {"type": "object"}
-    return {}  # Any or unannotated: accept anything
+    return {"type": "object"} if origin is dict else {}  # Any or unannotated: accept anything
 
 
 def _matches(value: Any, schema: dict[str, Any]) -> bool:
@@ -812,8 +806,7 @@ class FunctionTools:
     def call_tool(self, call: ToolCall, timeout_s: float,
                   cancel: CancelToken | None = None) -> ToolResult:
         """Validate the arguments, call the function, turn its return value into text."""
-        t0 = time.perf_counter()
-        f = self._functions.get(call.name)
+        t0, f = time.perf_counter(), self._functions.get(call.name)
         try:
             if f is None:
                 raise LookupError(f"unknown tool {call.name!r}")
@@ -828,8 +821,7 @@ class FunctionTools:
 
     @staticmethod
     def _check_args(f: _Function, args: dict[str, Any]) -> str | None:
-        schema = f.descriptor.input_schema
-        unknown = sorted(set(args) - set(f.params))
+        schema, unknown = f.descriptor.input_schema, sorted(set(args) - set(f.params))
         missing = [p for p in schema["required"] if p not in args]
         wrong = [f"{k} (expected {_expected(f.params[k])})"
                  for k, v in args.items() if k in f.params
@@ -1060,9 +1052,7 @@ def redact(data: Any) -> Any:
         return {k: "***" if _secret_key(k) else redact(v) for k, v in data.items()}
     if isinstance(data, list):
         return [redact(v) for v in data]
-    if isinstance(data, str) and '"' in data:
-        return _SECRET_PAIR.sub(r'\1"***"', data)
-    return data
+    return _SECRET_PAIR.sub(r'\1"***"', data) if isinstance(data, str) and '"' in data else data
 
 
 def request_digest(req: LlmRequest, cache: dict[int, tuple[Message, str]] | None = None) -> str:
@@ -1279,13 +1269,11 @@ class AgentRuntime:
 
     def run(self, request: AgentRequest, cancel: CancelToken | None = None) -> AgentRunResult:
         """Run one turn to its end. Guards and cancel are results; LlmError/AgentError raise."""
-        policy = request.policy or self.policy
-        caller = cancel or CancelToken()
+        policy, caller = request.policy or self.policy, cancel or CancelToken()
         turn = _Turn(request, policy, caller, CancelToken(), LoopGuard(
             policy, time.monotonic() + policy.turn_timeout_ms / 1000))
         turn.cancel.on_cancel(lambda: turn.wake.put(None))  # wakes whatever the turn waits for
-        unlink = caller.on_cancel(turn.cancel.cancel)
-        state = State.START
+        unlink, state = caller.on_cancel(turn.cancel.cancel), State.START
         try:
             while state is not State.DONE:
                 nxt = self._states[state](turn)
@@ -1357,8 +1345,7 @@ class AgentRuntime:
         prompt = typing.cast(LlmRequest, t.prompt)
         self._emit(t, "llm_call_started", {"messages": len(prompt.messages), "digest": (
             request_digest(prompt, t.parts) if self.sinks else None)})
-        t0 = time.perf_counter()
-        worker = self._complete(t, prompt)
+        t0, worker = time.perf_counter(), self._complete(t, prompt)
         if _too_long(worker.error) and len(prompt.messages) > 2 and not t.cancel.cancelled:
             sent = len(prompt.messages) - 1  # once per step, with half the history
             t.prompt = prompt = self._prompt(t, sent // 2)
@@ -1391,8 +1378,7 @@ class AgentRuntime:
                 f"{_excerpt(reply.content)!r}. " + (ACTION_CONTRACT if self.action_mode == "json"
                                                   else "Answer in text or call a tool."))))
             return State.BUILD_PROMPT
-        t.parse_failures = 0
-        action = t.action
+        t.parse_failures, action = 0, t.action
         self._emit(t, "action_parsed", {
             "type": {Final: "final", AskUser: "ask_user", CallTools: "tool_call"}[type(action)],
             "tools": [c.name for c in action.calls] if isinstance(action, CallTools) else []})
@@ -1771,9 +1757,7 @@ class ScriptedLlm:
             raise reply
         if callable(reply):
             reply = reply(req, cancel)
-        if isinstance(reply, str):
-            return LlmResponse(reply, finish_reason="stop")
-        return reply
+        return LlmResponse(reply, finish_reason="stop") if isinstance(reply, str) else reply
 
 
 # OpenAICompatLlm: any OpenAI-compatible /chat/completions endpoint. OpenAI JSON exists only
@@ -2101,8 +2085,7 @@ class OpenAICompatLlm:
         timeout = end - time.monotonic()
         if timeout <= 0:
             raise LlmError(f"no time left for a request to {self._shown}")
-        data = json.dumps(body, separators=(",", ":")).encode()
-        acc = _Stream(on_delta)
+        data, acc = json.dumps(body, separators=(",", ":")).encode(), _Stream(on_delta)
         try:
             resp = self._session.post(self._url, data=data, headers=self._headers,
                                       timeout=(timeout, timeout), stream=True)
