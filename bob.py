@@ -1102,7 +1102,8 @@ def abandoned_workers() -> int:
 
 
 def _serve(inbox: queue.SimpleQueue[Any]) -> None:
-    """A pool thread: run jobs from its inbox; exit when idle too long. Reuse saves ~100 us/call."""
+    """A pool thread: run jobs from its inbox; exit when idle too long. Reuse saves ~100 us a
+    call (bench/loop_overhead.py)."""
     while True:
         try:
             job = inbox.get(timeout=_IDLE_S)
@@ -1876,7 +1877,7 @@ class _Stream:
 
 def _sse_data(pieces: Iterable[bytes]) -> Iterator[str]:
     """Yield the data field of each Server-Sent Event, as soon as its line arrives."""
-    pending: list[bytes] = []  # a line not ended yet, in pieces (joining each time is quadratic)
+    pending: list[bytes] = []  # a line not ended yet: joined once (bench/hostile_llm.py /stream)
     for piece in pieces:
         pending.append(piece)
         if b"\n" not in piece:
@@ -2202,7 +2203,7 @@ class OpenAICompatLlm:
                 raise LlmError(f"the answer from {self._shown} was still coming when the time "
                                f"for the call ran out ({total} bytes came)")
             if sock is not None:
-                sock.settimeout(left)  # a socket read waits no longer than the call may
+                sock.settimeout(left)  # test_a_server_sending_a_byte_every_so_often_...
             piece = resp.raw.read1(65536, decode_content=True)  # what has come, inflated
             total += len(piece)
             if total > self.max_response_bytes:
@@ -2216,7 +2217,7 @@ class OpenAICompatLlm:
     def _read_stream(self, resp: Any, acc: _Stream, end: float) -> None:
         """Fold Server-Sent Events into `acc` until [DONE] or the end of the body."""
         for payload in _sse_data(self._body(resp, end)):
-            if payload == "[DONE]":  # the end, even if the server keeps the connection open
+            if payload == "[DONE]":  # the end (test_done_ends_the_stream_even_when_...)
                 acc.done = True
                 with contextlib.suppress(AttributeError, *self._transport_errors):  # keep-alive:
                     resp.raw.connection.sock.settimeout(0.05)  # take the body's end if it is near
