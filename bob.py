@@ -1077,12 +1077,6 @@ def _fit(call: ToolCall) -> ToolCall:
                                f"{problem}; call it again with smaller arguments")
 
 
-def _reply_data(reply: LlmResponse, duration_ms: float) -> dict[str, Any]:
-    """llm_call_completed: the reply as the port gave it (ids before bob fixes them), masked."""
-    return redact({**vars(reply), "tool_calls": [_fit(c).to_dict() for c in reply.tool_calls],
-                   "usage": vars(reply.usage), "duration_ms": duration_ms})
-
-
 # ---- 8. Workers: threads with deadlines and cancel ----------------------------------------------
 # A port may block forever. Each LLM or tool call runs on a daemon pool thread; the loop waits on a
 # wake-up queue with the remaining time, so cancel and deadlines hold while the port is stuck.
@@ -1344,8 +1338,8 @@ class AgentRuntime:
         if trip := t.guard.before_llm_call():
             return self._trip(t, trip)
         prompt = typing.cast(LlmRequest, t.prompt)
-        self._emit(t, "llm_call_started", {"messages": len(prompt.messages), "digest": (
-            request_digest(prompt, t.parts) if self.sinks else None)})
+        self._emit(t, "llm_call_started", lambda: {"messages": len(prompt.messages),
+                                                   "digest": request_digest(prompt, t.parts)})
         t0, worker = time.perf_counter(), self._complete(t, prompt)
         if _too_long(worker.error) and len(prompt.messages) > 2 and not t.cancel.cancelled:
             sent = len(prompt.messages) - 1  # once per step, with half the history
@@ -1354,12 +1348,9 @@ class AgentRuntime:
             worker = self._complete(t, prompt)
         if stop := self._stopped(t, worker, "the model"):
             return stop
-        t.reply = worker.value
+        t.reply, duration = worker.value, _ms_since(t0)
         t.usage += t.reply.usage
-        data = _reply_data(t.reply, _ms_since(t0))
-        t.masked = {id(c.arguments): d["arguments"]  # masked once, for tool_call_started too
-                    for c, d in zip(t.reply.tool_calls, data["tool_calls"])}
-        self._emit(t, "llm_call_completed", data)
+        self._emit(t, "llm_call_completed", lambda: self._trace_reply(t, duration))
         return State.PARSE_ACTION
 
     def _parse_action(self, t: _Turn) -> State:
@@ -1675,11 +1666,21 @@ class AgentRuntime:
             t.session.messages.append(Message("tool", r.content, tool_call_id=r.call_id,
                                               name=r.name, is_error=r.is_error))
 
+    def _trace_reply(self, t: _Turn, duration_ms: float) -> dict[str, Any]:
+        """llm_call_completed: the reply as the port gave it (ids before bob fixes them), masked;
+        the masked arguments are kept for tool_call_started."""
+        reply = typing.cast(LlmResponse, t.reply)
+        data = redact({**vars(reply), "tool_calls": [_fit(c).to_dict() for c in reply.tool_calls],
+                       "usage": vars(reply.usage), "duration_ms": duration_ms})
+        t.masked = {id(c.arguments): d["arguments"]
+                    for c, d in zip(reply.tool_calls, data["tool_calls"])}
+        return data
+
     def _trace_call(self, t: _Turn, call: ToolCall, runs: bool) -> None:
         masked = t.masked.get(id(call.arguments))
-        self._emit(t, "tool_call_started", {"call_id": call.id, "name": call.name, "runs": runs,
-                                            "arguments": masked if masked is not None
-                                            else redact(call.arguments)})
+        self._emit(t, "tool_call_started", lambda: {
+            "call_id": call.id, "name": call.name, "runs": runs,
+            "arguments": redact(call.arguments) if masked is None else masked})
 
     def _trace_loaded(self, t: _Turn) -> None:
         """session_loaded unless the session is as this runtime's last turn left it: a trace
@@ -1687,13 +1688,14 @@ class AgentRuntime:
         sid, version = t.request.session_id, t.session.version
         fresh = t.request.history is not None or self._traced.get(sid) != version
         self._traced[sid] = version + 1   # what _done saves
-        if fresh and self.sinks:   # the copy costs O(history)
-            self._emit(t, "session_loaded", {"paused": redact(t.session.paused), "messages": [
-                redact(m.to_dict()) for m in t.session.messages]})
+        if fresh:
+            self._emit(t, "session_loaded", lambda: {"paused": redact(t.session.paused),
+                                                     "messages": [redact(m.to_dict())
+                                                                  for m in t.session.messages]})
 
     def _trace_start(self, t: _Turn) -> None:
         """turn_started: all that decides the run."""
-        self._emit(t, "turn_started", {
+        self._emit(t, "turn_started", lambda: {
             "format": TRACE_FORMAT, "version": __version__, "input": t.request.input,
             "model": getattr(self.llm, "describe", lambda: type(self.llm).__name__)(),
             "action_mode": self.action_mode, "policy": dataclasses.asdict(t.policy),
@@ -1720,11 +1722,14 @@ class AgentRuntime:
         t.finish, t.content = FinishReason.CANCELLED, "Cancelled."
         return State.DONE
 
-    def _emit(self, t: _Turn, kind: str, data: dict[str, Any]) -> None:
-        """Send one event to every sink; a sink that raises is logged and ignored."""
+    def _emit(self, t: _Turn, kind: str,
+              data: dict[str, Any] | Callable[[], dict[str, Any]]) -> None:
+        """Send one event to every sink; a sink that raises is logged and ignored. Data given
+        as a function is built only when a sink listens (trace data costs copies and hashes)."""
         if t.closed or not self.sinks:
             return
-        event = AgentEvent(kind, t.request.session_id, t.guard.steps, data, time.time())
+        event = AgentEvent(kind, t.request.session_id, t.guard.steps,
+                           data() if callable(data) else data, time.time())
         for sink in self.sinks:
             try:
                 sink.emit(event)
