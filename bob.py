@@ -485,15 +485,15 @@ _MAX_DEPTH = 100  # of a model's JSON: no tool needs more, and a session holding
 
 def _json_problem(value: Any) -> str | None:
     """Why JSON from the model is unfit to keep (json could not write or read it back), or None."""
-    stack = [(value, 0)]
+    stack = [(value, 0)]   # not recursive: the value may be as deep as json parses
     while stack:
         v, depth = stack.pop()
-        if isinstance(v, int) and v.bit_length() > 14_000:  # ~4,200 digits; the limit: 4,300
-            return "holds an integer over 4,000 digits long"
-        if isinstance(v, (dict, list)) and depth >= _MAX_DEPTH:
-            return f"nests deeper than {_MAX_DEPTH} levels"
         if isinstance(v, (dict, list)):
-            stack.extend((x, depth + 1) for x in (v.values() if isinstance(v, dict) else v))
+            if depth >= _MAX_DEPTH:
+                return f"nests deeper than {_MAX_DEPTH} levels"
+            stack.extend(zip(v.values() if isinstance(v, dict) else v, itertools.repeat(depth + 1)))
+        elif isinstance(v, int) and v.bit_length() > 14_000:  # ~4,200 digits; the limit: 4,300
+            return "holds an integer over 4,000 digits long"
     return None
 
 
@@ -1229,7 +1229,6 @@ class _Turn:
     approvals: dict[str, Approval] = field(default_factory=dict)  # decisions, by call id
     resumed: bool = False                   # took up a paused batch (its guards already ran)
     pending: tuple[ToolCall, ...] = ()      # calls left waiting for a decision
-    masked: dict[int, Any] = field(default_factory=dict)  # id(arguments) -> masked, this step
     closed: bool = False                    # set at the end: late worker events are dropped
     parts: dict[int, tuple[Message, str]] = field(default_factory=dict)  # for request_digest
 
@@ -1348,8 +1347,9 @@ class AgentRuntime:
             worker = self._complete(t, prompt)
         if stop := self._stopped(t, worker, "the model"):
             return stop
-        t.reply, duration = worker.value, _ms_since(t0)
-        t.usage += t.reply.usage
+        duration, reply = _ms_since(t0), worker.value  # unfit arguments are replaced once:
+        t.reply = dataclasses.replace(reply, tool_calls=tuple(map(_fit, reply.tool_calls)))
+        t.usage += reply.usage                          # the trace records them so too
         self._emit(t, "llm_call_completed", lambda: self._trace_reply(t, duration))
         return State.PARSE_ACTION
 
@@ -1603,7 +1603,7 @@ class AgentRuntime:
                 if not c.id or c.id in seen:
                     c = dataclasses.replace(c, id=f"{call_id}_{i}")
                 seen.add(c.id)
-                calls.append(_fit(c))
+                calls.append(c)
             return CallTools(tuple(calls))
         if not reply.content.strip():
             raise ActionParseError("the reply was empty: no text and no tool calls")
@@ -1667,20 +1667,15 @@ class AgentRuntime:
                                               name=r.name, is_error=r.is_error))
 
     def _trace_reply(self, t: _Turn, duration_ms: float) -> dict[str, Any]:
-        """llm_call_completed: the reply as the port gave it (ids before bob fixes them), masked;
-        the masked arguments are kept for tool_call_started."""
+        """llm_call_completed: the reply as the port gave it (ids before bob fixes them), masked."""
         reply = typing.cast(LlmResponse, t.reply)
-        data = redact({**vars(reply), "tool_calls": [_fit(c).to_dict() for c in reply.tool_calls],
+        return redact({**vars(reply), "tool_calls": [c.to_dict() for c in reply.tool_calls],
                        "usage": vars(reply.usage), "duration_ms": duration_ms})
-        t.masked = {id(c.arguments): d["arguments"]
-                    for c, d in zip(reply.tool_calls, data["tool_calls"])}
-        return data
 
     def _trace_call(self, t: _Turn, call: ToolCall, runs: bool) -> None:
-        masked = t.masked.get(id(call.arguments))
-        self._emit(t, "tool_call_started", lambda: {
-            "call_id": call.id, "name": call.name, "runs": runs,
-            "arguments": redact(call.arguments) if masked is None else masked})
+        self._emit(t, "tool_call_started", lambda: {"call_id": call.id, "name": call.name,
+                                                    "runs": runs, "arguments": redact(
+                                                        call.arguments)})
 
     def _trace_loaded(self, t: _Turn) -> None:
         """session_loaded unless the session is as this runtime's last turn left it: a trace
