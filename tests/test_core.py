@@ -642,8 +642,8 @@ def test_the_prompt_never_exceeds_max_history_messages_in_a_long_session():
 # ---- 7. Events ----------------------------------------------------------------------------------
 
 FULL_TURN_KINDS = [
-    "session_loaded", "turn_started", "state", "state", "llm_call_started", "llm_call_completed", "state",
-    "action_parsed", "state", "tool_call_started", "tool_call_completed", "state", "state",
+    "session_loaded", "turn_started", "state", "state", "llm_call_started", "llm_call_completed",
+    "state", "action_parsed", "state", "tool_call_started", "tool_call_completed", "state", "state",
     "llm_call_started", "llm_call_completed", "state", "action_parsed", "state", "turn_completed"]
 
 
