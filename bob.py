@@ -952,7 +952,7 @@ class JsonFileSessionStore:
             raise StoreError(f"cannot read session file {path}: {e}") from e
         try:  # bad UTF-8 is a ValueError too; deep nesting a RecursionError
             return SessionState.from_dict(json.loads(raw))
-        except (ValueError, RecursionError) as e:
+        except _BAD_JSON as e:
             why = "nested too deeply" if isinstance(e, RecursionError) else _excerpt(str(e))
             raise StoreError(f"session file {path} is corrupt ({why}); move it away to start "
                              "that session afresh") from e
@@ -2336,10 +2336,11 @@ class ReplayTools:
         """The recorded result of this call."""
         with self._cond:
             rec = (self._calls.get(call.id) or [None]).pop(0)
-        if rec is None or (rec["name"], rec["arguments"]) != (call.name, redact(call.arguments)):
-            what = f"tool call {call.id} {call.name}({json.dumps(redact(call.arguments))}) " \
-                   "was never recorded" + (rec and f"; recorded: {rec['name']}("
-                                                   f"{json.dumps(rec['arguments'])})" or "")
+        args = redact(call.arguments)
+        if rec is None or (rec["name"], rec["arguments"]) != (call.name, args):
+            what = f"tool call {call.id} {call.name}({json.dumps(args)}) was never recorded"
+            if rec is not None:
+                what += f"; recorded: {rec['name']}({json.dumps(rec['arguments'])})"
             self.divergence = self.divergence or what
             return _error(call, f"replay: {what}")
         with self._cond:  # an interrupted call: the others of its batch ended before the cancel
@@ -2350,8 +2351,6 @@ class ReplayTools:
             self.on_interrupt()
         return ToolResult(call.id, call.name, rec["content"], rec["is_error"])
 
-
-# -- the report --
 
 @dataclass
 class ReplayReport:
@@ -2543,8 +2542,6 @@ def _check_turn(events: list[_Event], store: SessionStore, given: dict[str, Any]
         what, detail = llm.divergence or what, _request_diff(events, before, llm)
     return ReplayReport(False, [], None, step, what, old, value, detail)
 
-
-# -- replay() --
 
 def replay(trace: _Trace, *,
            tools: ToolPort | None = None, policy: TurnPolicy | None = None,
