@@ -5,7 +5,6 @@
     python bob_cli.py -p "What is 2 + 40?"         # one turn; only the answer goes to stdout
     printf 'hi\\nand again\\n' | python bob_cli.py   # each line a turn of one session
     python bob_cli.py --session work --trace run.jsonl -v
-    python bob_cli.py replay run.jsonl             # re-run a trace offline; exit 1 if it differs
 
 Exit codes: 0 ok, 1 runtime error, 2 usage or config error (a missing API key included),
 3 a guard trip or a cancel ended a one-shot or piped turn, 128+N killed by signal N.
@@ -940,41 +939,8 @@ def _close(shell: Shell) -> None:
             signal.signal(signum, handler)
 
 
-def run_replay(argv: list[str]) -> int:
-    """`bob replay TRACE`: one line per turn, the first divergence in full; exit 0 same,
-    1 a divergence, 2 an unreadable or incomplete trace (or a bad config)."""
-    p = argparse.ArgumentParser(prog="bob replay", description="Replay a --trace file offline: "
-                                "the recorded replies answer; stop at the first difference.")
-    p.add_argument("trace", help="the JSONL trace to replay")
-    p.add_argument("--live-tools", action="store_true",
-                   help="run the tools of --config (MCP servers) instead of recorded results")
-    p.add_argument("--config", metavar="PATH", default="agent.toml",
-                   help="the agent.toml whose tools --live-tools runs (default: ./agent.toml)")
-    args = p.parse_args(argv)
-    mcp: McpTools | None = None
-    try:
-        tools, deny = None, ()
-        if args.live_tools:
-            cfg = load_config(args.config)
-            mcp = McpTools(cfg.mcp_servers) if cfg.mcp_servers else None
-            tools, deny = mcp or bob.FunctionTools(), cfg.deny_tools
-        report = bob.replay(args.trace, tools=tools, deny_tools=deny)
-    except (bob.TraceError, bob.ConfigError) as e:
-        return _fail(e, 2, False)
-    except KeyboardInterrupt:
-        return 130
-    finally:
-        if mcp is not None:
-            mcp.close()
-    print(report, flush=True)
-    return 0 if report.ok else 1
-
-
 def main(argv: list[str] | None = None) -> int:
     """Run the CLI on `argv` (default sys.argv[1:]); returns the exit code."""
-    argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["replay"]:
-        return run_replay(argv[1:])
     parser = _parser()
     args = parser.parse_args(argv)
     if args.prompt is not None and not args.prompt.strip():
