@@ -32,6 +32,7 @@ import fnmatch
 import functools
 import hashlib
 import inspect
+import itertools
 import json
 import logging
 import os
@@ -58,13 +59,16 @@ __all__ = [
     "LlmResponse",
     # ports
     "LlmPort", "ToolPort", "SessionStore", "EventSink",
-    # machinery and adapters
-    "parse_action", "LoopGuard", "Trip", "State", "TRANSITIONS", "abandoned_workers",
-    "build_system_prompt", "truncate_history", "render_for_wire", "is_denied",
-    "cut_output", "redact", "FunctionTools", "CompositeToolPort",
-    "InMemorySessionStore", "JsonFileSessionStore", "LoggingEventSink", "JsonlEventSink",
-    "AgentRuntime", "ScriptedLlm", "OpenAICompatLlm", "PROVIDERS", "RETRYABLE_STATUSES",
+    # functions and adapters
+    "parse_action", "truncate_history", "is_denied", "abandoned_workers", "FunctionTools",
+    "CompositeToolPort", "InMemorySessionStore", "JsonFileSessionStore", "LoggingEventSink",
+    "JsonlEventSink", "AgentRuntime", "ScriptedLlm", "OpenAICompatLlm", "PROVIDERS",
+    "RETRYABLE_STATUSES",
+    # the trace
+    "request_digest",
 ]
+__version__ = "0.1.0"
+TRACE_FORMAT = 1   # the format of what a trace records (README: "The trace")
 
 log = logging.getLogger("bob")
 
@@ -86,8 +90,7 @@ class LlmError(BobError):
 
     def __init__(self, message: str, status_code: int | None = None, body: str = ""):
         super().__init__(message)
-        self.status_code = status_code
-        self.body = body
+        self.status_code, self.body = status_code, body
 
 
 class ActionParseError(BobError):
@@ -95,8 +98,7 @@ class ActionParseError(BobError):
 
 
 class StoreError(BobError):
-    """A session could not be loaded or saved; the message names the file or the session.
-    A turn whose save failed raises it with `result`: what the turn would have returned."""
+    """A session could not be loaded or saved (the message names it); a failed save: `result`."""
     result: AgentRunResult | None = None
 
 
@@ -141,6 +143,10 @@ class ToolCall:
     arguments: dict[str, Any]
     error: str | None = None  # why the model's arguments are unusable: not run, the model is told
 
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON-ready dict; `error` only when set."""
+        return {k: v for k, v in vars(self).items() if v is not None}
+
 
 @dataclass(frozen=True)
 class ToolResult:
@@ -174,8 +180,7 @@ class Message:
         """Plain JSON-ready dict; `Message.from_dict` reverses it exactly."""
         d: dict[str, Any] = {"role": self.role, "content": self.content}
         if self.tool_calls:
-            d["tool_calls"] = [{k: v for k, v in vars(c).items() if v is not None}  # no copies
-                               for c in self.tool_calls]
+            d["tool_calls"] = [c.to_dict() for c in self.tool_calls]
         if self.tool_call_id is not None:
             d["tool_call_id"] = self.tool_call_id
         if self.name is not None:
@@ -234,19 +239,15 @@ class TurnPolicy:
     max_tool_output_chars: int = 20_000  # longer outputs are cut to head + tail
 
     def __post_init__(self) -> None:
-        for f in dataclasses.fields(self):
-            value = getattr(self, f.name)
+        for name, value in vars(self).items():
+            low = 200 if name == "max_tool_output_chars" else 1
             if not isinstance(value, int) or isinstance(value, bool):
-                raise ConfigError(f"TurnPolicy.{f.name} must be an integer, got {value!r}")
-            if value < 1:
-                raise ConfigError(f"TurnPolicy.{f.name} must be at least 1, got {value}")
-        for name in ("turn_timeout_ms", "tool_timeout_ms"):
-            if getattr(self, name) > 86_400_000:   # past a day, thread waits overflow
+                raise ConfigError(f"TurnPolicy.{name} must be an integer, got {value!r}")
+            if value < low:
+                raise ConfigError(f"TurnPolicy.{name} must be at least {low}, got {value}")
+            if name.endswith("timeout_ms") and value > 86_400_000:  # thread waits overflow
                 raise ConfigError(f"TurnPolicy.{name} must be at most 86400000 (a day), "
-                                  f"got {getattr(self, name)}")
-        if self.max_tool_output_chars < 200:
-            raise ConfigError("TurnPolicy.max_tool_output_chars must be at least 200, "
-                              f"got {self.max_tool_output_chars}")
+                                  f"got {value}")
 
 
 @dataclass(frozen=True)
@@ -286,8 +287,7 @@ class GuardReason(str, enum.Enum):
 
 @dataclass(frozen=True)
 class Approval:
-    """A person's decision on one tool call: `reason` is told to the model when declined,
-    `arguments` (when allowed) replace the call's arguments."""
+    """A decision on one tool call: `reason` is told the model if declined; `arguments` replace."""
     allow: bool
     reason: str = ""
     arguments: dict[str, Any] | None = None
@@ -295,8 +295,7 @@ class Approval:
 
 @dataclass
 class AgentRequest:
-    """One user turn. A given `history` replaces the stored one for this turn. `input=None` with
-    `approvals={call_id: Approval}` resumes a turn paused with NEEDS_APPROVAL."""
+    """One user turn; `history` replaces the stored one; `input=None` + `approvals` resumes."""
     input: str | None
     session_id: str = "default"
     system_prompt: str | None = None
@@ -316,6 +315,19 @@ class AgentRunResult:
     tool_calls: int
     history: list[Message]
     pending: tuple[ToolCall, ...] = ()  # the calls waiting for a decision (NEEDS_APPROVAL)
+
+
+def _paused(p: dict[str, Any], n: int) -> dict[str, Any]:
+    """A paused turn as AgentRuntime saved it (counts, decisions), checked; else ValueError."""
+    counts, decided = _field(p, "guard", (dict,)), _field(p, "approvals", (dict,)).values()
+    if not (0 <= _field(p, "input_index", (int,)) < n and not {"policy", "deadline"} & set(counts)
+            and all(type(i) is int for v in counts.values() for i in (
+                v.values() if isinstance(v, dict) else [v]))
+            and all(isinstance(a, dict) and set(a) <= {"allow", "reason", "arguments"}
+                    and type(a.get("allow")) is bool and isinstance(a.get("reason", ""), str)
+                    and isinstance(a.get("arguments"), (dict, type(None))) for a in decided)):
+        raise ValueError("the paused turn is not as bob saved it")
+    return p
 
 
 @dataclass
@@ -343,26 +355,11 @@ class SessionState:
                    None if paused is None else _paused(paused, len(messages)))
 
 
-def _paused(p: dict[str, Any], n: int) -> dict[str, Any]:
-    """A paused turn as AgentRuntime._pause saved it: its counts (ints, or tables of ints) and
-    the decisions taken (Approval fields), checked."""
-    counts, decided = _field(p, "guard", (dict,)), _field(p, "approvals", (dict,)).values()
-    if not (0 <= _field(p, "input_index", (int,)) < n and not {"policy", "deadline"} & set(counts)
-            and all(type(i) is int for v in counts.values() for i in (
-                v.values() if isinstance(v, dict) else [v]))
-            and all(isinstance(a, dict) and set(a) <= {"allow", "reason", "arguments"}
-                    and type(a.get("allow")) is bool and isinstance(a.get("reason", ""), str)
-                    and isinstance(a.get("arguments"), (dict, type(None))) for a in decided)):
-        raise ValueError("the paused turn is not as bob saved it")
-    return p
-
-
 class CancelToken:
     """A thread-safe cancel flag around a threading.Event, with callbacks run on cancel."""
 
     def __init__(self) -> None:
-        self._event = threading.Event()
-        self._lock = threading.Lock()
+        self._event, self._lock = threading.Event(), threading.Lock()
         self._callbacks: list[Callable[[], None]] = []
 
     def cancel(self) -> None:
@@ -414,12 +411,8 @@ class AgentEvent:
 
 @dataclass(frozen=True)
 class LlmRequest:
-    """What the runtime asks of an LlmPort. `deadline` is an absolute time.monotonic() value.
-
-    `messages` are already in wire shape for the action mode: in json mode there are no `tool`
-    messages (results are user messages), in native mode tool results are `tool` messages.
-    `response_format` is "json" when the JSON action contract is in force, else None.
-    """
+    """What the runtime asks of an LlmPort: `messages` in the action mode's wire shape (json mode:
+    tool results as user messages), `response_format` "json" or None, `deadline` monotonic."""
     messages: list[Message]
     tools: list[ToolDescriptor]
     response_format: str | None
@@ -439,21 +432,16 @@ class LlmResponse:
 # The scheduler talks only to these. Adapters implement them structurally; nothing inherits.
 
 class LlmPort(Protocol):
-    """A chat model. Blocks until the reply is complete; may stream text to `on_delta`.
-
-    The runtime calls it from a worker thread and stops waiting at cancel or deadline; a port
-    that notices `cancel` should stop and raise Cancelled. Transport failures raise LlmError.
-    """
+    """A chat model: blocks until the reply is complete (text may stream to `on_delta`); on
+    `cancel` it should stop and raise Cancelled (the runtime stops waiting anyway); LlmError."""
 
     def complete(self, req: LlmRequest, cancel: CancelToken,
                  on_delta: Callable[[str], None] | None = None) -> LlmResponse: ...
 
 
 class ToolPort(Protocol):
-    """A set of tools. `call_tool` returns is_error results for tool failures and raises only
-    when the tool infrastructure itself is gone (the runtime reports that to the model).
-    A port that can stop a call stops it when `cancel` fires (turn cancel, deadline, turn end);
-    a running Python function cannot be interrupted and runs on."""
+    """A set of tools: tool failures are is_error results (raise only if the tools are gone);
+    a port that can stop a call stops it when `cancel` fires (a Python function runs on)."""
 
     def list_tools(self) -> list[ToolDescriptor]: ...
 
@@ -495,25 +483,30 @@ _MAX_DEPTH = 100  # of a model's JSON: no tool needs more, and a session holding
 
 
 def _json_problem(value: Any) -> str | None:
-    """Why JSON from the model is unfit to keep (json could not write or read it back), or
-    None. Not recursive: the value may be as deep as json parses."""
-    stack = [(value, 0)]
+    """Why JSON from the model is unfit to keep (json could not write or read it back), or None."""
+    stack = [(value, 0)]   # not recursive: the value may be as deep as json parses
     while stack:
         v, depth = stack.pop()
-        if isinstance(v, int) and v.bit_length() > 14_000:  # ~4,200 digits; the limit: 4,300
-            return "holds an integer over 4,000 digits long"
-        if isinstance(v, (dict, list)) and depth >= _MAX_DEPTH:
-            return f"nests deeper than {_MAX_DEPTH} levels"
         if isinstance(v, (dict, list)):
-            stack.extend((x, depth + 1) for x in (v.values() if isinstance(v, dict) else v))
+            if depth >= _MAX_DEPTH:
+                return f"nests deeper than {_MAX_DEPTH} levels"
+            stack.extend(zip(v.values() if isinstance(v, dict) else v, itertools.repeat(depth + 1)))
+        elif isinstance(v, int) and v.bit_length() > 14_000:  # ~4,200 digits; the limit: 4,300
+            return "holds an integer over 4,000 digits long"
     return None
+
+
+def _required_str(obj: dict[str, Any], key: str, kind: str) -> str:
+    value = obj.get(key)
+    if not isinstance(value, str) or (key == "name" and not value):
+        raise ActionParseError(f'a {kind} action needs a string "{key}" field')
+    return value
 
 
 def parse_action(text: str, call_id: str = "call_1") -> AgentAction:
     """Parse one JSON action (whitespace and a ```json fence tolerated); ActionParseError if not."""
     body = text.strip()
-    fenced = _FENCE.match(body)
-    if fenced:
+    if fenced := _FENCE.match(body):
         body = fenced.group(1).strip()
     if not body:
         raise ActionParseError("the reply was empty")
@@ -524,8 +517,7 @@ def parse_action(text: str, call_id: str = "call_1") -> AgentAction:
                                f"line {e.lineno} column {e.colno})") from None
     except _BAD_JSON:  # past Python's recursion limit or its int-digit limit
         raise ActionParseError("the reply nests too deeply or holds too long an integer") from None
-    problem = _json_problem(obj)
-    if problem:
+    if problem := _json_problem(obj):
         raise ActionParseError(f"the reply {problem}")
     if not isinstance(obj, dict):
         raise ActionParseError(f"the reply must be a JSON object, not {type(obj).__name__}")
@@ -535,19 +527,11 @@ def parse_action(text: str, call_id: str = "call_1") -> AgentAction:
     if kind == "ask_user":
         return AskUser(_required_str(obj, "question", kind))
     if kind == "tool_call":
-        name = _required_str(obj, "name", kind)
-        args = obj.get("arguments", {})
+        name, args = _required_str(obj, "name", kind), obj.get("arguments", {})
         if not isinstance(args, dict):
             raise ActionParseError('"arguments" of a tool_call must be a JSON object')
         return CallTools((ToolCall(call_id, name, args),))
     raise ActionParseError(f'"type" must be "final", "tool_call" or "ask_user", got {kind!r}')
-
-
-def _required_str(obj: dict[str, Any], key: str, kind: str) -> str:
-    value = obj.get(key)
-    if not isinstance(value, str) or (key == "name" and not value):
-        raise ActionParseError(f'a {kind} action needs a string "{key}" field')
-    return value
 
 
 def build_system_prompt(instructions: str, tools: Sequence[ToolDescriptor], mode: str) -> str:
@@ -566,9 +550,8 @@ def build_system_prompt(instructions: str, tools: Sequence[ToolDescriptor], mode
 
 
 def _units(messages: Sequence[Message]) -> list[list[int]]:
-    """Indices of the non-system messages, grouped: an assistant tool call with the results
-    right after it, or one other message. A tool result whose call is not right before it is
-    an orphan (its call was cut off) and belongs to no unit."""
+    """Indices of non-system messages in units: an assistant tool call with the results right
+    after it, or one other message; a result whose call is not right before it is in none."""
     units: list[list[int]] = []
     open_ids: set[str | None] = set()        # calls of the last unit still without a result
     for i, m in enumerate(messages):
@@ -601,10 +584,8 @@ def _kept(messages: Sequence[Message], limit: int, keep: int | None) -> list[int
 
 def truncate_history(messages: Sequence[Message], limit: int, keep: int | None = None
                      ) -> list[Message]:
-    """At most `limit` non-system messages: the newest whole units (an assistant tool call with
-    its results, or one other message), oldest dropped first, plus the unit holding index `keep`
-    (the current question), which is always sent. System messages are always sent and not
-    counted; a tool result whose call is not right before it is never sent."""
+    """System messages, plus at most `limit` others: the newest whole units (see _units), oldest
+    dropped first, and always the unit holding index `keep` (the current question)."""
     return [messages[i] for i in _kept(messages, limit, keep)]
 
 
@@ -612,19 +593,6 @@ def truncate_history(messages: Sequence[Message], limit: int, keep: int | None =
 # llama.cpp): the adapter names the fix, the scheduler retries the step with half the history.
 _CONTEXT_TOO_LONG = re.compile(r"context.(length|window|size)|maximum context|too many tokens|"
                                r"prompt is too long|input is too long|reduce the length", re.I)
-
-
-def render_for_wire(m: Message, mode: str) -> Message:
-    """One history message in the action mode's wire shape (see LlmRequest)."""
-    if mode != "json":
-        return m
-    if m.role == "tool":
-        status = "failed" if m.is_error else "succeeded"
-        return Message("user", f"Tool {m.name} (call {m.tool_call_id}) {status}. "
-                               f"Result:\n{m.content}")
-    if m.role == "assistant":
-        return Message("assistant", _action_text(m))
-    return m
 
 
 def _action_text(m: Message) -> str:
@@ -635,9 +603,20 @@ def _action_text(m: Message) -> str:
                                 ensure_ascii=False) for c in m.tool_calls)
 
 
+def render_for_wire(m: Message, mode: str) -> Message:
+    """One history message in the action mode's wire shape (see LlmRequest)."""
+    if mode != "json":
+        return m
+    if m.role == "tool":
+        status = "failed" if m.is_error else "succeeded"
+        return Message("user", f"Tool {m.name} (call {m.tool_call_id}) {status}. "
+                               f"Result:\n{m.content}")
+    return Message("assistant", _action_text(m)) if m.role == "assistant" else m
+
+
 # ---- 5. LoopGuard -------------------------------------------------------------------------------
 # Every limit of a turn in one place. Each check returns a Trip or None; the scheduler ends the
-# turn on a Trip. Exact limits: see DESIGN.md section 4.
+# turn on a Trip. N = the setting: N LLM calls, N tool calls run, the N-th error in a row trips.
 
 @dataclass(frozen=True)
 class Trip:
@@ -650,11 +629,8 @@ class LoopGuard:
     """Counts steps, tool calls, errors, repeated batches and repeated texts within one turn."""
 
     def __init__(self, policy: TurnPolicy, deadline: float):
-        self.policy = policy
-        self.deadline = deadline
-        self.steps = 0
-        self.tool_calls = 0
-        self.consecutive_errors = 0
+        self.policy, self.deadline = policy, deadline
+        self.steps = self.tool_calls = self.consecutive_errors = 0
         self._batches: dict[str, int] = {}
         self._texts: dict[str, int] = {}
 
@@ -664,16 +640,14 @@ class LoopGuard:
 
     def out_of_time(self) -> Trip | None:
         """The turn deadline has passed."""
-        if time.monotonic() < self.deadline:
-            return None
-        return Trip(GuardReason.TURN_TIMEOUT,
-                    f"the turn took longer than turn_timeout_ms={self.policy.turn_timeout_ms}")
+        return None if time.monotonic() < self.deadline else Trip(
+            GuardReason.TURN_TIMEOUT,
+            f"the turn took longer than turn_timeout_ms={self.policy.turn_timeout_ms}")
 
     def before_llm_call(self) -> Trip | None:
         """Checked before every LLM call: deadline, error streak, step budget."""
         p = self.policy
-        trip = self.out_of_time()
-        if trip:
+        if trip := self.out_of_time():
             return trip
         if self.consecutive_errors >= p.max_consecutive_errors:
             return Trip(GuardReason.MAX_CONSECUTIVE_ERRORS,
@@ -707,11 +681,9 @@ class LoopGuard:
         return None
 
     def check_budget(self, runnable: int) -> Trip | None:
-        """Before a batch runs: is there time left, and would its `runnable` calls pass the
-        tool-call budget? (Refused calls, e.g. unknown tools, never run, so they do not count.)"""
+        """Before a batch runs: time left, and room for its `runnable` (not refused) calls?"""
         p = self.policy
-        trip = self.out_of_time()  # no tool should start with a 0 ms timeout
-        if trip:
+        if trip := self.out_of_time():  # no tool should start with a 0 ms timeout
             return trip
         if self.tool_calls + runnable > p.max_tool_calls:
             return Trip(GuardReason.MAX_TOOL_CALLS, f"{self.tool_calls} tool calls ran and "
@@ -719,8 +691,7 @@ class LoopGuard:
         return None
 
     def record_results(self, results: Sequence[ToolResult], ran: int) -> None:
-        """Count the `ran` calls that ran; an error result (refusals too) extends the streak,
-        a success resets it."""
+        """Count the `ran` calls; an error result (refusals too) extends the streak, else resets."""
         self.tool_calls += ran
         for r in results:
             self.consecutive_errors = self.consecutive_errors + 1 if r.is_error else 0
@@ -749,9 +720,7 @@ def _schema_for(tp: Any) -> dict[str, Any]:
             "anyOf": [_schema_for(a) for a in options]}
     if origin in (list, tuple, collections.abc.Sequence):
         return {"type": "array", **({"items": _schema_for(args[0])} if args else {})}
-    if origin is dict:
-        return {"type": "object"}
-    return {}  # Any or unannotated: accept anything
+    return {"type": "object"} if origin is dict else {}  # Any or unannotated: accept anything
 
 
 def _matches(value: Any, schema: dict[str, Any]) -> bool:
@@ -769,6 +738,19 @@ def _matches(value: Any, schema: dict[str, Any]) -> bool:
     return want is None or isinstance(value, want)
 
 
+def _expected(schema: dict[str, Any]) -> str:
+    """What a schema made by _schema_for accepts, in words for an error message."""
+    if "enum" in schema:
+        return "one of " + json.dumps(schema["enum"])
+    if "anyOf" in schema:
+        return " or ".join(_expected(s) for s in schema["anyOf"])
+    return schema.get("type", "any value")
+
+
+def _ms_since(t0: float) -> float:
+    return round((time.perf_counter() - t0) * 1000, 3)
+
+
 @dataclass(frozen=True)
 class _Function:
     fn: Callable[..., Any]
@@ -778,11 +760,8 @@ class _Function:
 
 
 class FunctionTools:
-    """Plain Python functions as tools: schema from type hints, description from the docstring.
-
-    Calls run inline on the caller's thread (the runtime runs each call in a worker with its
-    timeout). A function that raises gives an is_error result with the exception text.
-    """
+    """Plain Python functions as tools: schema from type hints, description from the docstring;
+    calls run inline (the runtime gives each a worker); a raise is an is_error result."""
 
     def __init__(self, functions: Iterable[Callable[..., Any]] = ()):
         self._functions: dict[str, _Function] = {}
@@ -813,10 +792,9 @@ class FunctionTools:
                 required.append(p.name)
             elif isinstance(p.default, (str, int, float, bool)):
                 props[p.name] = {**props[p.name], "default": p.default}
-        doc = inspect.getdoc(fn) or ""
         schema = {"type": "object", "properties": props, "required": required,
                   "additionalProperties": False}
-        desc = description or doc.split("\n\n")[0].strip() or name
+        desc = description or (inspect.getdoc(fn) or "").split("\n\n")[0].strip() or name
         self._functions[name] = _Function(fn, ToolDescriptor(name, desc, schema), props,
                                           frozenset(nullable))
 
@@ -827,13 +805,11 @@ class FunctionTools:
     def call_tool(self, call: ToolCall, timeout_s: float,
                   cancel: CancelToken | None = None) -> ToolResult:
         """Validate the arguments, call the function, turn its return value into text."""
-        t0 = time.perf_counter()
-        f = self._functions.get(call.name)
+        t0, f = time.perf_counter(), self._functions.get(call.name)
         try:
             if f is None:
                 raise LookupError(f"unknown tool {call.name!r}")
-            problem = self._check_args(f, call.arguments)
-            if problem:
+            if problem := self._check_args(f, call.arguments):
                 return ToolResult(call.id, call.name, problem, True, _ms_since(t0))
             value = f.fn(**call.arguments)
             text = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False,
@@ -844,8 +820,7 @@ class FunctionTools:
 
     @staticmethod
     def _check_args(f: _Function, args: dict[str, Any]) -> str | None:
-        schema = f.descriptor.input_schema
-        unknown = sorted(set(args) - set(f.params))
+        schema, unknown = f.descriptor.input_schema, sorted(set(args) - set(f.params))
         missing = [p for p in schema["required"] if p not in args]
         wrong = [f"{k} (expected {_expected(f.params[k])})"
                  for k, v in args.items() if k in f.params
@@ -857,19 +832,6 @@ class FunctionTools:
                  f"wrong types: {', '.join(wrong)}" if wrong else ""]
         return (f"invalid arguments for {f.descriptor.name}: " + "; ".join(p for p in parts if p)
                 + f". Input schema: {json.dumps(schema, sort_keys=True)}")
-
-
-def _expected(schema: dict[str, Any]) -> str:
-    """What a schema made by _schema_for accepts, in words for an error message."""
-    if "enum" in schema:
-        return "one of " + json.dumps(schema["enum"])
-    if "anyOf" in schema:
-        return " or ".join(_expected(s) for s in schema["anyOf"])
-    return schema.get("type", "any value")
-
-
-def _ms_since(t0: float) -> float:
-    return round((time.perf_counter() - t0) * 1000, 3)
 
 
 class CompositeToolPort:
@@ -923,8 +885,7 @@ def cut_output(text: str, limit: int) -> str:
 # ---- 7. Stores and event sinks ------------------------------------------------------------------
 
 def _check_newer(session_id: str, stored: int | None, state: SessionState) -> None:
-    """Both stores: a save must carry a newer version than the stored state (a turn saves the
-    version it loaded + 1), else another turn saved in between, and saving would lose it."""
+    """A save must be newer than the stored version, else another turn saved in between."""
     if stored is not None and stored >= state.version:
         raise StoreError(f"session {session_id!r} was changed by another turn while this one ran "
                          f"(it is at version {stored}, this turn started from version "
@@ -953,9 +914,8 @@ class InMemorySessionStore:
 
 
 def _session_json(state: SessionState) -> str:
-    """`state.to_dict()` as ASCII JSON (any str round-trips, escaped), the messages encoded a
-    thousand at a time: their dicts die young, so the garbage collector does not walk a big
-    heap again and again (100,000 messages: 125 ms instead of 250-350)."""
+    """`state.to_dict()` as ASCII JSON, messages encoded a thousand at a time: their dicts die
+    young, so the GC does not walk a big heap again and again (100,000: 125 ms, not 250-350)."""
     ms, head = state.messages, json.dumps(dataclasses.replace(state, messages=[]).to_dict())
     parts = (json.dumps([m.to_dict() for m in ms[i:i + 1000]], ensure_ascii=True)[1:-1]
              for i in range(0, len(ms), 1000))
@@ -991,15 +951,14 @@ class JsonFileSessionStore:
             raise StoreError(f"cannot read session file {path}: {e}") from e
         try:  # bad UTF-8 is a ValueError too; deep nesting a RecursionError
             return SessionState.from_dict(json.loads(raw))
-        except (ValueError, RecursionError) as e:
+        except _BAD_JSON as e:
             why = "nested too deeply" if isinstance(e, RecursionError) else _excerpt(str(e))
             raise StoreError(f"session file {path} is corrupt ({why}); move it away to start "
                              "that session afresh") from e
 
     def save(self, session_id: str, state: SessionState) -> None:
-        """Write the state (StoreError if another turn saved the session since it was loaded).
-        One temp file name per session, used under the lock: a killed save leaves at most that
-        one file, and the next save reuses it."""
+        """Write the state; StoreError if another turn saved the session since it was loaded.
+        One temp file per session, used under the lock: a killed save leaves at most that one."""
         import fcntl  # POSIX only; imported here so that `import bob` works anywhere
         path, tmp = self.path_for(session_id), self.directory / f".{session_id}.json.tmp"
         data = _session_json(state)
@@ -1028,8 +987,7 @@ class JsonFileSessionStore:
 
 
 def _data_json(data: Any) -> str:
-    """Event data as ASCII JSON (any text escaped, a lone surrogate too); data json cannot
-    write (too deep, a huge integer, a cycle) is a note saying why: the event is still written."""
+    """Event data as ASCII JSON (lone surrogates too); unwritable data becomes a note of why."""
     try:
         return json.dumps(data, default=str, ensure_ascii=True)
     except Exception as e:  # also a str() that raises, from default=str
@@ -1041,8 +999,7 @@ class LoggingEventSink:
     """Events as log lines on the `bob.events` logger (or the one given)."""
 
     def __init__(self, logger: logging.Logger | None = None, level: int = logging.INFO):
-        self.logger = logger or logging.getLogger("bob.events")
-        self.level = level
+        self.logger, self.level = logger or logging.getLogger("bob.events"), level
 
     def emit(self, event: AgentEvent) -> None:
         """One line: kind, session, step, data as JSON."""
@@ -1055,8 +1012,7 @@ class JsonlEventSink:
     """Events appended to a file, one JSON object per line, flushed per event."""
 
     def __init__(self, path: str | os.PathLike[str]):
-        self.path = Path(path)
-        self._lock = threading.Lock()
+        self.path, self._lock = Path(path), threading.Lock()
         self._file: Any = None
 
     def emit(self, event: AgentEvent) -> None:
@@ -1078,17 +1034,46 @@ class JsonlEventSink:
                 self._file = None
 
 
-_SECRET_KEY = re.compile(r"(?i)(api[_-]?key|authorization|password|secret|access[_-]?token)")
+_SECRETS = r"api[_-]?key|authorization|password|secret|access[_-]?token"
+_SECRET_KEY = re.compile(f"(?i)({_SECRETS})")
+# the same keys inside text, e.g. a JSON-mode reply {"arguments": {"api_key": "sk-..."}}
+_SECRET_PAIR = re.compile(f'(?i)("[^"]*(?:{_SECRETS})[^"]*"\\s*:\\s*)"(?:[^"\\\\]|\\\\.)*"')
+
+
+@functools.lru_cache(maxsize=4096)  # keys repeat across calls: 20,000 calls mask in milliseconds
+def _secret_key(key: Any) -> bool:
+    return isinstance(key, str) and bool(_SECRET_KEY.search(key))
 
 
 def redact(data: Any) -> Any:
-    """A copy of JSON-like data with the values of secret-looking keys replaced by '***'."""
+    """A copy of JSON-like data with secret-looking keys' values (also in JSON text) as '***'."""
     if isinstance(data, dict):
-        return {k: "***" if isinstance(k, str) and _SECRET_KEY.search(k) else redact(v)
-                for k, v in data.items()}
+        return {k: "***" if _secret_key(k) else redact(v) for k, v in data.items()}
     if isinstance(data, list):
         return [redact(v) for v in data]
-    return data
+    return _SECRET_PAIR.sub(r'\1"***"', data) if isinstance(data, str) and '"' in data else data
+
+
+def request_digest(req: LlmRequest, cache: dict[int, tuple[Message, str]] | None = None) -> str:
+    """sha256 of the canonical JSON of {"messages" (masked), "response_format", "tools"};
+    `cache` keeps each message's part (and the message, so its id stays its own)."""
+    cache = {} if cache is None else cache
+    canonical = functools.partial(json.dumps, sort_keys=True, separators=(",", ":"), default=str)
+    parts = [(cache.get(id(m)) or cache.setdefault(id(m), (m, canonical(redact(
+        m.to_dict())))))[1] for m in req.messages]
+    text = (f'{{"messages":[{",".join(parts)}],"response_format":'
+            f'{canonical(req.response_format)},"tools":'
+            f'{canonical([dataclasses.asdict(d) for d in req.tools])}}}')
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _fit(call: ToolCall) -> ToolCall:
+    """The call, or if its arguments are unfit to keep, the call with none and an `error`."""
+    problem = _json_problem(call.arguments)
+    if problem is None:
+        return call
+    return dataclasses.replace(call, arguments={}, error=f"the arguments of {call.name!r} "
+                               f"{problem}; call it again with smaller arguments")
 
 
 # ---- 8. Workers: threads with deadlines and cancel ----------------------------------------------
@@ -1110,7 +1095,8 @@ def abandoned_workers() -> int:
 
 
 def _serve(inbox: queue.SimpleQueue[Any]) -> None:
-    """A pool thread: run jobs from its inbox; exit when idle too long. Reuse saves ~100 us/call."""
+    """A pool thread: run jobs from its inbox; exit when idle too long. Reuse saves ~100 us a
+    call (bench/loop_overhead.py)."""
     while True:
         try:
             job = inbox.get(timeout=_IDLE_S)
@@ -1141,8 +1127,7 @@ class _Worker:
         self.fn, self.wake = fn, wake
         self.value: Any = None
         self.error: BaseException | None = None
-        self.done = False
-        self._given_up = False
+        self.done = self._given_up = False
         _submit(self._run)
 
     def _run(self) -> None:
@@ -1169,9 +1154,7 @@ class _Worker:
 def _wait_all(workers: Sequence[_Worker], deadlines: Sequence[float],
               wake: queue.SimpleQueue[None], cancel: CancelToken) -> None:
     """Wait until each worker is done or past its deadline, or until cancel; give up the rest.
-
-    Workers put a token in `wake` when they end, and the caller has `cancel` put one too (once
-    per turn). A token left from an earlier wait only costs one more look."""
+    Workers and the caller's cancel put a token in `wake`; a stale one costs one more look."""
     try:
         while not cancel.cancelled:
             now = time.monotonic()
@@ -1183,14 +1166,6 @@ def _wait_all(workers: Sequence[_Worker], deadlines: Sequence[float],
     finally:
         for w in workers:
             w.give_up()
-
-
-def _call(fn: Callable[[], Any], deadline: float, wake: queue.SimpleQueue[None],
-          cancel: CancelToken) -> _Worker:
-    """Run one port call on a worker; wait until it ends, the deadline, or a cancel."""
-    worker = _Worker(fn, wake)
-    _wait_all([worker], [deadline], wake, cancel)
-    return worker
 
 
 # ---- 9. The scheduler (AgentRuntime) ------------------------------------------------------------
@@ -1215,6 +1190,16 @@ TRANSITIONS: dict[State, frozenset[State]] = {
     State.CALL_TOOL: frozenset({State.BUILD_PROMPT, State.DONE}),
     State.DONE: frozenset(),
 }
+
+
+def _error(call: ToolCall, text: str) -> ToolResult:
+    return ToolResult(call.id, call.name, text, True)
+
+
+def _too_long(e: BaseException | None) -> bool:
+    """The endpoint refused the request as too long for the model's context."""
+    return (isinstance(e, LlmError) and e.status_code == 400
+            and bool(_CONTEXT_TOO_LONG.search(e.body)))
 
 
 @dataclass
@@ -1244,6 +1229,7 @@ class _Turn:
     resumed: bool = False                   # took up a paused batch (its guards already ran)
     pending: tuple[ToolCall, ...] = ()      # calls left waiting for a decision
     closed: bool = False                    # set at the end: late worker events are dropped
+    parts: dict[int, tuple[Message, str]] = field(default_factory=dict)  # for request_digest
 
 
 class AgentRuntime:
@@ -1263,12 +1249,12 @@ class AgentRuntime:
         self.sinks: list[EventSink] = (
             [] if events is None else list(events) if isinstance(events, (list, tuple))
             else [typing.cast(EventSink, events)])
-        self.policy = policy or TurnPolicy()
-        self.system_prompt = system_prompt
+        self.policy, self.system_prompt = policy or TurnPolicy(), system_prompt
         self.deny_tools, self.ask_tools = tuple(deny_tools), tuple(ask_tools)
         self.approver = approver
         self._failing: set[int] = set()   # ids of sinks that raised (logged once each)
         self._probe: _Worker | None = None  # health()'s list_tools call
+        self._traced: dict[str, int] = {}  # session -> the version its traced turns lead to
         self._states: dict[State, Callable[[_Turn], State]] = {
             State.START: self._start, State.BUILD_PROMPT: self._build_prompt,
             State.LLM_INFER: self._llm_infer, State.PARSE_ACTION: self._parse_action,
@@ -1276,13 +1262,11 @@ class AgentRuntime:
 
     def run(self, request: AgentRequest, cancel: CancelToken | None = None) -> AgentRunResult:
         """Run one turn to its end. Guards and cancel are results; LlmError/AgentError raise."""
-        policy = request.policy or self.policy
-        caller = cancel or CancelToken()
+        policy, caller = request.policy or self.policy, cancel or CancelToken()
         turn = _Turn(request, policy, caller, CancelToken(), LoopGuard(
             policy, time.monotonic() + policy.turn_timeout_ms / 1000))
         turn.cancel.on_cancel(lambda: turn.wake.put(None))  # wakes whatever the turn waits for
-        unlink = caller.on_cancel(turn.cancel.cancel)
-        state = State.START
+        unlink, state = caller.on_cancel(turn.cancel.cancel), State.START
         try:
             while state is not State.DONE:
                 nxt = self._states[state](turn)
@@ -1307,44 +1291,40 @@ class AgentRuntime:
         report: dict[str, Any] = {"ok": abandoned_workers() < _MAX_ABANDONED, "tools": 0,
                                   "action_mode": self.action_mode,
                                   "abandoned_workers": abandoned_workers()}
-        if self.tools is not None:
-            # One probe at a time: a later call waits on a hung one rather than leak a thread.
-            if self._probe is None or self._probe.done:
-                self._probe = _Worker(self.tools.list_tools, queue.SimpleQueue())
-            worker = self._probe
-            _wait_all([worker], [time.monotonic() + timeout_s], worker.wake, CancelToken())
-            if not worker.done:
-                report.update(ok=False, tools_error=f"list_tools did not answer in {timeout_s} s")
-            elif worker.error is not None:
-                e = worker.error
-                report.update(ok=False, tools_error=f"{type(e).__name__}: {e}")
-            else:
-                report["tools"] = len(worker.value)
+        if self.tools is None:
+            return report
+        if self._probe is None or self._probe.done:  # one at a time: no thread leak if it hangs
+            self._probe = _Worker(self.tools.list_tools, queue.SimpleQueue())
+        worker = self._probe
+        _wait_all([worker], [time.monotonic() + timeout_s], worker.wake, CancelToken())
+        done, e = worker.done, worker.error   # in this order: `error` is set before `done`
+        if done and e is None:
+            report["tools"] = len(worker.value)
+        else:
+            report.update(ok=False, tools_error=f"{type(e).__name__}: {e}" if done
+                          else f"list_tools did not answer in {timeout_s} s")
         return report
 
     # -- the states, in the order a turn visits them --
 
     def _start(self, t: _Turn) -> State:
-        """Load the session, append the user's message (or take up a paused batch: a resume goes
-        straight to CallTool), list tools once (bounded like any port)."""
-        stored = self.store.load(t.request.session_id)
-        t.session = stored or SessionState()
+        """Load the session, add the input (or resume a paused batch), list the tools once."""
+        t.session = self.store.load(t.request.session_id) or SessionState()
         if t.request.history is not None:
             t.session.messages = list(t.request.history)
+        self._trace_loaded(t)
         resume = self._take_up(t)
         worker = self._call_port(t, self.tools.list_tools) if self.tools is not None else None
         if worker is not None and worker.done and worker.error is None:
             t.tools = [d for d in worker.value if not is_denied(d.name, self.deny_tools)]
-        self._emit(t, "turn_started", {"input": t.request.input,
-                                       "tools": [d.name for d in t.tools]})
+        self._trace_start(t)
         stop = worker and self._stopped(t, worker, "listing the tools")
         return stop or (State.CALL_TOOL if resume else State.BUILD_PROMPT)
 
     def _build_prompt(self, t: _Turn) -> State:
         """System message + history cut to max_history_messages, in the mode's wire shape."""
         if t.system is None:
-            instructions = t.request.system_prompt or self.system_prompt or DEFAULT_INSTRUCTIONS
-            t.system = Message("system", build_system_prompt(instructions, t.tools,
+            t.system = Message("system", build_system_prompt(self._instructions(t), t.tools,
                                                              self.action_mode))
         t.prompt = self._prompt(t, t.policy.max_history_messages)
         return State.LLM_INFER
@@ -1353,33 +1333,28 @@ class AgentRuntime:
         """Check cancel and the guards, then call the model in a worker until deadline/cancel."""
         if t.caller_cancel.cancelled:
             return self._cancelled(t)
-        trip = t.guard.before_llm_call()
-        if trip:
+        if trip := t.guard.before_llm_call():
             return self._trip(t, trip)
-        assert t.prompt is not None
-        prompt = t.prompt
-        self._emit(t, "llm_call_started", {"messages": len(prompt.messages)})
-        t0 = time.perf_counter()
-        worker = self._complete(t, prompt)
+        prompt = typing.cast(LlmRequest, t.prompt)
+        self._emit(t, "llm_call_started", lambda: {"messages": len(prompt.messages),
+                                                   "digest": request_digest(prompt, t.parts)})
+        t0, worker = time.perf_counter(), self._complete(t, prompt)
         if _too_long(worker.error) and len(prompt.messages) > 2 and not t.cancel.cancelled:
             sent = len(prompt.messages) - 1  # once per step, with half the history
             t.prompt = prompt = self._prompt(t, sent // 2)
             self._emit(t, "history_truncated", {"from": sent, "to": len(prompt.messages) - 1})
             worker = self._complete(t, prompt)
-        stop = self._stopped(t, worker, "the model")
-        if stop:
+        if stop := self._stopped(t, worker, "the model"):
             return stop
-        t.reply = worker.value
-        t.usage += t.reply.usage
-        self._emit(t, "llm_call_completed", {
-            "usage": dict(vars(t.reply.usage)), "duration_ms": _ms_since(t0),
-            "finish_reason": t.reply.finish_reason})
+        duration, reply = _ms_since(t0), worker.value  # unfit arguments are replaced once:
+        t.reply = dataclasses.replace(reply, tool_calls=tuple(map(_fit, reply.tool_calls)))
+        t.usage += reply.usage                          # the trace records them so too
+        self._emit(t, "llm_call_completed", lambda: self._trace_reply(t, duration))
         return State.PARSE_ACTION
 
     def _parse_action(self, t: _Turn) -> State:
         """Turn the reply into an action; one corrective re-prompt, then AgentError."""
-        reply = t.reply
-        assert reply is not None
+        reply = typing.cast(LlmResponse, t.reply)
         try:
             t.action = self._to_action(reply, f"call_{len(t.session.messages)}")
         except ActionParseError as e:
@@ -1394,19 +1369,16 @@ class AgentRuntime:
                 f"{_excerpt(reply.content)!r}. " + (ACTION_CONTRACT if self.action_mode == "json"
                                                   else "Answer in text or call a tool."))))
             return State.BUILD_PROMPT
-        t.parse_failures = 0
-        action = t.action
+        t.parse_failures, action = 0, t.action
         self._emit(t, "action_parsed", {
             "type": {Final: "final", AskUser: "ask_user", CallTools: "tool_call"}[type(action)],
             "tools": [c.name for c in action.calls] if isinstance(action, CallTools) else []})
         if isinstance(action, (Final, AskUser)):
-            text = action.content if isinstance(action, Final) else action.question
-            t.session.messages.append(Message("assistant", text))
-            t.content = text
+            t.content = action.content if isinstance(action, Final) else action.question
+            t.session.messages.append(Message("assistant", t.content))
             t.finish = FinishReason.FINAL if isinstance(action, Final) else FinishReason.ASK_USER
             return State.DONE
-        trip = t.guard.check_text(reply.content)  # stagnation never blocks a final answer
-        if trip:
+        if trip := t.guard.check_text(reply.content):  # stagnation never blocks a final answer
             return self._trip(t, trip)
         text = reply.content if self.action_mode == "native" else ""
         t.session.messages.append(Message("assistant", text, action.calls))
@@ -1419,36 +1391,24 @@ class AgentRuntime:
         if t.caller_cancel.cancelled:  # cancelled while the model answered: start nothing
             return self._interrupted(t)
         if not t.resumed:  # a resumed batch passed these two before it paused
-            n = t.policy.max_parallel_tools
-            if len(calls) > n:  # first: refusing costs O(1) per call, hashing would not
-                self._append_results(t, [_error(c, f"not run: this batch has {len(calls)} calls "
-                                                f"and at most max_parallel_tools={n} may run at "
-                                                f"once; call at most {n} tools at a time")
-                                         for c in calls])
-                t.guard.record_refusal()
-                return State.BUILD_PROMPT
-            trip = t.guard.check_loop(calls)
-            if trip:
+            if len(calls) > t.policy.max_parallel_tools:  # first: O(1) per call, unlike hashing
+                return self._refuse_batch(t, calls)
+            if trip := t.guard.check_loop(calls):
                 return self._not_run(t, trip)
         refusals = [self._refusal(t, c) for c in calls]
         decided = self._decide(t, refusals)
         if isinstance(decided, State):
             return decided
-        trip = t.guard.check_budget(sum(r is None for r in refusals))
-        if trip:
+        if trip := t.guard.check_budget(sum(r is None for r in refusals)):
             return self._not_run(t, trip)
         results, ran = self._run_batch(t, decided, refusals)
         t.guard.record_results(results, ran)
         self._append_results(t, results)
-        if t.caller_cancel.cancelled:
-            return self._cancelled(t)
-        return State.BUILD_PROMPT
+        return self._cancelled(t) if t.caller_cancel.cancelled else State.BUILD_PROMPT
 
     def _done(self, t: _Turn) -> AgentRunResult:
-        """Save the session, then report. A failed save raises StoreError after the events: a
-        turn whose result is not stored (e.g. another turn saved meanwhile) did not return."""
-        t.session.usage += t.usage
-        t.session.version += 1
+        """Save the session, then report; a failed save raises StoreError after the events."""
+        t.session.usage, t.session.version = t.session.usage + t.usage, t.session.version + 1
         result, failed = AgentRunResult(t.content, t.finish, t.guard_reason, t.usage,
                                         t.guard.steps, t.guard.tool_calls,
                                         list(t.session.messages), t.pending), None
@@ -1466,7 +1426,7 @@ class AgentRuntime:
         self._emit(t, "turn_completed", {  # a turn that raises has no finish reason
             "finish_reason": None if failed else t.finish.value, "usage": dict(vars(t.usage)),
             "guard_reason": t.guard_reason.value if t.guard_reason else None,
-            "steps": t.guard.steps, "tool_calls": t.guard.tool_calls})
+            "steps": t.guard.steps, "tool_calls": t.guard.tool_calls, "content": t.content})
         t.closed = True
         if failed is not None:
             raise failed
@@ -1475,8 +1435,7 @@ class AgentRuntime:
     # -- helpers of the states --
 
     def _prompt(self, t: _Turn, limit: int) -> LlmRequest:
-        """The system message and the history cut to `limit`, in the mode's wire shape. A turn
-        only appends to history (an edit comes before rendering), so each message renders once."""
+        """System message + history cut to `limit`, in wire shape; each message renders once."""
         messages = t.session.messages
         kept = _kept(messages, limit, t.input_index)
         for i in kept:
@@ -1492,9 +1451,8 @@ class AgentRuntime:
             prompt, t.cancel, functools.partial(self._delta, t)))
 
     def _take_up(self, t: _Turn) -> bool:
-        """Append the user's message; or, for `input=None`, take up the batch a paused turn left
-        waiting, with its counts and decisions (True). The pause is kept until CallTool answers
-        the batch. New input answers waiting calls "not run" first."""
+        """Append the input (waiting calls get "not run" first), or for `input=None` take up
+        the paused batch with its counts and decisions (True); CallTool answers the pause."""
         paused = t.session.paused if t.request.history is None else None
         waiting = t.session.messages[-1].tool_calls if paused else ()
         if t.request.input is None:
@@ -1514,16 +1472,15 @@ class AgentRuntime:
             t.action, t.resumed = CallTools(waiting), True
             return True
         t.session.paused = None
-        self._append_results(t, [_error(c, "not run: the user sent a new message instead of "
-                                           "deciding on this call") for c in waiting])
+        self._unrun(t, waiting, "not run: the user sent a new message instead of deciding on "
+                                "this call")
         t.session.messages.append(Message("user", t.request.input))
         t.input_index = len(t.session.messages) - 1
         return False
 
     def _decide(self, t: _Turn, refusals: list[ToolResult | None]) -> State | list[ToolCall]:
-        """The batch as it will run. Each call matching ask_tools and not refused (deny wins)
-        needs a decision: a declined call gets its error result in `refusals`, an allowed one
-        maybe new arguments. Without an approver, undecided calls pause the turn."""
+        """The batch as it runs: calls matching ask_tools (not refused) need a decision; declined
+        ones get an error in `refusals`; without an approver, undecided calls pause the turn."""
         assert isinstance(t.action, CallTools)
         calls, waiting = list(t.action.calls), []
         for i, call in enumerate(calls):
@@ -1553,8 +1510,7 @@ class AgentRuntime:
         return calls
 
     def _ask(self, t: _Turn, call: ToolCall) -> Approval | State:
-        """The approver's decision, on a worker: its time counts against the deadline and cancel
-        holds. Cancelled from it ends the turn; any other exception declines with its text."""
+        """The approver's decision, on a worker (deadline and cancel hold); a raise declines."""
         approver = typing.cast(Callable[[ToolCall], Approval], self.approver)
         worker = self._call_port(t, lambda: approver(call))
         if t.caller_cancel.cancelled or isinstance(worker.error, Cancelled):
@@ -1573,7 +1529,8 @@ class AgentRuntime:
         t.approvals[call.id] = approval
         changed = approval.allow and approval.arguments not in (None, call.arguments)
         self._emit(t, "approval_decided", {"call_id": call.id, "allow": approval.allow,
-                                           "arguments_changed": changed})
+                                           "arguments_changed": changed, "reason": approval.reason,
+                                           "arguments": redact(approval.arguments)})
 
     def _pause(self, t: _Turn, waiting: list[ToolCall]) -> State:
         """End the turn NEEDS_APPROVAL with the batch unrun, saving what a resume needs."""
@@ -1584,17 +1541,32 @@ class AgentRuntime:
         t.content = "Waiting for approval: " + ", ".join(c.name for c in waiting) + "."
         return State.DONE
 
+    def _unrun(self, t: _Turn, calls: Sequence[ToolCall], text: str) -> None:
+        """Calls that never start get `text` as their result, so history stays well-formed."""
+        for call in calls:  # the trace still says they were asked for
+            self._trace_call(t, call, False)
+        self._append_results(t, [_error(c, text) for c in calls])
+
+    def _refuse_batch(self, t: _Turn, calls: Sequence[ToolCall]) -> State:
+        """An over-size batch runs not at all; it counts as one error and the loop goes on."""
+        n = t.policy.max_parallel_tools
+        self._unrun(t, calls, f"not run: this batch has {len(calls)} calls and at most "
+                              f"max_parallel_tools={n} may run at once; call at most {n} tools "
+                              "at a time")
+        t.guard.record_refusal()
+        return State.BUILD_PROMPT
+
     def _not_run(self, t: _Turn, trip: Trip) -> State:
-        """A guard stopped the batch: every call gets a result, so history stays well-formed."""
+        """A guard stopped the batch: every call gets a "not run" result."""
         assert isinstance(t.action, CallTools)
-        self._append_results(t, [_error(c, f"not run: {trip.detail}") for c in t.action.calls])
+        self._unrun(t, t.action.calls, f"not run: {trip.detail}")
         return self._trip(t, trip)
 
     def _interrupted(self, t: _Turn) -> State:
         """Cancelled with the batch unrun: each call gets an "interrupted" result."""
         assert isinstance(t.action, CallTools)
-        self._append_results(t, [_error(c, "interrupted: the turn was cancelled before this call "
-                                           "started") for c in t.action.calls])
+        self._unrun(t, t.action.calls, "interrupted: the turn was cancelled before this call "
+                                       "started")
         return self._cancelled(t)
 
     def _call_port(self, t: _Turn, fn: Callable[[], Any]) -> _Worker:
@@ -1602,7 +1574,9 @@ class AgentRuntime:
         if abandoned_workers() >= _MAX_ABANDONED:  # a port that ignores cancel: stop leaking
             raise AgentError(f"{_MAX_ABANDONED} earlier port calls are still hung (a port that "
                              "ignores cancel and deadlines); restart the program")
-        return _call(fn, t.guard.deadline, t.wake, t.cancel)
+        worker = _Worker(fn, t.wake)
+        _wait_all([worker], [t.guard.deadline], t.wake, t.cancel)
+        return worker
 
     def _stopped(self, t: _Turn, worker: _Worker, what: str) -> State | None:
         """DONE if the port call was cancelled, timed out or raised; None if it gave a value."""
@@ -1627,10 +1601,6 @@ class AgentRuntime:
             for i, c in enumerate(reply.tool_calls):
                 if not c.id or c.id in seen:
                     c = dataclasses.replace(c, id=f"{call_id}_{i}")
-                problem = _json_problem(c.arguments)
-                if problem:  # not run, like arguments that are not JSON (see _call_from_wire)
-                    c = dataclasses.replace(c, arguments={}, error=f"the arguments of {c.name!r} "
-                                            f"{problem}; call it again with smaller arguments")
                 seen.add(c.id)
                 calls.append(c)
             return CallTools(tuple(calls))
@@ -1640,13 +1610,11 @@ class AgentRuntime:
 
     def _run_batch(self, t: _Turn, calls: Sequence[ToolCall],
                    refusals: list[ToolResult | None]) -> tuple[list[ToolResult], int]:
-        """Run the calls not refused concurrently, each in a worker with its own timeout;
-        return all results in call order and how many calls ran."""
+        """Run the calls not refused at once, each with its timeout: results in order, # ran."""
         results = list(refusals)
         running: list[tuple[int, _Worker, float]] = []
         for i, call in enumerate(calls):
-            self._emit(t, "tool_call_started", {"call_id": call.id, "name": call.name,
-                                                "arguments": redact(call.arguments)})
+            self._trace_call(t, call, results[i] is None)
             if results[i] is None:
                 timeout = min(t.policy.tool_timeout_ms / 1000, t.guard.remaining_s())
                 assert self.tools is not None  # _refusal lets only listed tools through
@@ -1697,6 +1665,42 @@ class AgentRuntime:
             t.session.messages.append(Message("tool", r.content, tool_call_id=r.call_id,
                                               name=r.name, is_error=r.is_error))
 
+    def _trace_reply(self, t: _Turn, duration_ms: float) -> dict[str, Any]:
+        """llm_call_completed: the reply as the port gave it (ids before bob fixes them), masked."""
+        reply = typing.cast(LlmResponse, t.reply)
+        return redact({**vars(reply), "tool_calls": [c.to_dict() for c in reply.tool_calls],
+                       "usage": vars(reply.usage), "duration_ms": duration_ms})
+
+    def _trace_call(self, t: _Turn, call: ToolCall, runs: bool) -> None:
+        self._emit(t, "tool_call_started", lambda: {"call_id": call.id, "name": call.name,
+                                                    "runs": runs, "arguments": redact(
+                                                        call.arguments)})
+
+    def _trace_loaded(self, t: _Turn) -> None:
+        """session_loaded unless the session is as this runtime's last turn left it: a trace
+        begun mid-session (or after a failed save, or another writer) reads alone."""
+        sid, version = t.request.session_id, t.session.version
+        fresh = t.request.history is not None or self._traced.get(sid) != version
+        self._traced[sid] = version + 1   # what _done saves
+        if fresh:
+            self._emit(t, "session_loaded", lambda: {"paused": redact(t.session.paused),
+                                                     "messages": [redact(m.to_dict())
+                                                                  for m in t.session.messages]})
+
+    def _trace_start(self, t: _Turn) -> None:
+        """turn_started: all that decides the run."""
+        self._emit(t, "turn_started", lambda: {
+            "format": TRACE_FORMAT, "version": __version__, "input": t.request.input,
+            "model": getattr(self.llm, "describe", lambda: type(self.llm).__name__)(),
+            "action_mode": self.action_mode, "policy": dataclasses.asdict(t.policy),
+            "deny_tools": list(self.deny_tools), "system_prompt": self._instructions(t),
+            "tools": [dataclasses.asdict(d) for d in t.tools], "ask_tools": list(self.ask_tools),
+            "approver": self.approver is not None, "approvals": {
+                k: redact(dataclasses.asdict(a)) for k, a in (t.request.approvals or {}).items()}})
+
+    def _instructions(self, t: _Turn) -> str:
+        return t.request.system_prompt or self.system_prompt or DEFAULT_INSTRUCTIONS
+
     def _delta(self, t: _Turn, text: str) -> None:
         """Streamed text from the model; dropped once the turn gave the call up."""
         if not t.cancel.cancelled:
@@ -1712,11 +1716,14 @@ class AgentRuntime:
         t.finish, t.content = FinishReason.CANCELLED, "Cancelled."
         return State.DONE
 
-    def _emit(self, t: _Turn, kind: str, data: dict[str, Any]) -> None:
-        """Send one event to every sink; a sink that raises is logged and ignored."""
+    def _emit(self, t: _Turn, kind: str,
+              data: dict[str, Any] | Callable[[], dict[str, Any]]) -> None:
+        """Send one event to every sink; a sink that raises is logged and ignored. Data given
+        as a function is built only when a sink listens (trace data costs copies and hashes)."""
         if t.closed or not self.sinks:
             return
-        event = AgentEvent(kind, t.request.session_id, t.guard.steps, data, time.time())
+        event = AgentEvent(kind, t.request.session_id, t.guard.steps,
+                           data() if callable(data) else data, time.time())
         for sink in self.sinks:
             try:
                 sink.emit(event)
@@ -1727,24 +1734,11 @@ class AgentRuntime:
                         "%s; ignored", sink, kind, exc_info=first)
 
 
-def _error(call: ToolCall, text: str) -> ToolResult:
-    return ToolResult(call.id, call.name, text, True)
-
-
-def _too_long(e: BaseException | None) -> bool:
-    """The endpoint refused the request as too long for the model's context."""
-    return (isinstance(e, LlmError) and e.status_code == 400
-            and bool(_CONTEXT_TOO_LONG.search(e.body)))
-
-
 # ---- 10. LLM adapters: ScriptedLlm, OpenAICompatLlm ---------------------------------------------
 
 class ScriptedLlm:
-    """A test double: replies from a list, in order, and records every request.
-
-    A reply is a str (the assistant text), an LlmResponse, an Exception (raised), or a callable
-    (req, cancel) -> str | LlmResponse, which may block to play a slow or hanging model.
-    """
+    """A test double: replies from a list in order (a str, an LlmResponse, an exception to
+    raise, or a callable (req, cancel) -> either), recording every request."""
 
     def __init__(self, replies: Iterable[Any] = ()):
         self.replies = list(replies)
@@ -1763,22 +1757,17 @@ class ScriptedLlm:
             raise reply
         if callable(reply):
             reply = reply(req, cancel)
-        if isinstance(reply, str):
-            return LlmResponse(reply, finish_reason="stop")
-        return reply
+        return LlmResponse(reply, finish_reason="stop") if isinstance(reply, str) else reply
 
 
 # OpenAICompatLlm: any OpenAI-compatible /chat/completions endpoint. OpenAI JSON exists only
 # here, in _to_wire / _from_wire and the stream reader; transport errors become LlmError in
 # _attempt, the one place that talks HTTP.
 
-PROVIDERS: dict[str, tuple[str, str | None]] = {
-    # provider: (default base_url, environment variable holding the API key or None)
+PROVIDERS: dict[str, tuple[str, str | None]] = {  # (default base_url, API key variable or None)
     "openai": ("https://api.openai.com/v1", "OPENAI_API_KEY"),
-    "ollama": ("http://localhost:11434/v1", None),
-    "vllm": ("http://localhost:8000/v1", None),
-    "llamacpp": ("http://localhost:8080/v1", None),
-    "lmstudio": ("http://localhost:1234/v1", None),
+    "ollama": ("http://localhost:11434/v1", None), "vllm": ("http://localhost:8000/v1", None),
+    "llamacpp": ("http://localhost:8080/v1", None), "lmstudio": ("http://localhost:1234/v1", None),
     "openrouter": ("https://openrouter.ai/api/v1", "OPENROUTER_API_KEY"),
     "groq": ("https://api.groq.com/openai/v1", "GROQ_API_KEY"),
     "together": ("https://api.together.xyz/v1", "TOGETHER_API_KEY"),
@@ -1887,7 +1876,7 @@ class _Stream:
 
 def _sse_data(pieces: Iterable[bytes]) -> Iterator[str]:
     """Yield the data field of each Server-Sent Event, as soon as its line arrives."""
-    pending: list[bytes] = []  # a line not ended yet, in pieces (joining each time is quadratic)
+    pending: list[bytes] = []  # a line not ended yet: joined once (bench/hostile_llm.py /stream)
     for piece in pieces:
         pending.append(piece)
         if b"\n" not in piece:
@@ -1928,48 +1917,50 @@ def _abort(conn: Any) -> None:
         pass
 
 
+# Why these hooks: cancel() must wake a thread blocked on a reply, but closing a Session only
+# closes idle connections; so each thread's connection is noted, and _abort shuts its socket.
+# A cancel that comes before the connection is noted is seen through `cancels` instead.
+
+def _tracked(pool_cls: Any, inflight: dict[int, Any], cancels: dict[int, CancelToken]) -> Any:
+    """A urllib3 pool class noting in `inflight` the connection each thread uses."""
+    def cancelled_here() -> bool:
+        token = cancels.get(threading.get_ident())
+        return token is not None and token.cancelled
+
+    class Connection(pool_cls.ConnectionCls):  # test_cancel_aborts_a_tls_handshake_...
+        def _new_conn(self) -> Any:
+            sock = super()._new_conn()
+            self.bob_fd = sock.fileno()  # TLS wrapping detaches `sock`; _abort needs this
+            if cancelled_here():  # test_a_cancel_before_the_connection_is_taken_still_aborts_it
+                sock.shutdown(socket.SHUT_RDWR)
+            return sock
+
+    class Pool(pool_cls):
+        ConnectionCls = Connection
+
+        def _make_request(self, conn: Any, *args: Any, **kwargs: Any) -> Any:
+            inflight[threading.get_ident()] = conn  # until _attempt ends
+            if cancelled_here():  # the cancel came first and found nothing to shut (same test)
+                _abort(conn)
+            try:
+                return super()._make_request(conn, *args, **kwargs)
+            finally:
+                conn.bob_fd = None  # connected, or failed: _abort must not use the fd
+    return Pool
+
+
 def _tracking_session(inflight: dict[int, Any], cancels: dict[int, CancelToken]
                       ) -> tuple[Any, tuple[type[BaseException], ...]]:
-    """A requests.Session whose pools note in `inflight` the connection each thread is using,
-    and the exceptions that mean the transport failed."""
-    # Why: cancel() must wake a thread blocked on a reply, but closing a Session only closes
-    # idle connections; so we keep each thread's connection, and _abort shuts its socket.
-    # A cancel that comes before the connection is noted is seen through `cancels` instead.
+    """A requests.Session whose pools are _tracked, and the exceptions of a failed transport."""
     try:
         import requests
         import urllib3
     except ImportError as e:
         raise ConfigError(f"OpenAICompatLlm needs requests ({e}): pip install requests") from e
-
-    def cancelled_here() -> bool:
-        token = cancels.get(threading.get_ident())
-        return token is not None and token.cancelled
-
-    def tracked(pool_cls: Any) -> Any:
-        class Connection(pool_cls.ConnectionCls):
-            def _new_conn(self) -> Any:
-                sock = super()._new_conn()
-                self.bob_fd = sock.fileno()  # TLS wrapping detaches `sock`; _abort needs this
-                if cancelled_here():
-                    sock.shutdown(socket.SHUT_RDWR)
-                return sock
-
-        class Pool(pool_cls):
-            ConnectionCls = Connection
-
-            def _make_request(self, conn: Any, *args: Any, **kwargs: Any) -> Any:
-                inflight[threading.get_ident()] = conn  # until _attempt ends
-                if cancelled_here():  # the cancel came first and found nothing to shut
-                    _abort(conn)
-                try:
-                    return super()._make_request(conn, *args, **kwargs)
-                finally:
-                    conn.bob_fd = None  # connected, or failed: _abort must not use the fd
-        return Pool
-
     adapter = requests.adapters.HTTPAdapter()
     adapter.poolmanager.pool_classes_by_scheme = {
-        "http": tracked(urllib3.HTTPConnectionPool), "https": tracked(urllib3.HTTPSConnectionPool)}
+        "http": _tracked(urllib3.HTTPConnectionPool, inflight, cancels),
+        "https": _tracked(urllib3.HTTPSConnectionPool, inflight, cancels)}
     session = requests.Session()
     session.mount("http://", adapter)
     session.mount("https://", adapter)
@@ -1985,11 +1976,8 @@ class _Retry:
 
 
 class OpenAICompatLlm:
-    """An LlmPort for OpenAI-compatible /chat/completions endpoints (OpenAI, Ollama, vLLM, ...).
-
-    `model` is "provider:model" (split at the first colon; see PROVIDERS). `base_url` and
-    `api_key_env` override the provider's defaults; an unknown provider works with a base_url.
-    """
+    """An LlmPort for OpenAI-compatible /chat/completions endpoints; `model` is "provider:model"
+    (see PROVIDERS); `base_url` and `api_key_env` override the provider's defaults."""
 
     def __init__(self, model: str, base_url: str | None = None, api_key: str | None = None,
                  api_key_env: str | None = None, retry_max: int = 2, stream: bool = False,
@@ -2019,8 +2007,8 @@ class OpenAICompatLlm:
         self.retry_max, self.stream, self.stream_usage = retry_max, stream, stream_usage
         self.temperature, self.seed, self.max_tokens = temperature, seed, max_tokens
         self.json_response_format, self.tool_choice = json_response_format, tool_choice
-        self.max_response_bytes = max_response_bytes
         self.timeout_s, self.backoff_base_s = timeout_s, backoff_base_s
+        self.max_response_bytes = max_response_bytes
         self._api_key, self._key_source = self._find_key(model, api_key)
         self._url = self.base_url + "/chat/completions"
         # For messages, repr and describe(): user:password@ in a URL is a secret too.
@@ -2048,8 +2036,8 @@ class OpenAICompatLlm:
         return key or None, source
 
     def __repr__(self) -> str:
-        shown = self._shown.removesuffix("/chat/completions")
-        return f"OpenAICompatLlm({self.provider + ':' + self.model!r}, base_url={shown!r})"
+        return (f"OpenAICompatLlm({self.provider + ':' + self.model!r}, "
+                f"base_url={self._shown.removesuffix('/chat/completions')!r})")
 
     def describe(self) -> str:
         """One line for humans, e.g. "openai:gpt-4o-mini at https://api.openai.com/v1"."""
@@ -2061,8 +2049,7 @@ class OpenAICompatLlm:
 
     def complete(self, req: LlmRequest, cancel: CancelToken,
                  on_delta: Callable[[str], None] | None = None) -> LlmResponse:
-        """One chat completion, with retries, all within timeout_s (or the request's deadline);
-        LlmError after the last try, Cancelled on cancel."""
+        """One chat completion with retries, by timeout_s or the deadline; LlmError, Cancelled."""
         body = self._to_wire(req)
         end = time.monotonic() + self.timeout_s if req.deadline is None else req.deadline
         me = threading.get_ident()
@@ -2098,8 +2085,7 @@ class OpenAICompatLlm:
         timeout = end - time.monotonic()
         if timeout <= 0:
             raise LlmError(f"no time left for a request to {self._shown}")
-        data = json.dumps(body, separators=(",", ":")).encode()
-        acc = _Stream(on_delta)
+        data, acc = json.dumps(body, separators=(",", ":")).encode(), _Stream(on_delta)
         try:
             resp = self._session.post(self._url, data=data, headers=self._headers,
                                       timeout=(timeout, timeout), stream=True)
@@ -2158,9 +2144,8 @@ class OpenAICompatLlm:
 
     def _error(self, status: int, what: str, text: str | bytes) -> LlmError:
         """LlmError "<endpoint> <what>: '<what the server sent>'", with the API key masked."""
-        if isinstance(text, bytes):
-            text = text.decode("utf-8", "replace")
-        text = " ".join(text.split())
+        text = " ".join((text.decode("utf-8", "replace") if isinstance(text, bytes) else text
+                         ).split())
         excerpt = (text.replace(self._api_key, "***") if self._api_key else text)[:300]
         return LlmError(f"{self.describe()} {what}: {excerpt!r}", status, excerpt)
 
@@ -2217,7 +2202,7 @@ class OpenAICompatLlm:
                 raise LlmError(f"the answer from {self._shown} was still coming when the time "
                                f"for the call ran out ({total} bytes came)")
             if sock is not None:
-                sock.settimeout(left)  # a socket read waits no longer than the call may
+                sock.settimeout(left)  # test_a_server_sending_a_byte_every_so_often_...
             piece = resp.raw.read1(65536, decode_content=True)  # what has come, inflated
             total += len(piece)
             if total > self.max_response_bytes:
@@ -2231,7 +2216,7 @@ class OpenAICompatLlm:
     def _read_stream(self, resp: Any, acc: _Stream, end: float) -> None:
         """Fold Server-Sent Events into `acc` until [DONE] or the end of the body."""
         for payload in _sse_data(self._body(resp, end)):
-            if payload == "[DONE]":  # the end, even if the server keeps the connection open
+            if payload == "[DONE]":  # the end (test_done_ends_the_stream_even_when_...)
                 acc.done = True
                 with contextlib.suppress(AttributeError, *self._transport_errors):  # keep-alive:
                     resp.raw.connection.sock.settimeout(0.05)  # take the body's end if it is near

@@ -67,7 +67,8 @@ def test_an_approved_call_runs_and_both_events_say_so():
     [req] = sink.of("approval_requested")
     assert req["name"] == "write" and req["arguments"] == {"x": 2} and req["call_id"]
     assert sink.of("approval_decided") == [{"call_id": req["call_id"], "allow": True,
-                                            "arguments_changed": False}]
+                                            "arguments_changed": False, "reason": "",
+                                            "arguments": None}]
 
 
 def test_a_declined_call_does_not_run_and_the_model_hears_the_reason():

@@ -548,8 +548,8 @@ def test_the_prompt_never_exceeds_max_history_messages_in_a_long_session():
 # ---- 7. Events ----------------------------------------------------------------------------------
 
 FULL_TURN_KINDS = [
-    "turn_started", "state", "state", "llm_call_started", "llm_call_completed", "state",
-    "action_parsed", "state", "tool_call_started", "tool_call_completed", "state", "state",
+    "session_loaded", "turn_started", "state", "state", "llm_call_started", "llm_call_completed",
+    "state", "action_parsed", "state", "tool_call_started", "tool_call_completed", "state", "state",
     "llm_call_started", "llm_call_completed", "state", "action_parsed", "state", "turn_completed"]
 
 
@@ -574,9 +574,10 @@ def test_jsonl_trace_of_a_full_turn(tmp_path):
         assert prev["to"] == cur["from"]
     for s in states:
         assert bob.State(s["to"]) in bob.TRANSITIONS[bob.State(s["from"])]
-    assert events[0]["data"] == {"input": "seven?", "tools": ["echo", "fail"]}
+    start = events[1]["data"]
+    assert start["input"] == "seven?" and [t["name"] for t in start["tools"]] == ["echo", "fail"]
     assert events[-1]["data"] == {"finish_reason": "final", "guard_reason": None, "steps": 2,
-                                  "tool_calls": 1,
+                                  "tool_calls": 1, "content": "seven",
                                   "usage": {"prompt_tokens": 22, "completion_tokens": 5}}
     done = [e["data"] for e in events if e["kind"] == "tool_call_completed"]
     assert done[0]["name"] == "echo" and done[0]["is_error"] is False

@@ -110,8 +110,12 @@ def test_cancel_while_a_20000_call_reply_is_handled_returns_within_100_ms():
     sink = CancelAt(token)
     rt = AgentRuntime(ScriptedLlm([huge_reply(20_000)]), FunctionTools([echo]),
                       action_mode="native", events=sink)
-    gc.collect()   # what earlier tests left is not this turn's work
-    r = rt.run(AgentRequest("go"), cancel=token)
+    gc.collect()   # what earlier tests left is not this turn's work: collections during the
+    gc.freeze()    # turn must not scan it
+    try:
+        r = rt.run(AgentRequest("go"), cancel=token)
+    finally:
+        gc.unfreeze()
     # bob's own work on this thread (the quadratic id check took 4.6 s of it), apart from what
     # other processes take of the CPU; the wall-clock bound catches a wait instead of work
     cpu, wall = time.thread_time() - sink.cpu, time.monotonic() - sink.wall
