@@ -335,7 +335,7 @@ def test_verbose_shows_each_event_once_on_one_short_line(tmp_path, srv):
     assert r.returncode == 0 and r.stdout == "ok " * 200 + "\n", r.stderr
     lines = r.stderr.splitlines()
     kinds = [x.split()[1] for x in lines if x.startswith("  [")]
-    assert kinds[0] == "turn_started" and kinds[-1] == "turn_completed", lines
+    assert kinds[:2] == ["session_loaded", "turn_started"] and kinds[-1] == "turn_completed", lines
     assert kinds.count("turn_completed") == 1 and "llm_call_completed" in kinds
     assert all(len(x) <= 100 for x in lines), max(lines, key=len)
     demo = bob(tmp_path, "--demo", "-v", COLUMNS="100")
