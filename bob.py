@@ -364,9 +364,7 @@ class CancelToken:
 
     def cancel(self) -> None:
         """Set the flag and run the callbacks once; safe from any thread, idempotent."""
-        with self._lock:
-            if self._event.is_set():
-                return
+        with self._lock:   # a second cancel finds no callbacks left
             self._event.set()
             callbacks, self._callbacks = self._callbacks, []
         for cb in callbacks:
@@ -1228,7 +1226,6 @@ class _Turn:
     approvals: dict[str, Approval] = field(default_factory=dict)  # decisions, by call id
     resumed: bool = False                   # took up a paused batch (its guards already ran)
     pending: tuple[ToolCall, ...] = ()      # calls left waiting for a decision
-    closed: bool = False                    # set at the end: late worker events are dropped
     parts: dict[int, tuple[Message, str]] = field(default_factory=dict)  # for request_digest
 
 
@@ -1427,7 +1424,6 @@ class AgentRuntime:
             "finish_reason": None if failed else t.finish.value, "usage": dict(vars(t.usage)),
             "guard_reason": t.guard_reason.value if t.guard_reason else None,
             "steps": t.guard.steps, "tool_calls": t.guard.tool_calls, "content": t.content})
-        t.closed = True
         if failed is not None:
             raise failed
         return result
@@ -1583,7 +1579,6 @@ class AgentRuntime:
         if t.caller_cancel.cancelled:
             return self._cancelled(t)
         if not worker.done:
-            t.cancel.cancel()  # the deadline passed: tell the port to free its connection
             return self._trip(t, Trip(GuardReason.TURN_TIMEOUT, f"{what} did not answer "
                                       f"within turn_timeout_ms={t.policy.turn_timeout_ms}"))
         e = worker.error
@@ -1720,7 +1715,7 @@ class AgentRuntime:
               data: dict[str, Any] | Callable[[], dict[str, Any]]) -> None:
         """Send one event to every sink; a sink that raises is logged and ignored. Data given
         as a function is built only when a sink listens (trace data costs copies and hashes)."""
-        if t.closed or not self.sinks:
+        if not self.sinks:
             return
         event = AgentEvent(kind, t.request.session_id, t.guard.steps,
                            data() if callable(data) else data, time.time())
