@@ -196,6 +196,42 @@ def load_config(path: str | os.PathLike[str], environ: dict[str, str] | None = N
                   mcp_servers=servers)
 
 
+_TEMPLATE = """\
+# bob's agent.toml (written by bob --init). Every key is optional; unknown keys are errors.
+# All keys: README, "Configuration (agent.toml)".
+
+[runtime]
+# default_model = "openai:gpt-4o-mini"    # provider:model; --model and $BOB_MODEL win
+# max_steps = 12                          # LLM calls per turn
+
+[llm]
+# base_url = "http://127.0.0.1:8080/v1"   # any OpenAI-compatible server
+# api_key_env = "OPENAI_API_KEY"          # the variable holding the key
+
+[policy]
+# ask_tools = ["fs__write_*"]             # a person approves each such call
+
+# [[mcp.servers]]                         # an MCP server's tools, as fs__<tool>
+# id = "fs"
+# command = "npx"
+# args = ["-y", "@modelcontextprotocol/server-filesystem", "."]
+"""
+
+
+def _init() -> int:
+    """--init: a commented agent.toml in the current directory, never over an existing one."""
+    try:
+        with open("agent.toml", "x", encoding="utf-8") as f:
+            f.write(_TEMPLATE)
+    except FileExistsError:
+        raise bob.ConfigError("agent.toml exists here already; edit it, or move it away "
+                              "and run bob --init again") from None
+    except OSError as e:
+        raise bob.BobError(f"cannot write agent.toml in {Path.cwd()}: {e.strerror}") from None
+    _note(f"wrote {Path('agent.toml').absolute()}: uncomment what you need")
+    return 0
+
+
 # ---- 2. Demo, event printer ---------------------------------------------------------------------
 # --demo needs no key and no config: ScriptedLlm plays the model; these functions are real tools.
 
@@ -685,6 +721,7 @@ def _parser() -> argparse.ArgumentParser:
     add("--trace", metavar="FILE", help="append every event to FILE as JSON lines")
     add("-v", "--verbose", action="store_true", help="every event as a line, logs, tracebacks")
     add("--demo", action="store_true", help="a scripted session with real tools; needs no key")
+    add("--init", action="store_true", help="write a commented agent.toml here (never over one)")
     add("--version", action="version", version=f"bob {__version__}")
     return p
 
@@ -806,9 +843,9 @@ def _fail(e: BaseException, code: int, verbose: bool) -> int:
 
 
 def _start(args: argparse.Namespace, opened: list[Shell]) -> int:
-    """Pick the mode: --demo, --sessions, -p, piped stdin or the REPL."""
-    if args.demo:
-        return run_demo(_sinks(args))
+    """Pick the mode: --init, --demo, --sessions, -p, piped stdin or the REPL."""
+    if args.init or args.demo:
+        return _init() if args.init else run_demo(_sinks(args))
     found = find_config(args.config)
     cfg = load_config(found) if found else Config()
     if args.sessions:   # needs no key

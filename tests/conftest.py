@@ -198,6 +198,13 @@ def child_env(tmp_path: Path, **extra: str) -> dict[str, str]:
     return env
 
 
+def xdg_env(tmp_path: Path, **extra: str) -> dict[str, str]:
+    """child_env with XDG_CONFIG_HOME, XDG_DATA_HOME and XDG_STATE_HOME inside tmp_path."""
+    return child_env(tmp_path, XDG_CONFIG_HOME=str(tmp_path / "xc"),
+                     XDG_DATA_HOME=str(tmp_path / "xd"), XDG_STATE_HOME=str(tmp_path / "xs"),
+                     **extra)
+
+
 def write_config(tmp_path: Path, srv: FakeOpenAI | None, extra: str = "",
                  runtime: str = "") -> Path:
     """An agent.toml pointing base_url at the fake server; `extra` follows the [llm] keys."""

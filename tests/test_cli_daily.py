@@ -10,19 +10,16 @@ import sys
 from pathlib import Path
 
 import pytest
+
+import bob_cli
 from fake_openai import FakeOpenAI, completion, stream_reply
-from conftest import CLI, KEY, Terminal, child_env, final, messages_of, run_cli, write_config
+from conftest import (CLI, KEY, Terminal, child_env, final, messages_of, run_cli, write_config,
+                      xdg_env)
 
 
 def work_config(tmp_path: Path, srv: FakeOpenAI, **kw: str) -> Path:
     (tmp_path / "work").mkdir(exist_ok=True)
     return write_config(tmp_path / "work", srv, **kw)
-
-
-def env_of(tmp_path: Path, **extra: str) -> dict[str, str]:
-    return child_env(tmp_path, XDG_CONFIG_HOME=str(tmp_path / "xc"),
-                     XDG_DATA_HOME=str(tmp_path / "xd"), XDG_STATE_HOME=str(tmp_path / "xs"),
-                     **extra)
 
 
 def bob(tmp_path: Path, *args: str, stdin: str | None = None,
@@ -31,7 +28,7 @@ def bob(tmp_path: Path, *args: str, stdin: str | None = None,
     work = tmp_path / "work"
     work.mkdir(exist_ok=True)
     return subprocess.run([sys.executable, str(CLI), *args], cwd=work, input=stdin or "",
-                          env=env_of(tmp_path, **env), capture_output=True, text=True,
+                          env=xdg_env(tmp_path, **env), capture_output=True, text=True,
                           timeout=15, check=False)
 
 
@@ -326,7 +323,24 @@ def test_history_lines_are_cut_to_the_terminal_width(tmp_path, srv):
         term.close()
 
 
-# ---- 8. -v (issue 14) ----
+# ---- 8. bob --init, and -v (issue 14) ----
+
+def test_init_writes_a_commented_config_that_loads_and_never_overwrites(tmp_path):
+    r = bob(tmp_path, "--init")
+    path = tmp_path / "work" / "agent.toml"
+    assert r.returncode == 0 and r.stdout == "" and f"wrote {path}" in r.stderr, r.stderr
+    text = path.read_text()
+    assert text.startswith("# bob's agent.toml") and "[[mcp.servers]]" in text
+    assert bob_cli.load_config(path, environ={}) == bob_cli.Config(path)   # all the defaults
+    path.write_text("# mine\n")
+    r = bob(tmp_path, "--init")
+    assert r.returncode == 2 and "agent.toml exists here already" in r.stderr
+    assert path.read_text() == "# mine\n"
+    r = subprocess.run([sys.executable, str(CLI), "--init"], cwd="/proc", capture_output=True,
+                       text=True, env=xdg_env(tmp_path), timeout=15, check=False)  # no writes
+    assert r.returncode == 1 and r.stderr.startswith("bob: error: cannot write agent.toml in "
+                                                     "/proc: "), r.stderr
+
 
 def test_verbose_shows_each_event_once_on_one_short_line(tmp_path, srv):
     srv.push(final("ok " * 200))

@@ -13,13 +13,7 @@ import threading
 
 import pytest
 from fake_openai import FakeOpenAI, stream_reply
-from conftest import CLI, Terminal, child_env, final, run_cli, write_config
-
-
-def xdg_env(tmp_path, **extra: str) -> dict[str, str]:
-    return child_env(tmp_path, XDG_CONFIG_HOME=str(tmp_path / "xc"),
-                     XDG_DATA_HOME=str(tmp_path / "xd"), XDG_STATE_HOME=str(tmp_path / "xs"),
-                     **extra)
+from conftest import CLI, Terminal, child_env, final, run_cli, write_config, xdg_env
 
 
 # ---- 1. Config values that fail at load time (exit 2, key and file named) ----
