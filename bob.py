@@ -63,7 +63,7 @@ __all__ = [
     "parse_action", "truncate_history", "is_denied", "abandoned_workers", "FunctionTools",
     "CompositeToolPort", "InMemorySessionStore", "JsonFileSessionStore", "LoggingEventSink",
     "JsonlEventSink", "AgentRuntime", "ScriptedLlm", "OpenAICompatLlm", "PROVIDERS",
-    "RETRYABLE_STATUSES",
+    "RETRYABLE_STATUSES", "TOOL_NAME",
     # the trace
     "request_digest",
 ]
@@ -1770,7 +1770,7 @@ PROVIDERS: dict[str, tuple[str, str | None]] = {  # (default base_url, API key v
     "mistral": ("https://api.mistral.ai/v1", "MISTRAL_API_KEY"),
 }
 RETRYABLE_STATUSES = frozenset({408, 409, 429, 500, 502, 503, 504})
-_TOOL_NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
+TOOL_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")   # the tool names every provider takes (fullmatch)
 _OPTIONAL_FIELDS = ("response_format", "stream_options")  # dropped if a server rejects them
 
 
@@ -2152,9 +2152,9 @@ class OpenAICompatLlm:
                                 "messages": [_message_to_wire(m) for m in req.messages]}
         if req.tools and req.response_format != "json":
             for t in req.tools:
-                if not _TOOL_NAME.match(t.name):
+                if not TOOL_NAME.fullmatch(t.name):
                     raise ConfigError(f"tool name {t.name!r} cannot be sent to the model: names "
-                                      f"must match {_TOOL_NAME.pattern} (letters, digits, _ and "
+                                      f"must match {TOOL_NAME.pattern} (letters, digits, _ and "
                                       "-, at most 64)")
             body["tools"] = [{"type": "function", "function": {
                 "name": t.name, "description": t.description, "parameters": t.input_schema}}

@@ -39,7 +39,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
-from bob import BobError, CancelToken, ConfigError, ToolCall, ToolDescriptor, ToolResult
+from bob import (TOOL_NAME, BobError, CancelToken, ConfigError, ToolCall, ToolDescriptor,
+                 ToolResult)
 
 __all__ = ["McpError", "McpServerConfig", "McpToolPort", "exposed_name", "url_problem"]
 
@@ -67,7 +68,6 @@ def url_problem(url: str | None) -> str | None:
             "like http://127.0.0.1:8080/v1")
 
 
-_UNSAFE = re.compile(r"[^A-Za-z0-9_-]")   # providers take tool names of 1-64 A-Za-z0-9_- only
 _DAY_MS = 86_400_000    # longer timeouts overflow thread waits
 
 
@@ -98,7 +98,7 @@ class McpServerConfig:
 
 def _problem(c: McpServerConfig) -> str | None:
     """The first thing wrong with a server's settings, or None (the SDK's errors echo values)."""
-    if not (isinstance(c.id, str) and 0 < len(c.id) <= 64 and not _UNSAFE.search(c.id)):
+    if not (isinstance(c.id, str) and TOOL_NAME.fullmatch(c.id)):   # bob's one name rule
         return "'id' must be 1-64 letters, digits, '_' or '-' (tools become <id>__<tool>)"
     if c.transport not in ("stdio", "streamable_http"):
         return f'transport must be "stdio" or "streamable_http", got {c.transport!r}'
@@ -145,8 +145,8 @@ def _secrets(cfg: McpServerConfig) -> list[str]:
 
 def exposed_name(server_id: str, tool: str) -> str:
     """`<server_id>__<tool>` made provider-safe; past 64 chars, cut and suffixed with a hash."""
-    name = _UNSAFE.sub("_", f"{server_id}__{tool}")
-    if len(name) <= 64:
+    name = "".join(c if TOOL_NAME.fullmatch(c) else "_" for c in f"{server_id}__{tool}")
+    if TOOL_NAME.fullmatch(name):   # at most 64 characters
         return name
     return f"{name[:55]}_{hashlib.sha256(f'{server_id}/{tool}'.encode()).hexdigest()[:8]}"
 

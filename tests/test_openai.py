@@ -548,3 +548,14 @@ def test_credentials_in_base_url_stay_out_of_errors_repr_and_describe():
         llm.complete(ask(within=5), CancelToken())
     for text in (str(err.value), repr(llm), llm.describe()):
         assert "s3cr3tpass" not in text and "//***@127.0.0.1:9" in text
+
+
+@pytest.mark.parametrize("name", ["a.b", "x" * 65, "", "ok\n", "sp ace"])
+def test_a_tool_name_no_provider_takes_is_a_config_error_before_sending(srv, name):
+    tool = ToolDescriptor(name, "d", {"type": "object", "properties": {}})
+    with pytest.raises(ConfigError, match="cannot be sent to the model"):
+        make_llm(srv).complete(ask(tools=[tool], mode="native"), CancelToken())
+    assert srv.requests == []
+    srv.push("fine")
+    ok = ToolDescriptor("a-b_" + "x" * 60, "d", tool.input_schema)   # 64: the longest taken
+    assert make_llm(srv).complete(ask(tools=[ok], mode="native"), CancelToken()).content == "fine"
