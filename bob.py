@@ -434,31 +434,37 @@ class LlmPort(Protocol):
     `cancel` it should stop and raise Cancelled (the runtime stops waiting anyway); LlmError."""
 
     def complete(self, req: LlmRequest, cancel: CancelToken,
-                 on_delta: Callable[[str], None] | None = None) -> LlmResponse: ...
+                 on_delta: Callable[[str], None] | None = None) -> LlmResponse:
+        """The model's whole reply to `req`."""
 
 
 class ToolPort(Protocol):
     """A set of tools: tool failures are is_error results (raise only if the tools are gone);
     a port that can stop a call stops it when `cancel` fires (a Python function runs on)."""
 
-    def list_tools(self) -> list[ToolDescriptor]: ...
+    def list_tools(self) -> list[ToolDescriptor]:
+        """The tools the model may call."""
 
     def call_tool(self, call: ToolCall, timeout_s: float,
-                  cancel: CancelToken | None = None) -> ToolResult: ...
+                  cancel: CancelToken | None = None) -> ToolResult:
+        """Run one call within `timeout_s`; its result, an error result included."""
 
 
 class SessionStore(Protocol):
     """Keeps sessions between turns. `load` returns None for an unknown id; errors: StoreError."""
 
-    def load(self, session_id: str) -> SessionState | None: ...
+    def load(self, session_id: str) -> SessionState | None:
+        """The stored session, or None."""
 
-    def save(self, session_id: str, state: SessionState) -> None: ...
+    def save(self, session_id: str, state: SessionState) -> None:
+        """Store the session; StoreError if `state.version` is not past the stored one."""
 
 
 class EventSink(Protocol):
     """Receives every event synchronously, so it must be quick. Exceptions are logged, ignored."""
 
-    def emit(self, event: AgentEvent) -> None: ...
+    def emit(self, event: AgentEvent) -> None:
+        """Take one event."""
 
 
 # ---- 4. Actions and prompts ---------------------------------------------------------------------

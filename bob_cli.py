@@ -260,7 +260,7 @@ def _cut(text: str, room: int) -> str:
 
 
 @dataclass
-class EventPrinter:
+class _EventPrinter:
     """An EventSink printing each event as one line, `[step] kind  summary` (--demo, and -v)."""
     out: TextIO
 
@@ -289,7 +289,7 @@ def _final_so_far(raw: str) -> str:
     return text[:-1] if text and "\ud800" <= text[-1] <= "\udbff" else text
 
 
-class TurnView:
+class _TurnView:
     """An EventSink for what a person sees of a turn: streamed answer text on `stream` (in json
     mode only a `final`'s content; `shown` is what the last LLM call printed, so the caller
     prints the rest); on a terminal (`out`) a status line redrawn by tick() and the tool calls
@@ -381,7 +381,7 @@ def _note(text: str) -> None:
     print(f"bob: {text}", file=sys.stderr, flush=True)
 
 
-class Approvals:
+class _Approvals:
     """The approver for [policy] ask_tools: in the REPL a person decides on the main thread
     (Shell._run hands the call over); -p and piped runs allow all with --yes, else decline."""
 
@@ -442,7 +442,7 @@ def _resumed(store: bob.JsonFileSessionStore, session_id: str) -> bool:
     return state is not None
 
 
-def new_session_id() -> str:
+def _new_session_id() -> str:
     """A fresh session id, safe as a file name: cli-YYYYmmdd-HHMMSS-xxxxxx."""
     return f"cli-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
 
@@ -454,9 +454,9 @@ class Shell:
     session_id: str
     config_name: str = "agent.toml"
     mcp: Any = None                     # a bob_mcp.McpToolPort
-    view: TurnView = field(default_factory=lambda: TurnView(None, 0))
+    view: _TurnView = field(default_factory=lambda: _TurnView(None, 0))
     cancel: bob.CancelToken = field(default_factory=bob.CancelToken)
-    approvals: Approvals = field(default_factory=lambda: Approvals(False, False))
+    approvals: _Approvals = field(default_factory=lambda: _Approvals(False, False))
     llm_for: Callable[[str], Any] | None = None   # a model name -> its adapter (/model)
 
     def turn(self, text: str) -> bob.AgentRunResult:
@@ -536,14 +536,14 @@ class Shell:
             case "/tools", _:
                 self._print_tools()
             case "/reset", _:
-                self.session_id = new_session_id()
+                self.session_id = _new_session_id()
                 print(f"new session {self.session_id}")
             case "/usage", _:
                 u = self._state().usage
                 print(f"session {self.session_id}: {u.prompt_tokens} prompt + "
                       f"{u.completion_tokens} completion = {u.total_tokens} tokens")
             case "/sessions", _:
-                list_sessions(store)
+                _list_sessions(store)
             case "/resume", True:
                 if _resumed(store, arg):
                     self.session_id = arg
@@ -595,18 +595,18 @@ class Shell:
 
 # ---- 5. Modes: piped, REPL, demo ----------------------------------------------------------------
 
-def exit_code(result: bob.AgentRunResult) -> int:
+def _exit_code(result: bob.AgentRunResult) -> int:
     """3 when a guard or a cancel ended the turn, else 0."""
     return 3 if result.finish_reason in (bob.FinishReason.GUARD_EXCEEDED,
                                          bob.FinishReason.CANCELLED) else 0
 
 
-def run_piped(shell: Shell, lines: Iterable[str]) -> int:
+def _run_piped(shell: Shell, lines: Iterable[str]) -> int:
     """Each non-empty line is a turn of one session (`/` lines too); a cancel stops reading."""
     code = 0
     for line in filter(str.strip, lines):
         result = shell.turn(line.strip())
-        code = max(code, exit_code(result))
+        code = max(code, _exit_code(result))
         if result.finish_reason is bob.FinishReason.CANCELLED:
             break
     return code
@@ -624,7 +624,7 @@ def _by_use(store: bob.JsonFileSessionStore) -> list[Path]:
     return sorted(store.directory.glob("*.json"), key=lambda f: f.stat().st_mtime)
 
 
-def list_sessions(store: bob.JsonFileSessionStore) -> int:
+def _list_sessions(store: bob.JsonFileSessionStore) -> int:
     """--sessions: id, last used, turns, the first user line; newest last."""
     for path in _by_use(store):
         with contextlib.suppress(bob.StoreError):
@@ -653,7 +653,7 @@ def _read_message(prompt: str) -> str:
     return "\n".join(lines)
 
 
-def run_repl(shell: Shell, banner: str) -> int:
+def _run_repl(shell: Shell, banner: str) -> int:
     """Read-eval-print until /exit or Ctrl-D; a failed turn is reported and the REPL goes on."""
     with contextlib.suppress(ImportError):  # without readline, plain input() still works
         import readline
@@ -685,16 +685,16 @@ def run_repl(shell: Shell, banner: str) -> int:
                 return 1    # e.g. a required MCP server did not start: stop, as -p does
 
 
-def run_demo(sinks: list[Any]) -> int:
+def _run_demo(sinks: list[Any]) -> int:
     """A scripted model (bob.ScriptedLlm) drives real tools through the real loop, shown live."""
     runtime = bob.AgentRuntime(bob.ScriptedLlm(_DEMO_REPLIES), bob.FunctionTools([word_count, add]),
-                               events=[EventPrinter(sys.stdout), *sinks])
+                               events=[_EventPrinter(sys.stdout), *sinks])
     print("bob --demo: bob.ScriptedLlm plays the model (no key needed); the tools and the turn "
           f"loop are real, and every event is shown.\nuser> {_DEMO_PROMPT}", flush=True)
     result = runtime.run(bob.AgentRequest(_DEMO_PROMPT, session_id="demo"))
     print(f"answer> {result.content}\n({result.finish_reason.value}: {result.steps} LLM calls, "
           f"{result.tool_calls} tool calls)", flush=True)
-    return exit_code(result)
+    return _exit_code(result)
 
 
 # ---- 6. main ------------------------------------------------------------------------------------
@@ -739,7 +739,7 @@ def _sinks(args: argparse.Namespace) -> list[Any]:
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
                          if args.verbose else _Voice())
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, handlers=[handler])
-    sinks: list[Any] = [EventPrinter(sys.stderr)] if args.verbose and not args.demo else []
+    sinks: list[Any] = [_EventPrinter(sys.stderr)] if args.verbose and not args.demo else []
     if args.trace:
         try:  # the sink opens it at the first event: find a bad path now, not once per event
             open(args.trace, "a", encoding="utf-8").close()
@@ -749,7 +749,7 @@ def _sinks(args: argparse.Namespace) -> list[Any]:
     return sinks
 
 
-def find_config(arg: str | None) -> Path | None:
+def _find_config(arg: str | None) -> Path | None:
     """--config PATH, else ./agent.toml, else $XDG_CONFIG_HOME/bob/agent.toml; None: defaults."""
     if arg is not None:
         return Path(arg)
@@ -801,10 +801,10 @@ def _store(cfg: Config, args: argparse.Namespace) -> tuple[bob.JsonFileSessionSt
         raise bob.ConfigError(f"--session: {e}") from None
     if session_id:
         _resumed(store, session_id)
-    return store, session_id or new_session_id()
+    return store, session_id or _new_session_id()
 
 
-def build_shell(cfg: Config, args: argparse.Namespace) -> Shell:
+def _build_shell(cfg: Config, args: argparse.Namespace) -> Shell:
     """Wire what the config names: the LLM (its key checked now), store, sinks, MCP servers."""
     llm, (store, session_id) = _llm(cfg, args), _store(cfg, args)
     policy = cfg.policy
@@ -813,8 +813,8 @@ def build_shell(cfg: Config, args: argparse.Namespace) -> Shell:
             policy = replace(policy, max_steps=args.max_steps)
         except bob.ConfigError as e:
             raise bob.ConfigError(f"--max-steps: {e}") from None
-    view = TurnView(sys.stderr if sys.stderr.isatty() and not args.verbose else None,
-                    policy.max_steps, not args.quiet, sys.stdout, cfg.action_mode == "json")
+    view = _TurnView(sys.stderr if sys.stderr.isatty() and not args.verbose else None,
+                     policy.max_steps, not args.quiet, sys.stdout, cfg.action_mode == "json")
     mcp = None
     if cfg.mcp_servers:   # they start in the background: the prompt does not wait for them
         import bob_mcp
@@ -822,7 +822,7 @@ def build_shell(cfg: Config, args: argparse.Namespace) -> Shell:
             mcp = bob_mcp.McpToolPort(cfg.mcp_servers).start(wait=False)
         except bob.ConfigError as e:   # an id used twice
             raise bob.ConfigError(f"{cfg.path}: {e}") from None
-    approvals = Approvals(args.prompt is None and sys.stdin.isatty(), args.yes)
+    approvals = _Approvals(args.prompt is None and sys.stdin.isatty(), args.yes)
     runtime = bob.AgentRuntime(llm, mcp, store=store, policy=policy,
                                events=[view, *_sinks(args)],
                                system_prompt=args.system or cfg.system_prompt,
@@ -845,21 +845,21 @@ def _fail(e: BaseException, code: int, verbose: bool) -> int:
 def _start(args: argparse.Namespace, opened: list[Shell]) -> int:
     """Pick the mode: --init, --demo, --sessions, -p, piped stdin or the REPL."""
     if args.init or args.demo:
-        return _init() if args.init else run_demo(_sinks(args))
-    found = find_config(args.config)
+        return _init() if args.init else _run_demo(_sinks(args))
+    found = _find_config(args.config)
     cfg = load_config(found) if found else Config()
     if args.sessions:   # needs no key
-        return list_sessions(_store(cfg, args)[0])
-    shell = build_shell(cfg, args)
+        return _list_sessions(_store(cfg, args)[0])
+    shell = _build_shell(cfg, args)
     opened.append(shell)
     if args.prompt is not None:
-        return exit_code(shell.turn(_prompt(args.prompt, sys.stdin)))
+        return _exit_code(shell.turn(_prompt(args.prompt, sys.stdin)))
     if not sys.stdin.isatty():
-        return run_piped(shell, sys.stdin)
+        return _run_piped(shell, sys.stdin)
     servers = f"; {len(cfg.mcp_servers)} MCP server(s) starting" if cfg.mcp_servers else ""
     llm = typing.cast(bob.OpenAICompatLlm, shell.runtime.llm)
-    return run_repl(shell, f"bob: {llm.describe()}, session "
-                    f"{shell.session_id}{servers}. /help lists commands, Ctrl-D quits.")
+    return _run_repl(shell, f"bob: {llm.describe()}, session "
+                     f"{shell.session_id}{servers}. /help lists commands, Ctrl-D quits.")
 
 
 def main(argv: list[str] | None = None) -> int:
