@@ -37,7 +37,6 @@ from typing import Any, Callable, Iterable, Literal, TextIO
 import bob
 
 __all__ = ["Config", "Shell", "load_config", "main"]
-__version__ = "0.1.0"   # as in pyproject.toml
 
 
 # ---- 1. Configuration: agent.toml -> Config ----------------------------------------------------
@@ -197,8 +196,7 @@ def load_config(path: str | os.PathLike[str], environ: dict[str, str] | None = N
 
 
 _TEMPLATE = """\
-# bob's agent.toml (written by bob --init). Every key is optional; unknown keys are errors.
-# All keys: README, "Configuration (agent.toml)".
+# bob's agent.toml, from bob --init. Every key is optional; README "Configuration" has them all.
 
 [runtime]
 # default_model = "openai:gpt-4o-mini"    # provider:model; --model and $BOB_MODEL win
@@ -255,7 +253,11 @@ _DEMO_REPLIES = (
 )
 
 
-def _cut(text: str, room: int) -> str:
+_CONTROLS = dict.fromkeys([*range(32), *range(127, 160)], "\ufffd")
+
+
+def _cut(text: str, room: int) -> str:   # text from the model or a server must not drive
+    text = text.translate(_CONTROLS)   # the terminal: escape sequences are made harmless
     return text if len(text) <= room else text[:room - 3] + "..."
 
 
@@ -290,10 +292,9 @@ def _final_so_far(raw: str) -> str:
 
 
 class _TurnView:
-    """An EventSink for what a person sees of a turn: streamed answer text on `stream` (in json
-    mode only a `final`'s content; `shown` is what the last LLM call printed, so the caller
-    prints the rest); on a terminal (`out`) a status line redrawn by tick() and the tool calls
-    above it; the notes said after a turn (a failed save, a reply cut by the token limit)."""
+    """What a person sees of a turn: the answer streamed to `stream` (json mode: a `final`'s
+    content; `shown`: what the last LLM call printed); on a terminal (`out`) a status line and
+    tool calls above it; the notes said after a turn (a failed save, a reply cut short)."""
 
     def __init__(self, out: TextIO | None, max_steps: int, calls: bool = True,
                  stream: TextIO | None = None, json_mode: bool = True):
@@ -326,11 +327,12 @@ class _TurnView:
         elif kind == "state":
             self.state = d["to"]
         elif kind == "tool_call_started" and self.calls:
-            self._write(f"\r\x1b[K  -> {d['name']} {_cut(json.dumps(d['arguments']), 100)}\n")
+            args = _cut(json.dumps(d["arguments"]), 100)
+            self._write(f"\r\x1b[K  -> {_cut(d['name'], 64)} {args}\n")
         elif kind == "tool_call_completed" and self.calls:
             first = (str(d.get("content", "")).strip().splitlines() or [""])[0]
             mark = "error: " if d.get("is_error") else ""
-            self._write(f"\r\x1b[K  <- {d['name']}: {mark}{_cut(first, 60)} "
+            self._write(f"\r\x1b[K  <- {_cut(d['name'], 64)}: {mark}{_cut(first, 60)} "
                         f"({d['duration_ms']:.0f} ms)\n")
         elif kind == "error" and d.get("where") == "store.save":
             self.error = str(d.get("error", "")).removeprefix("StoreError: ")
@@ -364,10 +366,9 @@ _GUARD_KEYS = {"turn_timeout": "turn_timeout_ms", "loop_detected": "max_repeated
 _HELP = """  /tools         the tools the model may call: name, server, description
   /reset         start a new session (the old one stays in the store)
   /sessions      the stored sessions; /resume ID goes back to one
-  /history       this session's messages, one line each
+  /history       this session's messages, one line each (/usage: its tokens)
   /model NAME    use another model (provider:model) from the next turn on
   /save FILE     write this session as Markdown
-  /usage         tokens used in this session
   /exit          quit (or Ctrl-D). Ctrl-C cancels a running turn, or clears the line.
 A line ending in \\ goes on; lines between two \"\"\" lines are one message; so is a paste."""
 
@@ -642,8 +643,7 @@ def _save_history(readline: Any, path: str) -> None:
 
 
 def _read_message(prompt: str) -> str:
-    """One message typed at the prompt: a line ending in `\\` goes on on the next one; a line
-    `\"\"\"` opens a block closed by another, kept as typed; a bracketed paste comes whole."""
+    """One message: a line ending in `\\` goes on; `\"\"\"` opens a block; a paste comes whole."""
     lines = [input(prompt).strip()]
     if lines[0] == '"""':   # up to the next line that is just """, kept as typed
         return "\n".join(iter(lambda: input("... "), '"""'))
@@ -722,7 +722,7 @@ def _parser() -> argparse.ArgumentParser:
     add("-v", "--verbose", action="store_true", help="every event as a line, logs, tracebacks")
     add("--demo", action="store_true", help="a scripted session with real tools; needs no key")
     add("--init", action="store_true", help="write a commented agent.toml here (never over one)")
-    add("--version", action="version", version=f"bob {__version__}")
+    add("--version", action="version", version=f"bob {bob.__version__}")
     return p
 
 

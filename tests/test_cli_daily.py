@@ -323,6 +323,27 @@ def test_history_lines_are_cut_to_the_terminal_width(tmp_path, srv):
         term.close()
 
 
+def test_model_text_cannot_drive_the_terminal_in_one_line_displays(tmp_path, srv):
+    """/history, tool lines and /tools show text from the model and the servers: an escape
+    sequence there (retitle the terminal, clear the screen) shows as U+FFFD, never raw."""
+    srv.push(json.dumps({"type": "tool_call", "name": "x\x1b]0;pwned\x07", "arguments": {}}),
+             final("hi \x1b]0;pwned\x07 \x1b[2J there"))
+    write_config(tmp_path, srv)
+    term = Terminal(tmp_path)
+    try:
+        term.expect(b"bob> ")
+        term.send(b"go\r")
+        shown = term.expect(b"hi ", timeout=5)   # up to the answer, which is the model's own
+        assert "-> x\ufffd]0;pwned\ufffd {}".encode() in shown and b"\x07" not in shown, shown
+        term.expect(b"bob> ")
+        term.send(b"/history\r")
+        shown = term.expect(b"bob> ")
+        assert b"\x1b" not in shown and b"\x07" not in shown, shown
+        assert "assistant: hi \ufffd]0;pwned\ufffd \ufffd[2J there".encode() in shown, shown
+    finally:
+        term.close()
+
+
 # ---- 8. bob --init, and -v (issue 14) ----
 
 def test_init_writes_a_commented_config_that_loads_and_never_overwrites(tmp_path):
