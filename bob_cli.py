@@ -153,9 +153,12 @@ def _check_url(url: str, what: str) -> None:
 
 
 def _read_toml(path: Path) -> dict[str, Any]:
-    """The parsed file; a missing file or a syntax error (line and column) is a ConfigError."""
+    """The parsed file; a missing file, bad TOML (line, column), over 1 MiB: a ConfigError."""
     try:
-        return tomllib.loads(path.read_text(encoding="utf-8"))
+        with open(path, "rb") as f:   # read no further: `--config /dev/zero` took all memory
+            if len(data := f.read(2**20 + 1)) > 2**20:
+                raise bob.ConfigError(f"config file {path} is over 1 MiB; is it the right file?")
+        return tomllib.loads(data.decode("utf-8").replace("\r\n", "\n"))
     except FileNotFoundError:
         raise bob.ConfigError(f"config file {path} not found; fix --config, or leave it out "
                               "to run on ./agent.toml or the built-in defaults") from None
@@ -251,8 +254,6 @@ _DEMO_REPLIES = (
     lambda req, cancel: json.dumps({"type": "final", "content": "The text has 5 words; "
                                     f"5 + 37 = {req.messages[-1].content.split()[-1]}."}),
 )
-
-
 _CONTROLS = dict.fromkeys([*range(32), *range(127, 160)], "\ufffd")
 
 
@@ -700,10 +701,9 @@ def _run_demo(sinks: list[Any]) -> int:
 # ---- 6. main ------------------------------------------------------------------------------------
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="bob", description="Run the bob agent: a REPL on a "
-                                "terminal, one turn with -p, or one turn per piped line.",
-                                epilog="exit codes: 0 ok, 1 runtime error, 2 usage or config "
-                                "error, 3 a guard or a cancel ended the turn")
+    p = argparse.ArgumentParser(prog="bob", description="The bob agent: a REPL, one turn with "
+                                "-p, or a turn per piped line.", epilog="exit codes: 0 ok, 1 "
+                                "runtime error, 2 usage or config error, 3 a guard or a cancel")
     add = p.add_argument
     add("--config", metavar="PATH", help="default: ./agent.toml, else $XDG_CONFIG_HOME/bob/")
     add("-p", "--prompt", help="one turn, then exit; piped stdin follows PROMPT; '-': all stdin")

@@ -61,6 +61,13 @@ def test_a_config_path_with_an_unknown_user_is_a_usage_error(tmp_path):
     assert proc.returncode == 2 and proc.stderr.startswith("bob: error: --config")
 
 
+def test_an_endless_config_file_is_refused_at_a_size_limit(tmp_path):
+    # /dev/zero as the config once took all memory (the OOM killer ended bob, not bob).
+    proc = run_cli(tmp_path, "--config", "/dev/zero", "-p", "hi", env=xdg_env(tmp_path))
+    assert proc.returncode == 2 and proc.stderr.startswith("bob: error: "), proc.stderr
+    assert "/dev/zero" in proc.stderr and "1 MiB" in proc.stderr, proc.stderr
+
+
 # ---- 2. Any text the model sends is printable ----
 
 CUT = final("half an emoji: \ud83d!").replace("\\ud83d", "\\ud83d")   # a lone high surrogate
