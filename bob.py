@@ -40,6 +40,7 @@ import queue
 import random
 import re
 import socket
+import stat
 import threading
 import time
 import types
@@ -930,12 +931,23 @@ _SESSION_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 _HEAD = re.compile(rb'\{\s*"version":\s*(\d+)\s*[,}]')   # how to_dict's JSON begins
 
 
+def _read_file(path: Path, size: int = -1) -> bytes:
+    """The bytes of a regular file, opened without blocking: a FIFO put in its place would block
+    the turn for ever (no writer comes); here it is an OSError."""
+    with open(os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0)), "rb") as f:
+        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+            raise OSError("it is not a regular file; move it away")
+        return f.read(size)
+
+
 class JsonFileSessionStore:
     """One JSON file per session in `directory`. A save is atomic (temp file, fsync, replace) and
-    holds an OS lock on the directory, so threads and processes saving one session take turns."""
+    holds an OS lock on the directory, so threads and processes saving one session take turns.
+    A save waits for that lock `lock_timeout_s` at most, then is a StoreError (bob holds it for
+    milliseconds; another process may hold it for ever)."""
 
-    def __init__(self, directory: str | os.PathLike[str]):
-        self.directory = Path(directory)
+    def __init__(self, directory: str | os.PathLike[str], lock_timeout_s: float = 5.0):
+        self.directory, self.lock_timeout_s = Path(directory), lock_timeout_s
 
     def path_for(self, session_id: str) -> Path:
         """The file of a session; StoreError for an id that could escape the directory."""
@@ -948,7 +960,7 @@ class JsonFileSessionStore:
         """The saved state, None if there is no file; StoreError for an unreadable file."""
         path = self.path_for(session_id)
         try:
-            raw = path.read_bytes()
+            raw = _read_file(path)
         except FileNotFoundError:
             return None
         except OSError as e:
@@ -963,14 +975,12 @@ class JsonFileSessionStore:
     def save(self, session_id: str, state: SessionState) -> None:
         """Write the state; StoreError if another turn saved the session since it was loaded.
         One temp file per session, used under the lock: a killed save leaves at most that one."""
-        import fcntl  # POSIX only; imported here so that `import bob` works anywhere
         path, tmp = self.path_for(session_id), self.directory / f".{session_id}.json.tmp"
         data = _session_json(state)
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
-            lock = os.open(self.directory, os.O_RDONLY)
+            lock = self._lock()
             try:
-                fcntl.flock(lock, fcntl.LOCK_EX)  # released at close, or when the process dies
                 _check_newer(session_id, self._stored_version(session_id), state)
                 with open(tmp, "w", encoding="ascii") as f:
                     f.write(data)
@@ -982,10 +992,27 @@ class JsonFileSessionStore:
         except OSError as e:
             raise StoreError(f"cannot save session file {path}: {e}") from e
 
+    def _lock(self) -> int:
+        """The directory's lock (released at close, or when the process dies), as a descriptor."""
+        import fcntl  # POSIX only; imported here so that `import bob` works anywhere
+        lock, since = os.open(self.directory, os.O_RDONLY), time.monotonic()
+        while True:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return lock
+            except BlockingIOError:
+                if time.monotonic() - since >= self.lock_timeout_s:
+                    os.close(lock)
+                    raise StoreError(f"session directory {self.directory} is locked by another "
+                                     f"process for over {self.lock_timeout_s} s; `fuser -v "
+                                     f"{self.directory}` names it (or raise lock_timeout_s)"
+                                     ) from None
+                time.sleep(0.01)
+
     def _stored_version(self, session_id: str) -> int | None:
         """The saved state's version, from the head of its file (else by loading it all)."""
-        with contextlib.suppress(FileNotFoundError), open(self.path_for(session_id), "rb") as f:
-            head = _HEAD.match(f.read(64))
+        with contextlib.suppress(FileNotFoundError):
+            head = _HEAD.match(_read_file(self.path_for(session_id), 64))
             return int(head.group(1)) if head else getattr(self.load(session_id), "version", None)
         return None  # no file yet
 

@@ -427,3 +427,56 @@ def test_cancel_returns_soon_with_a_20_mb_session(tmp_path, hang, kind, n):
     assert cpu < 300, f"run() took {cpu:.0f} ms of CPU after cancel() ({wall:.0f} ms wall)"
     assert wall < 1000, f"run() returned {wall:.0f} ms after cancel() ({cpu:.0f} ms of CPU)"
     assert len(store.load("big").messages) == n + 1
+
+
+# ---- 8. A hostile neighbour in the session directory --------------------------------------------
+
+def run_in_thread(rt: AgentRuntime, session_id: str) -> tuple[threading.Thread, list]:
+    """run() on a daemon thread (a hang must not hang the suite); the outcome lands in the list."""
+    outcome: list = []
+
+    def work() -> None:
+        try:
+            outcome.append(rt.run(AgentRequest("hi", session_id)))
+        except Exception as e:
+            outcome.append(e)
+    thread = threading.Thread(target=work, daemon=True)
+    thread.start()
+    return thread, outcome
+
+
+def test_a_fifo_in_place_of_a_session_file_is_a_store_error_not_a_hang(tmp_path):
+    os.mkfifo(tmp_path / "x.json")   # nobody will ever write to it: opening it to read blocks
+    thread, outcome = run_in_thread(
+        AgentRuntime(ScriptedLlm([final("ok")]), store=JsonFileSessionStore(tmp_path)), "x")
+    thread.join(10)
+    assert outcome, "run() hung on the FIFO"
+    assert isinstance(outcome[0], StoreError), outcome
+    assert "x.json" in str(outcome[0]) and "not a regular file" in str(outcome[0])
+
+
+LOCKER = """
+import fcntl, os, sys
+fd = os.open(sys.argv[1], os.O_RDONLY)
+fcntl.flock(fd, fcntl.LOCK_EX)
+print("locked", flush=True)
+sys.stdin.readline()   # hold the lock until the test says so (or dies)
+"""
+
+
+def test_a_directory_locked_by_another_process_fails_the_save_in_bounded_time(tmp_path):
+    locker = subprocess.Popen([sys.executable, "-c", LOCKER, str(tmp_path)],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert locker.stdout.readline() == "locked\n"
+        store = JsonFileSessionStore(tmp_path, lock_timeout_s=0.3)
+        thread, outcome = run_in_thread(AgentRuntime(ScriptedLlm([final("ok")]), store=store), "s")
+        thread.join(10)
+        assert outcome, "run() waited for the lock for ever"
+        e = outcome[0]
+        assert isinstance(e, StoreError) and "locked by another process" in str(e), outcome
+        assert e.result is not None and e.result.content == "ok"   # the answer is not lost
+    finally:
+        locker.kill()
+        locker.wait(10)
+    assert JsonFileSessionStore(tmp_path).lock_timeout_s == 5.0
