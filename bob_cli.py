@@ -622,18 +622,19 @@ def _prompt(prompt: str, stdin: TextIO) -> str:
     return f"{prompt}\n\n{piped}" if piped.strip() else prompt
 
 
-def _by_use(store: bob.JsonFileSessionStore) -> list[Path]:
-    return sorted(store.directory.glob("*.json"), key=lambda f: f.stat().st_mtime)
+def _by_use(store: bob.JsonFileSessionStore) -> list[tuple[float, Path]]:
+    """(mtime, file) of the sessions, least recently used first; a FIFO or dangling link is none."""
+    return sorted((p.stat().st_mtime, p) for p in store.directory.glob("*.json") if p.is_file())
 
 
 def _list_sessions(store: bob.JsonFileSessionStore) -> int:
     """--sessions: id, last used, turns, the first user line; newest last."""
-    for path in _by_use(store):
+    for mtime, path in _by_use(store):
         with contextlib.suppress(bob.StoreError):
             state = store.load(path.stem)
             users = [m.content for m in (state.messages if state else []) if m.role == "user"]
             first = " ".join((users or [""])[0].split())[:60]
-            used = time.strftime("%Y-%m-%d %H:%M", time.localtime(path.stat().st_mtime))
+            used = time.strftime("%Y-%m-%d %H:%M", time.localtime(mtime))
             print(f"{path.stem}  {used}  {len(users):>3} turns  {first}")
     return 0
 
@@ -792,7 +793,7 @@ def _store(cfg: Config, args: argparse.Namespace) -> tuple[bob.JsonFileSessionSt
     session_id = args.session
     if args.resume and not session_id:
         recent = _by_use(store)
-        session_id = recent[-1].stem if recent else None
+        session_id = recent[-1][1].stem if recent else None
         if not recent:
             _note(f"--continue: no session in {store.directory} yet; starting a new one")
     try:  # a bad --session id is a usage error, found before any turn
@@ -857,8 +858,7 @@ def _start(args: argparse.Namespace, opened: list[Shell]) -> int:
     if not sys.stdin.isatty():
         return _run_piped(shell, sys.stdin)
     servers = f"; {len(cfg.mcp_servers)} MCP server(s) starting" if cfg.mcp_servers else ""
-    llm = typing.cast(bob.OpenAICompatLlm, shell.runtime.llm)
-    return _run_repl(shell, f"bob: {llm.describe()}, session "
+    return _run_repl(shell, f"bob: {typing.cast(Any, shell.runtime.llm).describe()}, session "
                      f"{shell.session_id}{servers}. /help lists commands, Ctrl-D quits.")
 
 

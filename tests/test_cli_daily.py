@@ -4,6 +4,7 @@ subprocess (or a pty) against fake_openai, in an empty temp dir with HOME and XD
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -130,6 +131,19 @@ def test_continue_without_sessions_starts_a_new_one(tmp_path, srv):
     work_config(tmp_path, srv)
     r = bob(tmp_path, "-c", "-p", "hi")
     assert r.returncode == 0 and r.stdout == "fresh\n" and "starting a new one" in r.stderr
+
+
+def test_a_dangling_link_or_a_fifo_among_the_sessions_is_left_out(tmp_path, srv):
+    srv.push(final("one"), final("two"))
+    work_config(tmp_path, srv)
+    assert bob(tmp_path, "--session", "s1", "-p", "first words").returncode == 0
+    sessions = tmp_path / "xd" / "bob" / "sessions"
+    (sessions / "gone.json").symlink_to(tmp_path / "nowhere")   # --sessions crashed on it
+    os.mkfifo(sessions / "pipe.json")
+    r = bob(tmp_path, "--sessions")
+    assert r.returncode == 0 and re.fullmatch(r"s1  \S+ \S+    1 turns  first words\n", r.stdout)
+    r = bob(tmp_path, "-c", "-p", "again")
+    assert r.returncode == 0 and "resumed session s1 (2 messages)" in r.stderr, r.stderr
 
 
 # ---- 4. After a turn: the length warning, the stats line ----
