@@ -1890,7 +1890,8 @@ class _Stream:
                 slot[0] = tc.get("id") or slot[0]           # ids may repeat: keep one
                 if fn.get("name") and fn["name"] != slot[1]:  # names may repeat: keep one
                     slot[1] += fn["name"]
-                slot[2] += fn.get("arguments") or ""
+                args = fn.get("arguments") or ""   # an object, whole, from some servers
+                slot[2] += args if isinstance(args, str) else json.dumps(args)
             self.finish_reason = choice.get("finish_reason") or self.finish_reason
 
     def response(self, url: str) -> LlmResponse:

@@ -426,6 +426,17 @@ def test_streamed_tool_calls_are_assembled_by_index_with_repeated_names_and_ids(
     assert (out.finish_reason, out.usage) == ("tool_calls", Usage(11, 9))
 
 
+def test_streamed_arguments_sent_whole_as_an_object_are_taken_as_unstreamed_ones_are():
+    # Some servers send a streamed call's arguments as one JSON object, not text: that was
+    # "a bad stream event", though the same object in an unstreamed reply is accepted.
+    call = {"index": 0, "id": "c1", "type": "function",
+            "function": {"name": "add", "arguments": {"a": 2, "b": 3}}}
+    chunks = [chunk(role="assistant"), chunk(tool_calls=[call]), chunk(finish_reason="tool_calls")]
+    with FakeOpenAI([{"stream": chunks}]) as srv:
+        out = make_llm(srv, stream=True).complete(ask(tools=[ADD], mode="native"), CancelToken())
+    assert out.tool_calls == (ToolCall("c1", "add", {"a": 2, "b": 3}),)
+
+
 def test_a_cut_stream_with_partial_content_is_an_llm_error():
     cut = {"stream": [chunk("Hel"), chunk("lo")], "drop": True}
     with FakeOpenAI([cut]) as srv:
