@@ -481,6 +481,7 @@ Call one tool at a time; you will see its result, then reply again."""
 DEFAULT_INSTRUCTIONS = "You are a helpful assistant. Use the tools when they help."
 
 _FENCE = re.compile(r"^```(?:json)?\s*\n?(.*?)\n?```$", re.DOTALL | re.IGNORECASE)
+_THINK = re.compile(r"^\s*<think>.*?</think>", re.DOTALL)  # reasoning models' (Qwen3, R1) preamble
 _json = functools.partial(json.loads, strict=False)  # raw newlines and tabs in strings pass
 _BAD_JSON = (ValueError, RecursionError)  # bad JSON, an int past the digit limit, deep nesting
 _MAX_DEPTH = 100  # of a model's JSON: no tool needs more, and a session holding JSON near
@@ -509,8 +510,9 @@ def _required_str(obj: dict[str, Any], key: str, kind: str) -> str:
 
 
 def parse_action(text: str, call_id: str = "call_1") -> AgentAction:
-    """Parse one JSON action (whitespace and a ```json fence tolerated); ActionParseError if not."""
-    body = text.strip()
+    """Parse one JSON action (whitespace, a leading <think> block and a ```json fence tolerated);
+    ActionParseError if not."""
+    body = _THINK.sub("", text, count=1).strip()
     if fenced := _FENCE.match(body):
         body = fenced.group(1).strip()
     if not body:

@@ -402,14 +402,27 @@ def test_batch_over_max_parallel_tools_runs_nothing_and_the_loop_goes_on():
     ('{"type": "tool_call", "name": "add", "arguments": {"a": 1}}',
      bob.CallTools((ToolCall("call_1", "add", {"a": 1}),))),
     ('{"type": "tool_call", "name": "now"}', bob.CallTools((ToolCall("call_1", "now", {}),))),
+    ('<think>\nThey want {x}; "final" it is.\n</think>\n\n{"type": "final", "content": "hi"}',
+     bob.Final("hi")),
+    ('<think></think>```json\n{"type": "final", "content": "hi"}\n```', bob.Final("hi")),
 ])
 def test_parse_action_accepts(text, expected):
     assert bob.parse_action(text) == expected
 
 
+def test_a_reasoning_models_think_block_costs_no_re_prompt():
+    # Qwen3, DeepSeek-R1 and QwQ, served as they often are, put <think>...</think> before the
+    # action: every reply was malformed twice and every turn an AgentError.
+    think = "<think>\nThe user greets me. I answer with a final action.\n</think>\n\n"
+    r = AgentRuntime(ScriptedLlm([think + final("hello")])).run(AgentRequest("hi"))
+    assert (r.finish_reason, r.content, r.steps) == (FinishReason.FINAL, "hello", 1)
+
+
 @pytest.mark.parametrize("text, says", [
     ("", "empty"),
     ("Sure! Here you go.", "not valid JSON"),
+    ('<think>never closed {"type": "final", "content": "a"}', "not valid JSON"),
+    ('<think>a</think> words {"type": "final", "content": "a"}', "not valid JSON"),
     ('{"type": "final", "content": "a"} {"type": "final", "content": "b"}', "not valid JSON"),
     ('[{"type": "final", "content": "a"}]', "JSON object"),
     ('"final"', "JSON object"),
