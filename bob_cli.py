@@ -4,7 +4,6 @@
     python bob_cli.py                              # REPL on ./agent.toml (/help lists commands)
     python bob_cli.py -p "What is 2 + 40?"         # one turn; only the answer goes to stdout
     printf 'hi\\nand again\\n' | python bob_cli.py   # each line a turn of one session
-    python bob_cli.py --session work --trace run.jsonl -v
 
 Sections: 1. Configuration  2. Demo, event printer  3. The turn's view  4. Shell  5. Modes  6. main
 Needs bob.py beside it; bob_mcp.py and the `mcp` package only when agent.toml lists MCP servers.
@@ -152,12 +151,18 @@ def _check_url(url: str, what: str) -> None:
         raise bob.ConfigError(f"{what} {problem}")
 
 
+def _bounded(read: Callable[[int], Any], what: str, mib: int = 16) -> Any:
+    """read(), up to `mib` MiB (16: no model reads more): `bob < /dev/zero` took all memory."""
+    if len(data := read((mib << 20) + 1)) > mib << 20:
+        raise bob.ConfigError(f"{what} holds over {mib} MiB; is it the right input?")
+    return data
+
+
 def _read_toml(path: Path) -> dict[str, Any]:
     """The parsed file; a missing file, bad TOML (line, column), over 1 MiB: a ConfigError."""
     try:
-        with open(path, "rb") as f:   # read no further: `--config /dev/zero` took all memory
-            if len(data := f.read(2**20 + 1)) > 2**20:
-                raise bob.ConfigError(f"config file {path} is over 1 MiB; is it the right file?")
+        with open(path, "rb") as f:
+            data = _bounded(f.read, f"config file {path}", mib=1)
         return tomllib.loads(data.decode("utf-8").replace("\r\n", "\n"))
     except FileNotFoundError:
         raise bob.ConfigError(f"config file {path} not found; fix --config, or leave it out "
@@ -192,10 +197,9 @@ def load_config(path: str | os.PathLike[str], environ: dict[str, str] | None = N
         raise bob.ConfigError(f"{where}: [runtime] {e}") from None
     return Config(path, **{k: v for k, v in rt.items() if k not in _POLICY_KEYS}, policy=policy,
                   llm=t["llm"], deny_tools=tuple(t["policy"].get("deny_tools", ())),
-                  ask_tools=tuple(t["policy"].get("ask_tools", ())),
+                  ask_tools=tuple(t["policy"].get("ask_tools", ())), mcp_servers=servers,
                   store_path=None if store is None else _path(store, f"{where}: [store] path",
-                                                            path.parent),
-                  mcp_servers=servers)
+                                                            path.parent))
 
 
 _TEMPLATE = """\
@@ -577,8 +581,7 @@ class Shell:
         print(f"saved {len(parts) - 1} messages to {path}")
 
     def _print_tools(self) -> None:
-        port = self.mcp
-        tools, sources = (port.list_tools(), port.tool_sources()) if port else ([], {})
+        tools, sources = (self.mcp.list_tools(), self.mcp.tool_sources()) if self.mcp else ([], {})
         width, deny = max((len(t.name) for t in tools), default=0), self.runtime.deny_tools
         for t in tools:
             mark = "  (denied by [policy])" if bob.is_denied(t.name, deny) else ""
@@ -616,10 +619,8 @@ def _run_piped(shell: Shell, lines: Iterable[str]) -> int:
 
 def _prompt(prompt: str, stdin: TextIO) -> str:
     """-p's text: `-` is all of stdin; piped text follows the prompt after a blank line."""
-    if prompt == "-":
-        return stdin.read()
-    piped = "" if stdin.isatty() else stdin.read()
-    return f"{prompt}\n\n{piped}" if piped.strip() else prompt
+    piped = "" if stdin.isatty() and prompt != "-" else _bounded(stdin.read, "stdin")
+    return piped if prompt == "-" else f"{prompt}\n\n{piped}" if piped.strip() else prompt
 
 
 def _by_use(store: bob.JsonFileSessionStore) -> list[tuple[float, Path]]:
@@ -763,8 +764,7 @@ def _find_config(arg: str | None) -> Path | None:
 
 def _llm(cfg: Config, args: argparse.Namespace) -> bob.OpenAICompatLlm:
     """The adapter: flags first, then the environment people already use, then [llm]."""
-    options, env = dict(cfg.llm), os.environ
-    options.pop("stream_default", None)
+    options, env = {k: v for k, v in cfg.llm.items() if k != "stream_default"}, os.environ
     model = args.model or env.get("BOB_MODEL") or cfg.default_model
     provider = model.partition(":")[0]
     env_url = env.get("OPENAI_BASE_URL") if provider == "openai" or (
@@ -856,7 +856,7 @@ def _start(args: argparse.Namespace, opened: list[Shell]) -> int:
     if args.prompt is not None:
         return _exit_code(shell.turn(_prompt(args.prompt, sys.stdin)))
     if not sys.stdin.isatty():
-        return _run_piped(shell, sys.stdin)
+        return _run_piped(shell, iter(lambda: _bounded(sys.stdin.readline, "a stdin line"), ""))
     servers = f"; {len(cfg.mcp_servers)} MCP server(s) starting" if cfg.mcp_servers else ""
     return _run_repl(shell, f"bob: {typing.cast(Any, shell.runtime.llm).describe()}, session "
                      f"{shell.session_id}{servers}. /help lists commands, Ctrl-D quits.")

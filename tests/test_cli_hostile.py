@@ -68,6 +68,17 @@ def test_an_endless_config_file_is_refused_at_a_size_limit(tmp_path):
     assert "/dev/zero" in proc.stderr and "1 MiB" in proc.stderr, proc.stderr
 
 
+@pytest.mark.parametrize("args", [["-p", "-"], ["-p", "summarize"], []])
+def test_endless_stdin_is_refused_at_a_size_limit(tmp_path, srv, args):
+    # `bob < /dev/zero` (one line with no end) once took all memory, in -p and piped mode alike.
+    write_config(tmp_path, srv)
+    with open("/dev/zero", "rb") as zero:
+        proc = subprocess.run([sys.executable, str(CLI), *args], cwd=tmp_path, stdin=zero,
+                              env=xdg_env(tmp_path), capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 2 and "stdin" in proc.stderr and "16 MiB" in proc.stderr, proc.stderr
+    assert proc.stderr.count("\n") == 1 and srv.requests == []
+
+
 # ---- 2. Any text the model sends is printable ----
 
 CUT = final("half an emoji: \ud83d!").replace("\\ud83d", "\\ud83d")   # a lone high surrogate
