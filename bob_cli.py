@@ -481,8 +481,7 @@ class Shell:
             _note("warning: turn cancelled; the session is kept")
         else:
             print(content[len(shown):] if content.startswith(shown) else "\n" + content, flush=True)
-        if result.guard_reason is not None:
-            guard = result.guard_reason.value
+        if guard := getattr(result.guard_reason, "value", None):
             _note(f"warning: turn stopped by the {guard} guard; raise "
                   f"{_GUARD_KEYS.get(guard, guard)} under [runtime] in {self.config_name}")
         if self.view.cut:
@@ -577,7 +576,8 @@ class Shell:
         parts = [f"# bob session {self.session_id}"] + [f"## {m.role}\n\n{m.content}" + "".join(
             f"\n\n-> `{c.name}` `{json.dumps(c.arguments, ensure_ascii=False)}`"
             for c in m.tool_calls) for m in self._state().messages]
-        path.write_text("\n\n".join(parts) + "\n", "utf-8", "bob")   # OSError: the REPL says why
+        with path.open("x", encoding="utf-8", errors="bob") as f:   # never over a file, as vim's :w
+            f.write("\n\n".join(parts) + "\n")   # an OSError (FileExistsError): the REPL says why
         print(f"saved {len(parts) - 1} messages to {path}")
 
     def _print_tools(self) -> None:

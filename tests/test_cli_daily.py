@@ -309,6 +309,11 @@ def test_session_commands_in_the_repl(tmp_path, srv):
         assert b"bob: error: " in said and b"No such file or directory" in said
         term.send(b"/save s1.md\r")
         assert b"saved 4 messages to s1.md" in term.expect(b"bob> ")
+        config = (tmp_path / "agent.toml").read_text()
+        term.send(b"/save agent.toml\r")           # a slip of the finger: it replaced the config
+        said = term.expect(b"bob> ")
+        assert b"bob: error: " in said and b"exists" in said
+        assert (tmp_path / "agent.toml").read_text() == config
         term.send(b"/model\r")
         assert b"unknown command '/model'" in term.expect(b"bob> ")
         term.send(b"/model nocolon\r")                 # an error; the model stays
