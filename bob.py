@@ -2034,6 +2034,9 @@ class OpenAICompatLlm:
         default_url, default_env = PROVIDERS.get(provider, ("", None))
         self.provider, self.model = provider, name
         self.base_url = (base_url or default_url).rstrip("/")
+        if "?" in self.base_url or "#" in self.base_url:   # not echoed: it may hold a key
+            raise ConfigError("base_url must not hold a query or fragment: /chat/completions is "
+                              "added to it; give a key with api_key_env, not in the URL")
         self.api_key_env = api_key_env or default_env
         self.retry_max, self.stream, self.stream_usage = retry_max, stream, stream_usage
         self.temperature, self.seed, self.max_tokens = temperature, seed, max_tokens

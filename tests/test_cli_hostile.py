@@ -55,6 +55,16 @@ def test_a_malformed_base_url_is_a_config_error_that_hides_the_url(tmp_path, url
     assert "sk-abc" not in proc.stderr
 
 
+@pytest.mark.parametrize("url", ["http://127.0.0.1:9/v1?api-key=s3cretvalue",
+                                 "http://127.0.0.1:9/v1#s3cretvalue"])
+def test_a_base_url_with_a_query_is_a_usage_error_that_hides_it(tmp_path, url):
+    # It was sent as .../v1?api-key=...//chat/completions and the error showed the key.
+    proc = run_cli(tmp_path, "--base-url", url, "--model", "local:x", "-p", "hi",
+                   env=xdg_env(tmp_path))
+    assert proc.returncode == 2 and "query" in proc.stderr, proc.stderr
+    assert "s3cretvalue" not in proc.stderr
+
+
 def test_a_config_path_with_an_unknown_user_is_a_usage_error(tmp_path):
     proc = run_cli(tmp_path, "--config", "~nosuchuser_bob/agent.toml", "-p", "hi",
                    env=xdg_env(tmp_path))
