@@ -258,6 +258,7 @@ _DEMO_REPLIES = (
     lambda req, cancel: json.dumps({"type": "final", "content": "The text has 5 words; "
                                     f"5 + 37 = {req.messages[-1].content.split()[-1]}."}),
 )
+
 _CONTROLS = dict.fromkeys([*range(32), *range(127, 160)], "\ufffd")
 
 
@@ -442,8 +443,7 @@ def _flat(m: bob.Message) -> str:
 
 def _resumed(store: bob.JsonFileSessionStore, session_id: str) -> bool:
     """Whether the session is stored; if so, say `resumed session ID (N messages)`."""
-    state = store.load(session_id)   # a bad id is a StoreError
-    if state is not None:
+    if (state := store.load(session_id)) is not None:   # a bad id is a StoreError
         _note(f"resumed session {session_id} ({len(state.messages)} messages)")
     return state is not None
 
