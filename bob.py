@@ -512,7 +512,7 @@ def _required_str(obj: dict[str, Any], key: str, kind: str) -> str:
 def parse_action(text: str, call_id: str = "call_1") -> AgentAction:
     """Parse one JSON action (whitespace, a leading <think> block and a ```json fence tolerated);
     ActionParseError if not."""
-    body = _THINK.sub("", text, count=1).strip()
+    body = _THINK.sub("", text).strip()
     if fenced := _FENCE.match(body):
         body = fenced.group(1).strip()
     if not body:

@@ -470,8 +470,10 @@ def test_a_directory_locked_by_another_process_fails_the_save_in_bounded_time(tm
     try:
         assert locker.stdout.readline() == "locked\n"
         store = JsonFileSessionStore(tmp_path, lock_timeout_s=0.3)
+        fds = len(os.listdir("/proc/self/fd"))
         thread, outcome = run_in_thread(AgentRuntime(ScriptedLlm([final("ok")]), store=store), "s")
         thread.join(10)
+        assert len(os.listdir("/proc/self/fd")) == fds   # the lock's descriptor is closed
         assert outcome, "run() waited for the lock for ever"
         e = outcome[0]
         assert isinstance(e, StoreError) and "locked by another process" in str(e), outcome
