@@ -1067,15 +1067,36 @@ class JsonlEventSink:
                 self._file = None
 
 
-_SECRETS = r"api[_-]?key|authorization|password|secret|access[_-]?token"
-_SECRET_KEY = re.compile(f"(?i)({_SECRETS})")
-# the same keys inside text, e.g. a JSON-mode reply {"arguments": {"api_key": "sk-..."}}
-_SECRET_PAIR = re.compile(f'(?i)("[^"]*(?:{_SECRETS})[^"]*"\\s*:\\s*)"(?:[^"\\\\]|\\\\.)*"')
+_SECRETS = (r"api[_-]?key|private[_-]?key|authorization|password|passwd|secret|token(?!s)|"
+            r"cookie|credential")   # token, not max_tokens
+_SECRET_KEY = re.compile(f"(?i){_SECRETS}")
+# The same keys inside text, e.g. a JSON-mode reply {"arguments": {"api_key": "sk-..."}}: a key
+# quoted "so" or \"so\" (JSON inside a JSON string), then its value: a string (to its end, or the
+# text's: a reply cut there), a list, a number or literal. Each part stops at the next quote or
+# after 64 characters, so no match backtracks over the text (one that did took seconds on 360 KB).
+_TEXT_KEY = re.compile(f'(\\\\?")([^"\\n]{{0,64}}?(?:{_SECRETS})[^"\\n]{{0,64}}?)\\1\\s*:\\s*')
+_TEXT_VALUE = {'"': re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"?|\[[^\]]*\]?|[^\s,}\]]+'),
+               '\\"': re.compile(r'\\"[^"\\]*(?:\\[^"][^"\\]*)*(?:\\")?|\[[^\]]*\]?|[^\s,}\]\\]+')}
+_ASCII_LOWER = dict(zip(range(65, 91), range(97, 123)))   # A-Z -> a-z, for str.translate
 
 
 @functools.lru_cache(maxsize=4096)  # keys repeat across calls: 20,000 calls mask in milliseconds
 def _secret_key(key: Any) -> bool:
     return isinstance(key, str) and bool(_SECRET_KEY.search(key))
+
+
+def _mask_text(text: str) -> str:
+    """The text with the value after each secret-looking "key": as "***"."""
+    if '"' not in text:
+        return text
+    low = text.lower()   # matched case-sensitively: (?i) made the scan twice as slow
+    low = low if len(low) == len(text) else text.translate(_ASCII_LOWER)   # "İ" lowers to 2
+    out, at = [], 0
+    for key in _TEXT_KEY.finditer(low):
+        if key.start() >= at and (value := _TEXT_VALUE[key.group(1)].match(text, key.end())):
+            out += [text[at:key.end()], f"{key.group(1)}***{key.group(1)}"]
+            at = value.end()
+    return "".join(out) + text[at:]
 
 
 def redact(data: Any) -> Any:
@@ -1084,7 +1105,7 @@ def redact(data: Any) -> Any:
         return {k: "***" if _secret_key(k) else redact(v) for k, v in data.items()}
     if isinstance(data, list):
         return [redact(v) for v in data]
-    return _SECRET_PAIR.sub(r'\1"***"', data) if isinstance(data, str) and '"' in data else data
+    return _mask_text(data) if isinstance(data, str) else data
 
 
 def request_digest(req: LlmRequest, cache: dict[int, tuple[Message, str]] | None = None) -> str:

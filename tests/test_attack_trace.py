@@ -1,0 +1,287 @@
+"""Attacks on the JSONL trace: secrets that reach it unmasked, requests without a digest, and
+hostile data that makes building an event raise. Each test is a break, marked xfail(strict).
+
+Runs use the real OpenAI adapter against tests/fake_openai.py where the model is involved, real
+FunctionTools, and a real JsonlEventSink file read back.
+Sections: 1. Helpers  2. Secrets  3. Completeness and digests  4. Hostile data
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+import bob
+from bob import (AgentRequest, AgentRuntime, Approval, FunctionTools, JsonlEventSink, LlmResponse,
+                 Message, ScriptedLlm, ToolCall)
+from conftest import KEY, final, make_llm, tc
+from fake_openai import completion, stream_reply, tool_calls_reply
+
+SECRET = "hunter2-SECRET"
+
+
+# ---- 1. Helpers ---------------------------------------------------------------------------------
+
+def events(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def of(path: Path, kind: str) -> list[dict]:
+    return [e["data"] for e in events(path) if e["kind"] == kind]
+
+
+def leaks(path: Path, secret: str = SECRET) -> list[str]:
+    """The kinds of the events whose line holds `secret`."""
+    return [json.loads(line)["kind"] for line in path.read_text().splitlines() if secret in line]
+
+
+def runtime(llm, path: Path, fns=(), **kw) -> AgentRuntime:
+    kw.setdefault("action_mode", "native")
+    return AgentRuntime(llm, FunctionTools(list(fns)), events=JsonlEventSink(path), **kw)
+
+
+def shout(text: str) -> str:
+    """Upper-case a text."""
+    return text.upper()
+
+
+# ---- 2. Secrets ---------------------------------------------------------------------------------
+
+@pytest.mark.xfail(strict=True, reason="turn_started `input` is not redacted")
+def test_a_secret_pair_in_the_user_input_is_masked(srv, tmp_path):
+    path = tmp_path / "t.jsonl"
+    srv.push("ok")
+    runtime(make_llm(srv), path).run(AgentRequest(f'use {{"password": "{SECRET}"}}'))
+    assert leaks(path) == []
+
+
+@pytest.mark.xfail(strict=True, reason="turn_started `system_prompt` is not redacted")
+def test_a_secret_pair_in_the_system_prompt_is_masked(srv, tmp_path):
+    path = tmp_path / "t.jsonl"
+    srv.push("ok")
+    runtime(make_llm(srv), path, system_prompt=f'Config: {{"api_key": "{SECRET}"}}').run(
+        AgentRequest("hi"))
+    assert leaks(path) == []
+
+
+@pytest.mark.xfail(strict=True, reason="turn_completed `content` is not redacted")
+def test_a_secret_pair_in_the_final_answer_is_masked_in_turn_completed(srv, tmp_path):
+    path = tmp_path / "t.jsonl"
+    srv.push(f'Your settings: {{"password": "{SECRET}"}}')
+    runtime(make_llm(srv), path).run(AgentRequest("show settings"))
+    assert SECRET not in json.dumps(of(path, "llm_call_completed"))  # masked there
+    assert leaks(path) == []
+
+
+@pytest.mark.xfail(strict=True, reason="text_delta events are not redacted")
+def test_a_secret_pair_in_a_streamed_reply_is_masked_in_text_delta(srv, tmp_path):
+    path = tmp_path / "t.jsonl"
+    srv.push(stream_reply([f'Settings: {{"password": "{SECRET}"}}']))
+    runtime(make_llm(srv, stream=True), path).run(AgentRequest("show settings"))
+    assert leaks(path) == []
+
+
+@pytest.mark.xfail(strict=True, reason="the `error` event (and AgentError) quote the last "
+                   "reply unmasked after two invalid actions")
+def test_a_secret_in_an_invalid_json_action_is_masked_in_the_error_event(srv, tmp_path):
+    path = tmp_path / "t.jsonl"
+    bad = json.dumps({"type": "toolcall", "name": "shout", "arguments": {"password": SECRET}})
+    srv.push(bad, bad)
+    with pytest.raises(bob.AgentError) as e:
+        runtime(make_llm(srv), path, [shout], action_mode="json").run(AgentRequest("go"))
+    assert SECRET not in str(e.value)
+    assert leaks(path) == []
+
+
+def test_a_reply_cut_inside_a_secret_value_is_masked(srv, tmp_path):
+    path = tmp_path / "t.jsonl"
+    cut = f'{{"type": "tool_call", "name": "shout", "arguments": {{"password": "{SECRET}'
+    srv.push(completion(cut, finish_reason="length"), final("ok"))
+    runtime(make_llm(srv), path, [shout], action_mode="json").run(AgentRequest("go"))
+    assert leaks(path) == []
+
+
+def fetch() -> dict:
+    """Fetch a config document (the body is JSON text inside JSON)."""
+    return {"status": 200, "body": json.dumps({"api_key": SECRET})}
+
+
+def test_a_secret_pair_in_json_nested_in_a_tool_result_is_masked(srv, tmp_path):
+    path = tmp_path / "t.jsonl"
+    srv.push(tool_calls_reply([("fetch", {})]), "done")
+    runtime(make_llm(srv), path, [fetch]).run(AgentRequest("fetch"))
+    assert leaks(path) == []
+
+
+def keys() -> dict:
+    """List the account's keys."""
+    return {"api_keys": [SECRET], "password": 20240417}
+
+
+def test_non_string_secret_values_in_a_tool_result_are_masked(srv, tmp_path):
+    path = tmp_path / "t.jsonl"
+    srv.push(tool_calls_reply([("keys", {})]), "done")
+    runtime(make_llm(srv), path, [keys]).run(AgentRequest("keys"))
+    assert leaks(path) == [] and leaks(path, "20240417") == []
+
+
+def login(user: str, github_token: str = "", private_key: str = "") -> str:
+    """Log in."""
+    return "ok"
+
+
+def test_token_and_private_key_arguments_are_masked(srv, tmp_path):
+    path = tmp_path / "t.jsonl"
+    srv.push(tool_calls_reply([("login", {"user": "bo", "github_token": SECRET,
+                                          "private_key": SECRET})]), "done")
+    runtime(make_llm(srv), path, [login]).run(AgentRequest("log in"))
+    assert leaks(path) == []
+
+
+@pytest.mark.xfail(strict=True, reason="the adapter masks its API key only in its own error "
+                   "texts; the key echoed by a tool or the model reaches the trace as is")
+def test_the_api_key_never_appears_in_the_trace(srv, tmp_path):
+    path = tmp_path / "t.jsonl"
+
+    def env(name: str) -> str:
+        """Read an environment variable."""
+        return os.environ.get(name, "")
+
+    srv.push(tool_calls_reply([("env", {"name": "BOB_ATTACK_KEY"})]), "done")
+    os.environ["BOB_ATTACK_KEY"] = KEY
+    try:
+        runtime(make_llm(srv), path, [env]).run(AgentRequest("show the key"))
+    finally:
+        del os.environ["BOB_ATTACK_KEY"]
+    assert leaks(path, KEY) == []
+
+
+# ---- 3. Completeness and digests ----------------------------------------------------------------
+
+TOO_LONG = {"status": 400, "body": {"error": {"message": "This model's maximum context length "
+                                              "is 8192 tokens", "type": "invalid_request_error"}}}
+
+
+@pytest.mark.xfail(strict=True, reason="the retry with half the history (history_truncated) "
+                   "sends a second request without its own llm_call_started digest")
+def test_every_request_the_port_receives_has_its_digest(srv, tmp_path):
+    path, seen = tmp_path / "t.jsonl", []
+    llm = make_llm(srv)
+
+    class Seeing:  # the real adapter, noting each request it is given
+        def complete(self, req, cancel, on_delta=None):
+            seen.append(bob.request_digest(req))
+            return llm.complete(req, cancel, on_delta)
+
+    srv.push(TOO_LONG, "ok")
+    history = [Message("user", f"q{i}") if i % 2 == 0 else Message("assistant", f"a{i}")
+               for i in range(6)]
+    runtime(Seeing(), path).run(AgentRequest("next", history=history))
+    assert len(srv.requests) == 2
+    assert [d["digest"] for d in of(path, "llm_call_started")] == seen
+
+
+# ---- 4. Hostile data ----------------------------------------------------------------------------
+
+def deep(n: int) -> dict:
+    v: dict = {"x": 1}
+    for _ in range(n):
+        v = {"x": v}
+    return v
+
+
+@pytest.mark.xfail(strict=True, reason="session_loaded redacts recursively: a 1,000-level "
+                   "history raises RecursionError, the turn raises AgentError")
+def test_a_deeply_nested_history_does_not_break_the_turn(srv, tmp_path):
+    path = tmp_path / "t.jsonl"
+    srv.push("ok")
+    history = [Message("user", "hi"), Message("assistant", "", (ToolCall("c1", "shout",
+                                                                         deep(1000)),)),
+               Message("tool", "HI", tool_call_id="c1", name="shout")]
+    r = runtime(make_llm(srv), path, [shout]).run(AgentRequest("again", history=history))
+    assert r.finish_reason is bob.FinishReason.FINAL
+    assert [e["kind"] for e in events(path)][-1] == "turn_completed"
+
+
+@pytest.mark.xfail(strict=True, reason="approval_decided redacts recursively: an approver's "
+                   "1,000-level arguments raise RecursionError, the turn raises AgentError")
+def test_deeply_nested_approved_arguments_do_not_break_the_turn(srv, tmp_path):
+    path = tmp_path / "t.jsonl"
+
+    def echo(x: dict) -> str:
+        """Echo."""
+        return "ok"
+
+    srv.push(tool_calls_reply([("echo", {"x": {}})]), "done")
+    rt = runtime(make_llm(srv), path, [echo], ask_tools=["echo"],
+                 approver=lambda call: Approval(True, arguments={"x": deep(1000)}))
+    r = rt.run(AgentRequest("go"))
+    assert r.finish_reason is not None
+    assert [e["kind"] for e in events(path)][-1] == "turn_completed"
+
+
+@pytest.mark.xfail(strict=True, reason="request_digest's json.dumps raises on an integer past "
+                   "the digit limit in approved arguments: the turn raises AgentError")
+def test_a_huge_integer_in_approved_arguments_does_not_break_the_turn(srv, tmp_path):
+    path = tmp_path / "t.jsonl"
+
+    def echo(n: int) -> str:
+        """Echo."""
+        return "ok"
+
+    srv.push(tool_calls_reply([("echo", {"n": 1})]), "done")
+    rt = runtime(make_llm(srv), path, [echo], ask_tools=["echo"],
+                 approver=lambda call: Approval(True, arguments={"n": 10 ** 5000}))
+    r = rt.run(AgentRequest("go"))
+    assert r.finish_reason is not None
+
+
+@pytest.mark.xfail(strict=True, reason="check_loop and request_digest sort keys: arguments with "
+                   "an int and a str key (from a custom LLM port) raise TypeError")
+def test_mixed_type_argument_keys_do_not_break_the_turn(tmp_path):
+    path = tmp_path / "t.jsonl"
+    reply = LlmResponse("", (ToolCall("c1", "shout", {1: "a", "text": "b"}),))
+    r = runtime(ScriptedLlm([reply, "done"]), path, [shout]).run(AgentRequest("go"))
+    assert r.finish_reason is bob.FinishReason.FINAL
+
+
+@pytest.mark.xfail(strict=True, reason="_outcome cuts r.content without checking it is a str: "
+                   "a custom port's ToolResult(content=None) raises, tool_call_started is left "
+                   "without its tool_call_completed")
+def test_a_tool_result_that_is_not_text_does_not_break_the_turn(tmp_path):
+    path = tmp_path / "t.jsonl"
+
+    class Port:
+        def list_tools(self):
+            return [bob.ToolDescriptor("get", "Get.", {"type": "object", "properties": {}})]
+
+        def call_tool(self, call, timeout_s, cancel=None):
+            return bob.ToolResult(call.id, call.name, None)
+
+    llm = ScriptedLlm([LlmResponse("", (ToolCall("c1", "get", {}),)), "done"])
+    r = AgentRuntime(llm, Port(), events=JsonlEventSink(path), action_mode="native").run(
+        AgentRequest("go"))
+    assert r.finish_reason is bob.FinishReason.FINAL
+    assert len(of(path, "tool_call_started")) == len(of(path, "tool_call_completed"))
+
+
+@pytest.mark.xfail(strict=True, reason="LoopGuard.check_text encodes the reply strictly: a lone "
+                   "surrogate in a native reply's text beside tool calls raises UnicodeEncodeError")
+def test_a_lone_surrogate_in_reply_text_with_tool_calls_does_not_break_the_turn(srv, tmp_path):
+    path = tmp_path / "t.jsonl"
+    srv.push(tool_calls_reply([("shout", {"text": "a"})], content="cut emoji \ud83d"), "done")
+    r = runtime(make_llm(srv), path, [shout]).run(AgentRequest("go"))
+    assert r.finish_reason is bob.FinishReason.FINAL, r.content
+
+
+def test_masking_a_large_reply_does_not_stall_the_turn(srv, tmp_path):
+    path = tmp_path / "t.jsonl"
+    srv.push('"' + " password" * 40_000)   # 360 KB; a reply may be 16 MiB
+    rt = runtime(make_llm(srv), path, policy=bob.TurnPolicy(turn_timeout_ms=1000))
+    t0 = time.monotonic()
+    rt.run(AgentRequest("go"))
+    took = time.monotonic() - t0
+    assert took < 1.5, f"the turn took {took:.1f} s with turn_timeout_ms=1000"
