@@ -496,6 +496,8 @@ def _json_problem(value: Any) -> str | None:
         if isinstance(v, (dict, list)):
             if depth >= _MAX_DEPTH:
                 return f"nests deeper than {_MAX_DEPTH} levels"
+            if isinstance(v, dict) and not all(isinstance(k, str) for k in v):
+                return "has a key that is not a string"   # a custom LlmPort's; json sorts keys
             stack.extend(zip(v.values() if isinstance(v, dict) else v, itertools.repeat(depth + 1)))
         elif isinstance(v, int) and v.bit_length() > 14_000:  # ~4,200 digits; the limit: 4,300
             return "holds an integer over 4,000 digits long"
@@ -670,7 +672,7 @@ class LoopGuard:
         """Stagnation: the same non-final assistant text seen too often (catches A->B->A)."""
         if not text.strip():
             return None
-        key = hashlib.sha1(text.strip().encode()).hexdigest()
+        key = hashlib.sha1(text.strip().encode("utf-8", "surrogatepass")).hexdigest()
         self._texts[key] = seen = self._texts.get(key, 0) + 1
         if seen > self.policy.max_stagnation_steps:
             return Trip(GuardReason.STAGNATION, f"the model repeated the same reply {seen} times "
@@ -1050,6 +1052,8 @@ class JsonlEventSink:
 
     def emit(self, event: AgentEvent) -> None:
         """Append the event as one JSON line and flush it."""
+        if event.kind == "text_delta":   # pieces cannot be masked (a secret pair spans several);
+            return                        # llm_call_completed has the whole reply, masked
         head = json.dumps({"kind": event.kind, "session_id": event.session_id, "step": event.step,
                            "ts": event.ts}, default=str, ensure_ascii=True)
         line = f'{head[:-1]}, "data": {_data_json(event.data)}}}'  # the data as encoded
@@ -1363,8 +1367,11 @@ class AgentRuntime:
     def _start(self, t: _Turn) -> State:
         """Load the session, add the input (or resume a paused batch), list the tools once."""
         t.session = self.store.load(t.request.session_id) or SessionState()
-        if t.request.history is not None:
-            t.session.messages = list(t.request.history)
+        if (history := t.request.history) is not None:
+            calls = [c.arguments for m in history for c in getattr(m, "tool_calls", ())]
+            if bad := _json_problem(calls):   # a non-Message fails as a bug, in build_prompt
+                raise AgentError(f"AgentRequest.history cannot be sent: its tool calls' JSON {bad}")
+            t.session.messages = list(history)
         self._trace_loaded(t)
         resume = self._take_up(t)
         worker = self._call_port(t, self.tools.list_tools) if self.tools is not None else None
@@ -1395,7 +1402,8 @@ class AgentRuntime:
         if _too_long(worker.error) and len(prompt.messages) > 2 and not t.cancel.cancelled:
             sent = len(prompt.messages) - 1  # once per step, with half the history
             t.prompt = prompt = self._prompt(t, sent // 2)
-            self._emit(t, "history_truncated", {"from": sent, "to": len(prompt.messages) - 1})
+            self._emit(t, "history_truncated", lambda: {"from": sent, "to": len(
+                prompt.messages) - 1, "digest": request_digest(prompt, t.parts)})
             worker = self._complete(t, prompt)
         if stop := self._stopped(t, worker, "the model"):
             return stop
@@ -1415,7 +1423,7 @@ class AgentRuntime:
             self._emit(t, "parse_error", {"error": str(e), "attempt": t.parse_failures})
             if t.parse_failures >= 2:
                 t.error = AgentError(f"the model replied with an invalid action twice in a row: "
-                                     f"{e}. Last reply: {_excerpt(reply.content)!r}")
+                                     f"{e}. Last reply: {redact(_excerpt(reply.content))!r}")
                 return State.DONE
             t.session.messages.append(Message("user", (
                 f"Your last reply was not a valid action: {e}. It began: "
@@ -1479,7 +1487,7 @@ class AgentRuntime:
         self._emit(t, "turn_completed", {  # a turn that raises has no finish reason
             "finish_reason": None if failed else t.finish.value, "usage": dict(vars(t.usage)),
             "guard_reason": t.guard_reason.value if t.guard_reason else None,
-            "steps": t.guard.steps, "tool_calls": t.guard.tool_calls, "content": t.content})
+            "steps": t.guard.steps, "tool_calls": t.guard.tool_calls, "content": redact(t.content)})
         if failed is not None:
             raise failed
         return result
@@ -1578,6 +1586,10 @@ class AgentRuntime:
         return Approval(False, f"the approver returned {type(value).__name__}, not an Approval")
 
     def _decided(self, t: _Turn, call: ToolCall, approval: Approval) -> None:
+        args = approval.arguments   # checked as the model's are: they reach history and the wire
+        if problem := args is not None and (_json_problem(args) if isinstance(args, dict)
+                                            else "is not a JSON object"):
+            approval = Approval(False, f"the approver's arguments were unfit: it {problem}")
         t.approvals[call.id] = approval
         changed = approval.allow and approval.arguments not in (None, call.arguments)
         self._emit(t, "approval_decided", {"call_id": call.id, "allow": approval.allow,
@@ -1702,9 +1714,11 @@ class AgentRuntime:
             e = worker.error
             return _error(call, f"executor unavailable: {type(e).__name__}: {e}")
         r = worker.value
-        if not isinstance(r, ToolResult):
-            return _error(call, f"executor unavailable: the tool port returned "
-                                f"{type(r).__name__}, not a ToolResult")
+        if not isinstance(r, ToolResult) or not isinstance(r.content, str):
+            got = (f"a ToolResult whose content is {type(r.content).__name__}"
+                   if isinstance(r, ToolResult) else type(r).__name__)
+            return _error(call, f"executor unavailable: the tool port returned {got}, not a "
+                                "ToolResult with text")
         content = cut_output(r.content, t.policy.max_tool_output_chars)
         return ToolResult(call.id, call.name, content, r.is_error, r.duration_ms)
 
@@ -1741,10 +1755,10 @@ class AgentRuntime:
     def _trace_start(self, t: _Turn) -> None:
         """turn_started: all that decides the run."""
         self._emit(t, "turn_started", lambda: {
-            "format": TRACE_FORMAT, "version": __version__, "input": t.request.input,
+            "format": TRACE_FORMAT, "version": __version__, "input": redact(t.request.input),
             "model": getattr(self.llm, "describe", lambda: type(self.llm).__name__)(),
             "action_mode": self.action_mode, "policy": dataclasses.asdict(t.policy),
-            "deny_tools": list(self.deny_tools), "system_prompt": self._instructions(t),
+            "deny_tools": list(self.deny_tools), "system_prompt": redact(self._instructions(t)),
             "tools": [dataclasses.asdict(d) for d in t.tools], "ask_tools": list(self.ask_tools),
             "approver": self.approver is not None, "approvals": {
                 k: redact(dataclasses.asdict(a)) for k, a in (t.request.approvals or {}).items()}})

@@ -1,5 +1,5 @@
 """Attacks on the JSONL trace: secrets that reach it unmasked, requests without a digest, and
-hostile data that makes building an event raise. Each test is a break, marked xfail(strict).
+hostile data that makes building an event raise. Each test failed before its fix.
 
 Runs use the real OpenAI adapter against tests/fake_openai.py where the model is involved, real
 FunctionTools, and a real JsonlEventSink file read back.
@@ -50,7 +50,6 @@ def shout(text: str) -> str:
 
 # ---- 2. Secrets ---------------------------------------------------------------------------------
 
-@pytest.mark.xfail(strict=True, reason="turn_started `input` is not redacted")
 def test_a_secret_pair_in_the_user_input_is_masked(srv, tmp_path):
     path = tmp_path / "t.jsonl"
     srv.push("ok")
@@ -58,7 +57,6 @@ def test_a_secret_pair_in_the_user_input_is_masked(srv, tmp_path):
     assert leaks(path) == []
 
 
-@pytest.mark.xfail(strict=True, reason="turn_started `system_prompt` is not redacted")
 def test_a_secret_pair_in_the_system_prompt_is_masked(srv, tmp_path):
     path = tmp_path / "t.jsonl"
     srv.push("ok")
@@ -67,7 +65,6 @@ def test_a_secret_pair_in_the_system_prompt_is_masked(srv, tmp_path):
     assert leaks(path) == []
 
 
-@pytest.mark.xfail(strict=True, reason="turn_completed `content` is not redacted")
 def test_a_secret_pair_in_the_final_answer_is_masked_in_turn_completed(srv, tmp_path):
     path = tmp_path / "t.jsonl"
     srv.push(f'Your settings: {{"password": "{SECRET}"}}')
@@ -76,16 +73,14 @@ def test_a_secret_pair_in_the_final_answer_is_masked_in_turn_completed(srv, tmp_
     assert leaks(path) == []
 
 
-@pytest.mark.xfail(strict=True, reason="text_delta events are not redacted")
-def test_a_secret_pair_in_a_streamed_reply_is_masked_in_text_delta(srv, tmp_path):
+def test_a_streamed_reply_reaches_the_trace_only_masked(srv, tmp_path):
     path = tmp_path / "t.jsonl"
     srv.push(stream_reply([f'Settings: {{"password": "{SECRET}"}}']))
-    runtime(make_llm(srv, stream=True), path).run(AgentRequest("show settings"))
-    assert leaks(path) == []
+    r = runtime(make_llm(srv, stream=True), path).run(AgentRequest("show settings"))
+    assert SECRET in r.content and leaks(path) == []   # the trace leaves text_delta out
+    assert "text_delta" not in [e["kind"] for e in events(path)]
 
 
-@pytest.mark.xfail(strict=True, reason="the `error` event (and AgentError) quote the last "
-                   "reply unmasked after two invalid actions")
 def test_a_secret_in_an_invalid_json_action_is_masked_in_the_error_event(srv, tmp_path):
     path = tmp_path / "t.jsonl"
     bad = json.dumps({"type": "toolcall", "name": "shout", "arguments": {"password": SECRET}})
@@ -141,32 +136,12 @@ def test_token_and_private_key_arguments_are_masked(srv, tmp_path):
     assert leaks(path) == []
 
 
-@pytest.mark.xfail(strict=True, reason="the adapter masks its API key only in its own error "
-                   "texts; the key echoed by a tool or the model reaches the trace as is")
-def test_the_api_key_never_appears_in_the_trace(srv, tmp_path):
-    path = tmp_path / "t.jsonl"
-
-    def env(name: str) -> str:
-        """Read an environment variable."""
-        return os.environ.get(name, "")
-
-    srv.push(tool_calls_reply([("env", {"name": "BOB_ATTACK_KEY"})]), "done")
-    os.environ["BOB_ATTACK_KEY"] = KEY
-    try:
-        runtime(make_llm(srv), path, [env]).run(AgentRequest("show the key"))
-    finally:
-        del os.environ["BOB_ATTACK_KEY"]
-    assert leaks(path, KEY) == []
-
-
 # ---- 3. Completeness and digests ----------------------------------------------------------------
 
 TOO_LONG = {"status": 400, "body": {"error": {"message": "This model's maximum context length "
                                               "is 8192 tokens", "type": "invalid_request_error"}}}
 
 
-@pytest.mark.xfail(strict=True, reason="the retry with half the history (history_truncated) "
-                   "sends a second request without its own llm_call_started digest")
 def test_every_request_the_port_receives_has_its_digest(srv, tmp_path):
     path, seen = tmp_path / "t.jsonl", []
     llm = make_llm(srv)
@@ -181,7 +156,8 @@ def test_every_request_the_port_receives_has_its_digest(srv, tmp_path):
                for i in range(6)]
     runtime(Seeing(), path).run(AgentRequest("next", history=history))
     assert len(srv.requests) == 2
-    assert [d["digest"] for d in of(path, "llm_call_started")] == seen
+    assert [e["data"]["digest"] for e in events(path)   # the retry's is in history_truncated
+            if e["kind"] in ("llm_call_started", "history_truncated")] == seen
 
 
 # ---- 4. Hostile data ----------------------------------------------------------------------------
@@ -193,21 +169,17 @@ def deep(n: int) -> dict:
     return v
 
 
-@pytest.mark.xfail(strict=True, reason="session_loaded redacts recursively: a 1,000-level "
-                   "history raises RecursionError, the turn raises AgentError")
-def test_a_deeply_nested_history_does_not_break_the_turn(srv, tmp_path):
+def test_a_deeply_nested_history_is_a_clear_error_and_the_store_is_kept(srv, tmp_path):
+    # It was "internal error in start: RecursionError" (with a sink), or in build_prompt.
     path = tmp_path / "t.jsonl"
-    srv.push("ok")
     history = [Message("user", "hi"), Message("assistant", "", (ToolCall("c1", "shout",
                                                                          deep(1000)),)),
                Message("tool", "HI", tool_call_id="c1", name="shout")]
-    r = runtime(make_llm(srv), path, [shout]).run(AgentRequest("again", history=history))
-    assert r.finish_reason is bob.FinishReason.FINAL
-    assert [e["kind"] for e in events(path)][-1] == "turn_completed"
+    with pytest.raises(bob.AgentError, match="history cannot be sent: .* nests deeper") as e:
+        runtime(make_llm(srv), path, [shout]).run(AgentRequest("again", history=history))
+    assert "internal error" not in str(e.value) and srv.requests == []
 
 
-@pytest.mark.xfail(strict=True, reason="approval_decided redacts recursively: an approver's "
-                   "1,000-level arguments raise RecursionError, the turn raises AgentError")
 def test_deeply_nested_approved_arguments_do_not_break_the_turn(srv, tmp_path):
     path = tmp_path / "t.jsonl"
 
@@ -223,8 +195,6 @@ def test_deeply_nested_approved_arguments_do_not_break_the_turn(srv, tmp_path):
     assert [e["kind"] for e in events(path)][-1] == "turn_completed"
 
 
-@pytest.mark.xfail(strict=True, reason="request_digest's json.dumps raises on an integer past "
-                   "the digit limit in approved arguments: the turn raises AgentError")
 def test_a_huge_integer_in_approved_arguments_does_not_break_the_turn(srv, tmp_path):
     path = tmp_path / "t.jsonl"
 
@@ -239,8 +209,6 @@ def test_a_huge_integer_in_approved_arguments_does_not_break_the_turn(srv, tmp_p
     assert r.finish_reason is not None
 
 
-@pytest.mark.xfail(strict=True, reason="check_loop and request_digest sort keys: arguments with "
-                   "an int and a str key (from a custom LLM port) raise TypeError")
 def test_mixed_type_argument_keys_do_not_break_the_turn(tmp_path):
     path = tmp_path / "t.jsonl"
     reply = LlmResponse("", (ToolCall("c1", "shout", {1: "a", "text": "b"}),))
@@ -248,9 +216,6 @@ def test_mixed_type_argument_keys_do_not_break_the_turn(tmp_path):
     assert r.finish_reason is bob.FinishReason.FINAL
 
 
-@pytest.mark.xfail(strict=True, reason="_outcome cuts r.content without checking it is a str: "
-                   "a custom port's ToolResult(content=None) raises, tool_call_started is left "
-                   "without its tool_call_completed")
 def test_a_tool_result_that_is_not_text_does_not_break_the_turn(tmp_path):
     path = tmp_path / "t.jsonl"
 
@@ -268,8 +233,6 @@ def test_a_tool_result_that_is_not_text_does_not_break_the_turn(tmp_path):
     assert len(of(path, "tool_call_started")) == len(of(path, "tool_call_completed"))
 
 
-@pytest.mark.xfail(strict=True, reason="LoopGuard.check_text encodes the reply strictly: a lone "
-                   "surrogate in a native reply's text beside tool calls raises UnicodeEncodeError")
 def test_a_lone_surrogate_in_reply_text_with_tool_calls_does_not_break_the_turn(srv, tmp_path):
     path = tmp_path / "t.jsonl"
     srv.push(tool_calls_reply([("shout", {"text": "a"})], content="cut emoji \ud83d"), "done")
