@@ -50,23 +50,19 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Literal, Protocol, Sequence, Union
 
 __all__ = [
-    # errors
-    "BobError", "ConfigError", "LlmError", "ActionParseError", "StoreError", "AgentError",
+    "BobError", "ConfigError", "LlmError", "ActionParseError", "StoreError", "AgentError",  # errors
     "Cancelled",
     # domain
     "Message", "ToolDescriptor", "ToolCall", "ToolResult", "Final", "CallTools", "AskUser",
-    "AgentAction", "TurnPolicy", "Usage", "FinishReason", "GuardReason", "AgentRequest",
-    "Approval", "AgentRunResult", "CancelToken", "SessionState", "AgentEvent", "LlmRequest",
-    "LlmResponse",
+    "AgentAction", "TurnPolicy", "Usage", "FinishReason", "GuardReason", "AgentRequest", "Approval",
+    "AgentRunResult", "CancelToken", "SessionState", "AgentEvent", "LlmRequest", "LlmResponse",
     # ports
     "LlmPort", "ToolPort", "SessionStore", "EventSink",
-    # functions and adapters
+    # functions and adapters, and the trace's digest
     "parse_action", "truncate_history", "is_denied", "abandoned_workers", "FunctionTools",
     "CompositeToolPort", "InMemorySessionStore", "JsonFileSessionStore", "LoggingEventSink",
     "JsonlEventSink", "AgentRuntime", "ScriptedLlm", "OpenAICompatLlm", "PROVIDERS",
-    "RETRYABLE_STATUSES", "TOOL_NAME",
-    # the trace
-    "request_digest",
+    "RETRYABLE_STATUSES", "TOOL_NAME", "request_digest",
 ]
 __version__ = "0.1.0"
 TRACE_FORMAT = 1   # the format of what a trace records (README: "The trace")
@@ -712,6 +708,16 @@ class LoopGuard:
 
 # ---- 6. Tools: functions, composite, policy -----------------------------------------------------
 
+_SECRETS = (r"api[_-]?key|private[_-]?key|authorization|password|passwd|secret|token(?!s)|"
+            r"cookie|credential")   # token, not max_tokens
+_SECRET_KEY = re.compile(f"(?i){_SECRETS}")
+
+
+@functools.lru_cache(maxsize=4096)  # keys repeat across calls: 20,000 calls mask in milliseconds
+def _secret_key(key: Any) -> bool:
+    return isinstance(key, str) and bool(_SECRET_KEY.search(key))
+
+
 _JSON_TYPES: dict[Any, str] = {str: "string", int: "integer", float: "number", bool: "boolean",
                                list: "array", tuple: "array", dict: "object"}
 
@@ -799,7 +805,7 @@ class FunctionTools:
                 nullable.add(p.name)
             if p.default is p.empty:
                 required.append(p.name)
-            elif isinstance(p.default, (str, int, float, bool)):
+            elif isinstance(p.default, (str, int, float, bool)) and not _secret_key(p.name):
                 props[p.name] = {**props[p.name], "default": p.default}
         schema = {"type": "object", "properties": props, "required": required,
                   "additionalProperties": False}
@@ -945,10 +951,9 @@ def _read_file(path: Path, size: int = -1) -> bytes:
 
 
 class JsonFileSessionStore:
-    """One JSON file per session in `directory`. A save is atomic (temp file, fsync, replace) and
-    holds an OS lock on the directory, so threads and processes saving one session take turns.
-    A save waits for that lock `lock_timeout_s` at most, then is a StoreError (bob holds it for
-    milliseconds; another process may hold it for ever)."""
+    """One JSON file per session in `directory`. A save is atomic (temp file, fsync, replace) under
+    an OS lock on the directory, so threads and processes saving one session take turns; it waits
+    for the lock `lock_timeout_s` at most (another process may hold it for ever): StoreError."""
 
     def __init__(self, directory: str | os.PathLike[str], lock_timeout_s: float = 5.0):
         self.directory, self.lock_timeout_s = Path(directory), lock_timeout_s
@@ -1071,33 +1076,28 @@ class JsonlEventSink:
                 self._file = None
 
 
-_SECRETS = (r"api[_-]?key|private[_-]?key|authorization|password|passwd|secret|token(?!s)|"
-            r"cookie|credential")   # token, not max_tokens
-_SECRET_KEY = re.compile(f"(?i){_SECRETS}")
-# The same keys inside text, e.g. a JSON-mode reply {"arguments": {"api_key": "sk-..."}}: a key
-# quoted "so" or \"so\" (JSON inside a JSON string), then its value: a string (to its end, or the
-# text's: a reply cut there), a list, a number or literal. Each part stops at the next quote or
-# after 64 characters, so no match backtracks over the text (one that did took seconds on 360 KB).
-_TEXT_KEY = re.compile(f'(\\\\?")([^"\\n]{{0,64}}?(?:{_SECRETS})[^"\\n]{{0,64}}?)\\1\\s*:\\s*')
-_TEXT_VALUE = {'"': re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"?|\[[^\]]*\]?|[^\s,}\]]+'),
-               '\\"': re.compile(r'\\"[^"\\]*(?:\\[^"][^"\\]*)*(?:\\")?|\[[^\]]*\]?|[^\s,}\]\\]+')}
-_ASCII_LOWER = dict(zip(range(65, 91), range(97, 123)))   # A-Z -> a-z, for str.translate
+# Secret keys in text (a reply, a tool result): "key":, \"key\": in JSON inside a JSON string, and
+# deeper; then the value: a string (to its end, or the text's: a cut reply), a list, a number. No
+# part backtracks over the text: each stops at a quote or after 64 chars (one did: seconds).
+_TEXT_KEY = re.compile(f'(\\\\*")([^"\\n]{{0,64}}?(?:{_SECRETS})[^"\\n]{{0,64}}?)\\1\\s*:\\s*')
 
 
-@functools.lru_cache(maxsize=4096)  # keys repeat across calls: 20,000 calls mask in milliseconds
-def _secret_key(key: Any) -> bool:
-    return isinstance(key, str) and bool(_SECRET_KEY.search(key))
+@functools.lru_cache(maxsize=16)
+def _text_value(quote: str) -> re.Pattern[str]:
+    q = re.escape(quote)   # a string ends at the same quote, escaped as the key's was
+    text = r'"[^"\\]*(?:\\.[^"\\]*)*"?' if quote == '"' else f"{q}(?:(?!{q}).)*(?:{q})?"
+    return re.compile(f"{text}|\\[[^\\]]*\\]?|[^\\s,}}\\]\\\\]+", re.S)
 
 
 def _mask_text(text: str) -> str:
     """The text with the value after each secret-looking "key": as "***"."""
     if '"' not in text:
         return text
-    low = text.lower()   # matched case-sensitively: (?i) made the scan twice as slow
-    low = low if len(low) == len(text) else text.translate(_ASCII_LOWER)   # "İ" lowers to 2
+    low = text.lower()   # matched case-sensitively ((?i) made it twice as slow); "İ" lowers to 2
+    low = low if len(low) == len(text) else text.translate(dict(zip(range(65, 91), range(97, 123))))
     out, at = [], 0
     for key in _TEXT_KEY.finditer(low):
-        if key.start() >= at and (value := _TEXT_VALUE[key.group(1)].match(text, key.end())):
+        if key.start() >= at and (value := _text_value(key.group(1)).match(text, key.end())):
             out += [text[at:key.end()], f"{key.group(1)}***{key.group(1)}"]
             at = value.end()
     return "".join(out) + text[at:]
@@ -1475,13 +1475,15 @@ class AgentRuntime:
                                         list(t.session.messages), t.pending), None
         try:
             self.store.save(t.request.session_id, t.session)
+            self._traced[t.request.session_id] = t.session.version   # not after a lost race
         except Exception as e:
-            self._emit(t, "error", {"error": f"{type(e).__name__}: {e}", "where": "store.save"})
+            self._emit(t, "error", {"error": redact(f"{type(e).__name__}: {e}"),
+                                    "where": "store.save"})
             failed = e if isinstance(e, StoreError) else StoreError(
                 f"cannot save session {t.request.session_id!r}: {type(e).__name__}: {e}")
             failed.result = result   # not stored, but not lost
         if t.error is not None:
-            self._emit(t, "error", {"error": f"{type(t.error).__name__}: {t.error}",
+            self._emit(t, "error", {"error": redact(f"{type(t.error).__name__}: {t.error}"),
                                     "where": "turn"})
         failed = t.error or failed
         self._emit(t, "turn_completed", {  # a turn that raises has no finish reason
@@ -1745,9 +1747,7 @@ class AgentRuntime:
         """session_loaded unless the session is as this runtime's last turn left it: a trace
         begun mid-session (or after a failed save, or another writer) reads alone."""
         sid, version = t.request.session_id, t.session.version
-        fresh = t.request.history is not None or self._traced.get(sid) != version
-        self._traced[sid] = version + 1   # what _done saves
-        if fresh:
+        if t.request.history is not None or self._traced.get(sid) != version:
             self._emit(t, "session_loaded", lambda: {"paused": redact(t.session.paused),
                                                      "messages": [redact(m.to_dict())
                                                                   for m in t.session.messages]})

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import time
 from pathlib import Path
 
@@ -248,3 +249,132 @@ def test_masking_a_large_reply_does_not_stall_the_turn(srv, tmp_path):
     rt.run(AgentRequest("go"))
     took = time.monotonic() - t0
     assert took < 1.5, f"the turn took {took:.1f} s with turn_timeout_ms=1000"
+
+
+@pytest.mark.xfail(strict=True, reason="_trace_start's dataclasses.asdict recurses: a 500-level "
+                   "input_schema from a tool port raises RecursionError, only when a sink listens")
+def test_a_deep_input_schema_does_not_break_a_traced_turn(tmp_path):
+    path = tmp_path / "t.jsonl"
+    schema: dict = {"type": "object"}
+    for _ in range(500):
+        schema = {"type": "object", "properties": {"x": schema}}
+
+    class Port:
+        def list_tools(self):
+            return [bob.ToolDescriptor("get", "Get.", schema)]
+
+        def call_tool(self, call, timeout_s, cancel=None):
+            return bob.ToolResult(call.id, call.name, "x")
+
+    r = AgentRuntime(ScriptedLlm(["done"]), Port(), events=JsonlEventSink(path),
+                     action_mode="native").run(AgentRequest("go"))
+    assert r.finish_reason is bob.FinishReason.FINAL
+
+
+@pytest.mark.xfail(strict=True, reason="OpenAICompatLlm._error masks the key only as is: a "
+                   "server that JSON-escapes '/' (sk-abc\\/def) shows it in the error and trace")
+def test_a_json_escaped_api_key_is_masked_in_the_error_event(srv, tmp_path):
+    path, key = tmp_path / "t.jsonl", "sk-abc/def+ghi/jkl"
+    escaped = key.replace("/", "\\/")
+    srv.push({"status": 401, "body": '{"error": {"message": "Incorrect API key: ' + escaped +
+              '"}}'})
+    with pytest.raises(bob.LlmError) as e:
+        runtime(make_llm(srv, api_key=key), path).run(AgentRequest("hi"))
+    assert "def+ghi" not in str(e.value)
+    assert [line for line in path.read_text().splitlines() if "def+ghi" in line] == []
+
+
+def no_constants(name: str):
+    raise ValueError(f"{name} is not JSON")
+
+
+@pytest.mark.xfail(strict=True, reason="bob's _json accepts NaN/Infinity in model arguments and "
+                   "the sink writes them back: trace lines that are not JSON (jq, JS, Go reject)")
+def test_every_trace_line_is_json(srv, tmp_path):
+    path = tmp_path / "t.jsonl"
+
+    def echo(x: float) -> str:
+        """Echo."""
+        return str(x)
+
+    srv.push(tool_calls_reply([("echo", '{"x": NaN}'), ("echo", '{"x": 1e999}')]), "done")
+    runtime(make_llm(srv), path, [echo]).run(AgentRequest("go"))
+    for line in path.read_text().splitlines():
+        json.loads(line, parse_constant=no_constants)
+
+
+@pytest.mark.xfail(strict=True, reason="a cancelled (or timed-out) LLM call leaves its "
+                   "llm_call_started with no llm_call_completed and no error event; README is "
+                   "silent, the brief promises one of them")
+def test_a_cancelled_llm_call_is_closed_in_the_trace(srv, tmp_path):
+    path, token = tmp_path / "t.jsonl", bob.CancelToken()
+    srv.push(srv.HANG)
+    threading.Thread(target=lambda: srv.wait_for_requests(1, 5.0) and token.cancel()).start()
+    r = runtime(make_llm(srv), path).run(AgentRequest("hi"), token)
+    assert r.finish_reason is bob.FinishReason.CANCELLED
+    kinds = [e["kind"] for e in events(path)]
+    after = kinds[kinds.index("llm_call_started"):]
+    assert "llm_call_completed" in after or "error" in after, kinds
+
+
+def test_after_a_lost_save_race_the_next_turn_records_the_history(tmp_path):
+    path, store = tmp_path / "t.jsonl", bob.InMemorySessionStore()
+    other = AgentRuntime(ScriptedLlm(["from B"]), store=store, action_mode="native")
+
+    def meanwhile(req, cancel):  # another writer's turn ends while ours waits on the model
+        other.run(AgentRequest("B asks", "s1"))
+        return "from A"
+
+    rt = AgentRuntime(ScriptedLlm([meanwhile, "again"]), store=store,
+                      events=JsonlEventSink(path), action_mode="native")
+    with pytest.raises(bob.StoreError):
+        rt.run(AgentRequest("A asks", "s1"))
+    rt.run(AgentRequest("A again", "s1"))
+    loaded = of(path, "session_loaded")
+    assert [m["content"] for m in loaded[-1]["messages"]] == ["B asks", "from B"], loaded
+
+
+def connect(host: str, password: str) -> str:
+    """Connect to a database."""
+    return "connected"
+
+
+def test_a_server_error_echoing_the_request_is_masked_in_the_error_event(srv, tmp_path):
+    path = tmp_path / "t.jsonl"
+
+    def echo_back(body):
+        return {"status": 400, "body": {"error": {"message": "invalid message: " + json.dumps(
+            body["messages"][2]["tool_calls"][0]["function"]), "type": "BadRequestError"}}}
+
+    srv.push(tool_calls_reply([("connect", {"host": "db", "password": SECRET})]), echo_back)
+    with pytest.raises(bob.LlmError):
+        runtime(make_llm(srv), path, [connect]).run(AgentRequest("connect"))
+    assert of(path, "tool_call_started")[0]["arguments"]["password"] == "***"  # masked there
+    assert leaks(path) == []
+
+
+def settings() -> str:
+    """Show the settings, as Python prints them."""
+    return str({"user": "bo", "password": SECRET})
+
+
+@pytest.mark.xfail(strict=True, reason="_SECRET_PAIR knows only double quotes: a Python repr "
+                   "({'password': '...'}) in a tool result is recorded unmasked")
+def test_a_secret_in_a_python_repr_tool_result_is_masked(srv, tmp_path):
+    path = tmp_path / "t.jsonl"
+    srv.push(tool_calls_reply([("settings", {})]), "done")
+    runtime(make_llm(srv), path, [settings]).run(AgentRequest("settings"))
+    assert leaks(path) == []
+
+
+def fetch_with_key(url: str, api_key: str = SECRET) -> str:
+    """Fetch a URL with the service's key."""
+    return "ok"
+
+
+def test_a_secret_default_of_a_function_tool_is_not_in_the_trace(srv, tmp_path):
+    path = tmp_path / "t.jsonl"
+    srv.push("ok")
+    runtime(make_llm(srv), path, [fetch_with_key]).run(AgentRequest("hi"))
+    assert leaks(path) == []
+    assert SECRET not in json.dumps(srv.requests[0]["body"])
