@@ -497,6 +497,8 @@ def _json_problem(value: Any) -> str | None:
             stack.extend(zip(v.values() if isinstance(v, dict) else v, itertools.repeat(depth + 1)))
         elif isinstance(v, int) and v.bit_length() > 14_000:  # ~4,200 digits; the limit: 4,300
             return "holds an integer over 4,000 digits long"
+        elif isinstance(v, float) and v - v:   # inf - inf and nan - nan are nan: no JSON has them
+            return "holds NaN or Infinity, which JSON does not allow"
     return None
 
 
@@ -508,8 +510,7 @@ def _required_str(obj: dict[str, Any], key: str, kind: str) -> str:
 
 
 def parse_action(text: str, call_id: str = "call_1") -> AgentAction:
-    """Parse one JSON action (whitespace, a leading <think> block and a ```json fence tolerated);
-    ActionParseError if not."""
+    """One JSON action (whitespace, a leading <think> block, a ```json fence tolerated)."""
     body = _THINK.sub("", text).strip()
     if fenced := _FENCE.match(body):
         body = fenced.group(1).strip()
@@ -645,8 +646,7 @@ class LoopGuard:
 
     def out_of_time(self) -> Trip | None:
         """The turn deadline has passed."""
-        return None if time.monotonic() < self.deadline else Trip(
-            GuardReason.TURN_TIMEOUT,
+        return None if time.monotonic() < self.deadline else Trip(GuardReason.TURN_TIMEOUT,
             f"the turn took longer than turn_timeout_ms={self.policy.turn_timeout_ms}")
 
     def before_llm_call(self) -> Trip | None:
@@ -942,8 +942,7 @@ _HEAD = re.compile(rb'\{\s*"version":\s*(\d+)\s*[,}]')   # how to_dict's JSON be
 
 
 def _read_file(path: Path, size: int = -1) -> bytes:
-    """The bytes of a regular file, opened without blocking: a FIFO put in its place would block
-    the turn for ever (no writer comes); here it is an OSError."""
+    """A regular file's bytes, opened without blocking: a FIFO is an OSError, not a hang."""
     with open(os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0)), "rb") as f:
         if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
             raise OSError("it is not a regular file; move it away")
@@ -1013,9 +1012,8 @@ class JsonFileSessionStore:
                 if time.monotonic() - since >= self.lock_timeout_s:
                     os.close(lock)
                     raise StoreError(f"session directory {self.directory} is locked by another "
-                                     f"process for over {self.lock_timeout_s} s; `fuser -v "
-                                     f"{self.directory}` names it (or raise lock_timeout_s)"
-                                     ) from None
+                                     f"process for over {self.lock_timeout_s} s (`fuser -v` "
+                                     "names it; or raise lock_timeout_s)") from None
                 time.sleep(0.01)
 
     def _stored_version(self, session_id: str) -> int | None:
@@ -1079,19 +1077,20 @@ class JsonlEventSink:
 # Secret keys in text (a reply, a tool result): "key":, \"key\": in JSON inside a JSON string, and
 # deeper; then the value: a string (to its end, or the text's: a cut reply), a list, a number. No
 # part backtracks over the text: each stops at a quote or after 64 chars (one did: seconds).
-_TEXT_KEY = re.compile(f'(\\\\*")([^"\\n]{{0,64}}?(?:{_SECRETS})[^"\\n]{{0,64}}?)\\1\\s*:\\s*')
+_TEXT_KEY = re.compile(f'(\\\\*["\'])([^"\\n]{{0,64}}?(?:{_SECRETS})[^"\\n]{{0,64}}?)\\1\\s*:\\s*')
 
 
 @functools.lru_cache(maxsize=16)
 def _text_value(quote: str) -> re.Pattern[str]:
     q = re.escape(quote)   # a string ends at the same quote, escaped as the key's was
-    text = r'"[^"\\]*(?:\\.[^"\\]*)*"?' if quote == '"' else f"{q}(?:(?!{q}).)*(?:{q})?"
+    text = (f"{q}[^{q}\\\\]*(?:\\\\.[^{q}\\\\]*)*{q}?" if len(quote) == 1   # " or ' (a Python repr)
+            else f"{q}(?:(?!{q}).)*(?:{q})?")
     return re.compile(f"{text}|\\[[^\\]]*\\]?|[^\\s,}}\\]\\\\]+", re.S)
 
 
 def _mask_text(text: str) -> str:
     """The text with the value after each secret-looking "key": as "***"."""
-    if '"' not in text:
+    if '"' not in text and "'" not in text:
         return text
     low = text.lower()   # matched case-sensitively ((?i) made it twice as slow); "İ" lowers to 2
     low = low if len(low) == len(text) else text.translate(dict(zip(range(65, 91), range(97, 123))))
@@ -1377,6 +1376,8 @@ class AgentRuntime:
         worker = self._call_port(t, self.tools.list_tools) if self.tools is not None else None
         if worker is not None and worker.done and worker.error is None:
             t.tools = [d for d in worker.value if not is_denied(d.name, self.deny_tools)]
+        if bad := next(((d, p) for d in t.tools if (p := _json_problem(d.input_schema))), None):
+            raise AgentError(f"tool {bad[0].name!r}: its input schema {bad[1]}; deny it")
         self._trace_start(t)
         stop = worker and self._stopped(t, worker, "listing the tools")
         return stop or (State.CALL_TOOL if resume else State.BUILD_PROMPT)
@@ -2240,8 +2241,7 @@ class OpenAICompatLlm:
                    "response_format": {"type": "json_object"} if json_mode else None,
                    "stream_options": ({"include_usage": True}
                                       if self.stream and self.stream_usage else None)}
-        body.update((k, v) for k, v in options.items()
-                    if v is not None and k not in self._rejected)
+        body.update((k, v) for k, v in options.items() if v is not None and k not in self._rejected)
         return body
 
     def _from_wire(self, raw: bytes) -> LlmResponse:
