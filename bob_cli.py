@@ -232,7 +232,7 @@ def _init() -> int:
         raise bob.ConfigError("agent.toml exists here already; edit it, or move it away "
                               "and run bob --init again") from None
     except OSError as e:
-        raise bob.BobError(f"cannot write agent.toml in {Path.cwd()}: {e.strerror}") from None
+        raise bob.BobError(f"cannot write agent.toml in this directory: {e.strerror}") from None
     _note(f"wrote {Path('agent.toml').absolute()}: uncomment what you need")
     return 0
 
@@ -379,8 +379,8 @@ _HELP = """  /tools         the tools the model may call: name, server, descript
 A line ending in \\ goes on; lines between two \"\"\" lines are one message; so is a paste."""
 
 
-def _one_line(e: BaseException) -> str:
-    return " ".join(str(e).split()) or type(e).__name__
+def _one_line(e: BaseException | str) -> str:
+    return " ".join(str(e).split()).translate(_CONTROLS) or type(e).__name__   # a server's text
 
 
 def _note(text: str) -> None:
@@ -437,7 +437,8 @@ class _Approvals:
 
 def _flat(m: bob.Message) -> str:
     """A message's text and its tool calls (`-> name {arguments}`), on one line."""
-    calls = [f"-> {c.name} {json.dumps(c.arguments, ensure_ascii=False)}" for c in m.tool_calls]
+    calls = [f"-> {c.name} {json.dumps(bob.redact(c.arguments), ensure_ascii=False)}"
+             for c in m.tool_calls]
     return " ".join(" ".join([m.content, *calls]).split())
 
 
@@ -449,7 +450,6 @@ def _resumed(store: bob.JsonFileSessionStore, session_id: str) -> bool:
 
 
 def _new_session_id() -> str:
-    """A fresh session id, safe as a file name: cli-YYYYmmdd-HHMMSS-xxxxxx."""
     return f"cli-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
 
 
@@ -523,8 +523,7 @@ class Shell:
             raise outcome[0]
         return outcome[0]
 
-    def _answer(self) -> None:
-        """Ask the person about a call waiting for approval, if one is."""
+    def _answer(self) -> None:   # ask the person about a call waiting for approval, if one is
         with contextlib.suppress(queue.Empty):
             call, answer = self.approvals.asks.get_nowait()
             if self.view.drawing:   # the prompt goes where the status line was (the worker waits)
@@ -561,7 +560,7 @@ class Shell:
                 self.runtime.llm = typing.cast(Callable[[str], Any], self.llm_for)(arg)
                 print(f"model: {self.runtime.llm.describe()}")
             case "/save", True:
-                self._save(Path(arg).expanduser())
+                self._save(_path(arg, "/save", Path()))   # ~nosuchuser: a ConfigError
             case "/exit" | "/quit", _:
                 return False
             case _:
@@ -574,7 +573,7 @@ class Shell:
     def _save(self, path: Path) -> None:
         """The transcript as Markdown: a heading a message, its text, its tool calls as code."""
         parts = [f"# bob session {self.session_id}"] + [f"## {m.role}\n\n{m.content}" + "".join(
-            f"\n\n-> `{c.name}` `{json.dumps(c.arguments, ensure_ascii=False)}`"
+            f"\n\n-> `{c.name}` `{json.dumps(bob.redact(c.arguments), ensure_ascii=False)}`"
             for c in m.tool_calls) for m in self._state().messages]
         with path.open("x", encoding="utf-8", errors="bob") as f:   # never over a file, as vim's :w
             f.write("\n\n".join(parts) + "\n")   # an OSError (FileExistsError): the REPL says why
@@ -601,7 +600,6 @@ class Shell:
 # ---- 5. Modes: piped, REPL, demo ----------------------------------------------------------------
 
 def _exit_code(result: bob.AgentRunResult) -> int:
-    """3 when a guard or a cancel ended the turn, else 0."""
     return 3 if result.finish_reason in (bob.FinishReason.GUARD_EXCEEDED,
                                          bob.FinishReason.CANCELLED) else 0
 
@@ -634,7 +632,7 @@ def _list_sessions(store: bob.JsonFileSessionStore) -> int:
         with contextlib.suppress(bob.StoreError):
             state = store.load(path.stem)
             users = [m.content for m in (state.messages if state else []) if m.role == "user"]
-            first = " ".join((users or [""])[0].split())[:60]
+            first = _cut(" ".join((users or [""])[0].split()), 60)
             used = time.strftime("%Y-%m-%d %H:%M", time.localtime(mtime))
             print(f"{path.stem}  {used}  {len(users):>3} turns  {first}")
     return 0
@@ -732,7 +730,7 @@ class _Voice(logging.Formatter):
     """Without -v, log warnings read like bob's own: `bob: warning: ...`, no traceback."""
 
     def format(self, record: logging.LogRecord) -> str:
-        return f"bob: {record.levelname.lower()}: {' '.join(record.getMessage().split())}"
+        return f"bob: {record.levelname.lower()}: {_one_line(record.getMessage())}"
 
 
 def _sinks(args: argparse.Namespace) -> list[Any]:
@@ -740,7 +738,8 @@ def _sinks(args: argparse.Namespace) -> list[Any]:
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
                          if args.verbose else _Voice())
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, handlers=[handler])
+    logging.basicConfig(level=logging.WARNING, handlers=[handler])   # httpx's INFO: URLs, tokens
+    logging.getLogger("bob").setLevel(logging.INFO if args.verbose else logging.WARNING)
     sinks: list[Any] = [_EventPrinter(sys.stderr)] if args.verbose and not args.demo else []
     if args.trace:
         try:  # the sink opens it at the first event: find a bad path now, not once per event
@@ -797,7 +796,7 @@ def _store(cfg: Config, args: argparse.Namespace) -> tuple[bob.JsonFileSessionSt
         if not recent:
             _note(f"--continue: no session in {store.directory} yet; starting a new one")
     try:  # a bad --session id is a usage error, found before any turn
-        store.path_for(session_id or "x")
+        store.path_for("x" if session_id is None else session_id)   # "": refused
     except bob.StoreError as e:
         raise bob.ConfigError(f"--session: {e}") from None
     if session_id:
@@ -868,11 +867,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.prompt is not None and not args.prompt.strip():
         parser.error("-p needs a prompt (or '-' to read it from stdin)")
-    # A lone surrogate (half of a cut emoji) prints as U+FFFD instead of ending the run.
+    sys.stdin, sys.stderr = sys.stdin or open(os.devnull), sys.stderr or open(os.devnull, "w")
+    # Out: a lone surrogate (a cut emoji) prints as U+FFFD; in: bytes not UTF-8 read as U+FFFD.
     codecs.register_error("bob", lambda e: ("\ufffd".encode(e.encoding, "replace"), e.end))
-    for stream in (sys.stdout, sys.stderr):
+    for stream, errors in ((sys.stdin, "replace"), (sys.stdout, "bob"), (sys.stderr, "bob")):
         if isinstance(stream, io.TextIOWrapper):
-            stream.reconfigure(errors="bob")
+            stream.reconfigure(errors=errors)
     for signum in (signal.SIGTERM, signal.SIGHUP):   # a closed terminal sends SIGHUP; the
         signal.signal(signum, lambda n, frame: sys.exit(128 + n))  # exit stops MCP servers
     opened: list[Shell] = []

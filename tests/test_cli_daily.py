@@ -379,7 +379,7 @@ def test_init_writes_a_commented_config_that_loads_and_never_overwrites(tmp_path
     r = subprocess.run([sys.executable, str(CLI), "--init"], cwd="/proc", capture_output=True,
                        text=True, env=xdg_env(tmp_path), timeout=15, check=False)  # no writes
     assert r.returncode == 1 and r.stderr.startswith("bob: error: cannot write agent.toml in "
-                                                     "/proc: "), r.stderr
+                                                     "this directory: "), r.stderr
 
 
 def test_verbose_shows_each_event_once_on_one_short_line(tmp_path, srv):
