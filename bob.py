@@ -2061,18 +2061,16 @@ class OpenAICompatLlm:
             raise ConfigError(f"unknown provider {provider!r} in model {model!r}: known "
                               f"providers are {', '.join(PROVIDERS)}; for another "
                               "OpenAI-compatible server give base_url")
-        for key, value, low in (("retry_max", retry_max, 0),
-                                ("max_response_bytes", max_response_bytes, 1)):
-            if type(value) is not int or value < low:
-                raise ConfigError(f"{key} must be an integer >= {low}, got {value!r}")
+        for k, v, lo in ("retry_max", retry_max, 0), ("max_response_bytes", max_response_bytes, 1):
+            if type(v) is not int or v < lo:
+                raise ConfigError(f"{k} must be an integer >= {lo}, got {v!r}")
         if tool_choice not in ("auto", "required", "none"):
             raise ConfigError(f"tool_choice must be auto, required or none, got {tool_choice!r}")
         default_url, default_env = PROVIDERS.get(provider, ("", None))
         self.provider, self.model = provider, name
         self.base_url = (base_url or default_url).rstrip("/")
         if "?" in self.base_url or "#" in self.base_url:   # not echoed: it may hold a key
-            raise ConfigError("base_url must not hold a query or fragment: /chat/completions is "
-                              "added to it; give a key with api_key_env, not in the URL")
+            raise ConfigError("base_url must hold no query or fragment (keys go in api_key_env)")
         self.api_key_env = api_key_env or default_env
         self.retry_max, self.stream, self.stream_usage = retry_max, stream, stream_usage
         self.temperature, self.seed, self.max_tokens = temperature, seed, max_tokens
@@ -2081,8 +2079,7 @@ class OpenAICompatLlm:
         self.max_response_bytes = max_response_bytes
         self._api_key, self._key_source = self._find_key(model, api_key)
         self._url = self.base_url + "/chat/completions"
-        # For messages, repr and describe(): user:password@ in a URL is a secret too.
-        self._shown = re.sub(r"//[^/@]*@", "//***@", self._url)
+        self._shown = re.sub(r"//[^/@]*@", "//***@", self._url)   # user:password@ is a secret
         self._headers = {"Content-Type": "application/json", **(
             {"Authorization": f"Bearer {self._api_key}"} if self._api_key else {})}
         self._rejected: set[str] = set()       # optional fields this server refused
