@@ -2213,7 +2213,9 @@ class OpenAICompatLlm:
         """LlmError "<endpoint> <what>: '<what the server sent>'", with the API key masked."""
         text = " ".join((text.decode("utf-8", "replace") if isinstance(text, bytes) else text
                          ).split())
-        excerpt = (text.replace(self._api_key, "***") if self._api_key else text)[:300]
+        for key in {self._api_key, self._api_key.replace("/", "\\/")} if self._api_key else ():
+            text = text.replace(key, "***")   # as sent, and as JSON that escapes "/" echoes it
+        excerpt = text[:300]
         return LlmError(f"{self.describe()} {what}: {excerpt!r}", status, excerpt)
 
     # -- wire format --

@@ -275,6 +275,17 @@ def test_a_deep_input_schema_is_a_clear_error_naming_the_tool(tmp_path):
     assert rt.run(AgentRequest("go")).finish_reason is bob.FinishReason.FINAL
 
 
+def test_a_json_escaped_api_key_is_masked_in_the_error_event(srv, tmp_path):
+    path, key = tmp_path / "t.jsonl", "sk-abc/def+ghi/jkl"
+    escaped = key.replace("/", "\\/")
+    srv.push({"status": 401, "body": '{"error": {"message": "Incorrect API key: ' + escaped +
+              '"}}'})
+    with pytest.raises(bob.LlmError) as e:
+        runtime(make_llm(srv, api_key=key), path).run(AgentRequest("hi"))
+    assert "def+ghi" not in str(e.value)
+    assert [line for line in path.read_text().splitlines() if "def+ghi" in line] == []
+
+
 def no_constants(name: str):
     raise ValueError(f"{name} is not JSON")
 
