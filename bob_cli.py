@@ -204,15 +204,12 @@ def load_config(path: str | os.PathLike[str], environ: dict[str, str] | None = N
 
 _TEMPLATE = """\
 # bob's agent.toml, from bob --init. Every key is optional; README "Configuration" has them all.
-
 [runtime]
 # default_model = "openai:gpt-4o-mini"    # provider:model; --model and $BOB_MODEL win
 # max_steps = 12                          # LLM calls per turn
-
 [llm]
 # base_url = "http://127.0.0.1:8080/v1"   # any OpenAI-compatible server
 # api_key_env = "OPENAI_API_KEY"          # the variable holding the key
-
 [policy]
 # ask_tools = ["fs__write_*"]             # a person approves each such call
 
@@ -417,6 +414,8 @@ class _Approvals:
         lines = json.dumps(call.arguments, indent=2, ensure_ascii=False).splitlines()
         shown = "\n    ".join([_cut(x, 96) for x in lines[:6]] + ["..."] * (len(lines) > 6))
         print(f"bob: {call.name} wants to run with\n    {shown}", file=sys.stderr)
+        import termios   # POSIX; the prompt runs on a terminal only
+        termios.tcflush(sys.stdin, termios.TCIFLUSH)   # text typed ahead must not answer it
         previous = signal.signal(signal.SIGINT, signal.default_int_handler)
         try:
             while (reply := input("[y]es / [n]o / [a]lways for this tool this session? ")

@@ -211,3 +211,25 @@ def test_history_and_save_mask_secret_arguments_as_the_tool_line_does(tmp_path, 
     assert b"sk-live" not in history and "sk-live" not in saved, (history, saved)
 
 
+def approval_config(tmp_path: Path, srv, runtime: str = "") -> None:
+    write_config(tmp_path, srv, runtime=runtime, extra=(
+        '[policy]\nask_tools = ["t__echo"]\n'
+        f'[[mcp.servers]]\nid = "t"\ncommand = "{sys.executable}"\nargs = ["{MCP_SERVER}"]\n'))
+
+
+def test_typed_ahead_text_does_not_approve_a_call(tmp_path, srv):
+    # "go" then "yes" typed while the turn ran: the prompt read "yes" and ran a call unseen.
+    srv.push(json.dumps({"type": "tool_call", "name": "t__echo", "arguments": {"text": "rm"}}),
+             final("done"))
+    approval_config(tmp_path, srv)
+    term = Terminal(tmp_path, env=xdg_env(tmp_path))
+    try:
+        term.expect(b"bob> ")
+        term.send(b"go\ryes\r")          # "yes" typed while the turn runs, as a message
+        term.expect(b"this session? ", timeout=10)
+        shown = rest(term, 1.5)
+        assert b"<- t__echo" not in shown, f"the call ran without the person's answer: {shown!r}"
+        term.send(b"n\r\r")              # the person's own answer, and no reason
+        assert b"declined" in term.expect(b"bob> ", timeout=10)
+    finally:
+        term.close()
