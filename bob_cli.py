@@ -390,13 +390,13 @@ class _Approvals:
     (Shell._run hands the call over); -p and piped runs allow all with --yes, else decline."""
 
     def __init__(self, interactive: bool, yes: bool):
-        self.interactive, self.yes, self.always = interactive, yes, set[str]()
+        self.interactive, self.yes, self.always, self.session = interactive, yes, set[Any](), ""
         self.asks: queue.SimpleQueue[tuple[bob.ToolCall, Any]] = queue.SimpleQueue()
         self.cancel = bob.CancelToken()   # the running turn's
 
     def __call__(self, call: bob.ToolCall) -> bob.Approval:
         """On the runtime's worker: decide now, or wait for the person's answer."""
-        if self.yes or call.name in self.always:
+        if self.yes or (self.session, call.name) in self.always:
             return bob.Approval(True)
         if not self.interactive:
             _note(f"warning: {call.name} not run: [policy] ask_tools needs a person's approval; "
@@ -425,7 +425,7 @@ class _Approvals:
                 reason = input("why not? (optional, told to the model) ").strip()
                 return bob.Approval(False, reason or "declined by the user")
             if reply.startswith("a"):
-                self.always.add(call.name)
+                self.always.add((self.session, call.name))   # a session's own (/reset, /resume)
             return bob.Approval(True)
         except (KeyboardInterrupt, EOFError):
             self.cancel.cancel()
@@ -499,6 +499,7 @@ class Shell:
         """runtime.run on a worker thread: SIGINT, which Python handles on the main thread, then
         only sets the cancel token, and the runtime returns within 100 ms of it."""
         cancel = self.cancel = self.approvals.cancel = bob.CancelToken()
+        self.approvals.session = self.session_id
         outcome: list[Any] = []
 
         def work() -> None:

@@ -233,3 +233,26 @@ def test_typed_ahead_text_does_not_approve_a_call(tmp_path, srv):
         assert b"declined" in term.expect(b"bob> ", timeout=10)
     finally:
         term.close()
+
+
+@pytest.mark.parametrize("switch", [b"/reset", b"/resume other"])
+def test_always_holds_for_one_session_only(tmp_path, srv, switch):
+    # "[a]lways for this tool this session" approved the tool in every session switched to.
+    call = json.dumps({"type": "tool_call", "name": "t__echo", "arguments": {"text": "x"}})
+    srv.push(final("other"), call, final("one"), call, final("two"))
+    approval_config(tmp_path, srv)
+    assert bob(tmp_path, "--session", "other", "-p", "hi").returncode == 0
+    term = Terminal(tmp_path, env=xdg_env(tmp_path))
+    try:
+        term.expect(b"bob> ")
+        term.send(b"first\r")
+        term.expect(b"this session? ", timeout=10)
+        term.send(b"a\r")
+        term.expect(b"bob> ", timeout=10)
+        term.send(switch + b"\r")
+        term.expect(b"bob> ")
+        term.send(b"second\r")
+        shown = term.expect(b"this session? ", timeout=10)   # asked again, in the new session
+        assert b"<- t__echo" not in shown
+    finally:
+        term.close()
