@@ -708,13 +708,17 @@ class LoopGuard:
 
 # ---- 6. Tools: functions, composite, policy -----------------------------------------------------
 
-_SECRETS = (r"api[_-]?key|private[_-]?key|authorization|password|passwd|secret|token(?!s)|"
-            r"cookie|credential")   # token, not max_tokens
+# The one secret-name rule, for argument names, JSON keys, env variables and HTTP headers alike
+# (bob_mcp uses it too): "token" but not "max_tokens", "auth" but not "author", and "key" only
+# as the last part of a longer name ("OPENAI_API_KEY", "x-api-key"), not "key" or "monkey".
+_SECRETS = (r"api[_-]?key|[_-]key(?![a-z])|password|passwd|secret|token(?!s)|authoriz|auth(?!or)|"
+            r"cookie|credential")
 _SECRET_KEY = re.compile(f"(?i){_SECRETS}")
 
 
 @functools.lru_cache(maxsize=4096)  # keys repeat across calls: 20,000 calls mask in milliseconds
-def _secret_key(key: Any) -> bool:
+def secret_name(key: Any) -> bool:
+    """True when a name (argument, JSON key, env variable, header) says its value is a secret."""
     return isinstance(key, str) and bool(_SECRET_KEY.search(key))
 
 
@@ -805,7 +809,7 @@ class FunctionTools:
                 nullable.add(p.name)
             if p.default is p.empty:
                 required.append(p.name)
-            elif isinstance(p.default, (str, int, float, bool)) and not _secret_key(p.name):
+            elif isinstance(p.default, (str, int, float, bool)) and not secret_name(p.name):
                 props[p.name] = {**props[p.name], "default": p.default}
         schema = {"type": "object", "properties": props, "required": required,
                   "additionalProperties": False}
@@ -1105,7 +1109,7 @@ def _mask_text(text: str) -> str:
 def redact(data: Any) -> Any:
     """A copy of JSON-like data with secret-looking keys' values (also in JSON text) as '***'."""
     if isinstance(data, dict):
-        return {k: "***" if _secret_key(k) else redact(v) for k, v in data.items()}
+        return {k: "***" if secret_name(k) else redact(v) for k, v in data.items()}
     if isinstance(data, list):
         return [redact(v) for v in data]
     return _mask_text(data) if isinstance(data, str) else data

@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from bob import (TOOL_NAME, BobError, CancelToken, ConfigError, ToolCall, ToolDescriptor,
-                 ToolResult)
+                 ToolResult, secret_name)
 
 __all__ = ["McpError", "McpServerConfig", "McpToolPort", "exposed_name", "url_problem"]
 
@@ -126,15 +126,12 @@ def _problem(c: McpServerConfig) -> str | None:
     return f"url {problem}" if (problem := url_problem(c.url)) else None
 
 
-_SECRET_NAME = re.compile(r"KEY|TOKEN|SECRET|PASSWORD|AUTH", re.IGNORECASE)
-
-
 def _secrets(cfg: McpServerConfig) -> list[str]:
     """What to mask: values of env/header keys named secret (or in secret_env), any length, as
     JSON and URL text too, and their long words ("Bearer <token>"); others are configuration."""
     found: set[str] = set()
     for key, value in {**(cfg.env or {}), **(cfg.headers or {})}.items():
-        if _SECRET_NAME.search(key) or key in cfg.secret_env:
+        if secret_name(key) or key in cfg.secret_env:
             for v in {value.strip(), *[w for w in value.split() if len(w) >= 8]} - {""}:
                 found |= {v, json.dumps(v)[1:-1], json.dumps(v, ensure_ascii=False)[1:-1],
                           urllib.parse.quote(v, safe=""), urllib.parse.quote_plus(v)}
