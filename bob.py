@@ -2091,7 +2091,11 @@ def _tracking_session(inflight: dict[int, Any], cancels: dict[int, CancelToken]
     adapter.poolmanager.pool_classes_by_scheme = {
         "http": _tracked(urllib3.HTTPConnectionPool, inflight, cancels),
         "https": _tracked(urllib3.HTTPSConnectionPool, inflight, cancels)}
-    session = requests.Session()
+    class Session(requests.Session):
+        def resolve_redirects(self, *args: Any, **kwargs: Any) -> Iterator[Any]:
+            return iter(())  # none followed: requests reads a 3xx body whole, even not following
+
+    session = Session()
     session.mount("http://", adapter)
     session.mount("https://", adapter)
     return session, (requests.RequestException, urllib3.exceptions.HTTPError, OSError)
@@ -2228,8 +2232,7 @@ class OpenAICompatLlm:
         watchdog.start()           # are bounded by this (the body by _body's clock)
         try:
             resp = self._session.post(self._url, data=data, headers=self._headers,
-                                      timeout=(timeout, timeout), stream=True,
-                                      allow_redirects=False)
+                                      timeout=(timeout, timeout), stream=True)
             try:
                 if resp.status_code != 200:
                     return self._http_failure(resp, body, end)
@@ -2266,7 +2269,7 @@ class OpenAICompatLlm:
 
     def _http_failure(self, resp: Any, body: dict[str, Any], end: float) -> _Retry:
         """A non-200 answer: a _Retry when the status may pass, else raise LlmError at once."""
-        if resp.is_redirect:   # not followed: requests would read every hop's body whole
+        if resp.is_redirect:   # not followed (see _tracking_session)
             raise LlmError(f"{self._shown} redirected (HTTP {resp.status_code}) to "
                            f"{_hide_login(_excerpt(resp.headers['Location']))}; set base_url "
                            "to where it points")

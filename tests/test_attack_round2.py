@@ -209,15 +209,24 @@ def test_timeout_s_bounds_a_call_under_a_later_deadline_and_dripped_headers(afte
     assert took < 2.5, f"ended after {took:.2f} s, timeout_s was 1"
 
 
-def test_a_redirect_is_not_followed_and_names_its_location():
+def test_a_redirect_is_not_followed_nor_its_body_read_and_names_its_location():
+    def play(write, stop: threading.Event) -> None:
+        write(head({"Location": srv.url + "/elsewhere", "Content-Length": str(60 * MB)},
+                   "307 Temporary Redirect"))
+        while not stop.is_set():
+            write(b"x" * 65536)
     with FakeOpenAI() as srv:
-        srv.push({"raw": lambda write, stop: write(head({
-            "Location": srv.url + "/elsewhere", "Content-Length": str(200 * MB)},
-            "307 Temporary Redirect") + b"x" * 65536)}, "never")
+        srv.push({"raw": play}, "never")
         llm = make_llm(srv, retry_max=0)
-        out, took = bounded(lambda: llm.complete(ask(), CancelToken()), 10)
+        tracemalloc.start()
+        try:
+            out, took = bounded(lambda: llm.complete(ask(), CancelToken()), 20)
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
         assert isinstance(out, LlmError) and "/v1/elsewhere" in str(out), out
         assert "redirect" in str(out) and len(srv.requests) == 1
+    assert peak < 10 * MB, f"peak {peak / MB:.0f} MB: the 60 MB redirect body was read"
 
 
 def too_long_over(n: int):
