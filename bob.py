@@ -868,13 +868,13 @@ class FunctionTools:
 
 
 def _globs(what: str, patterns: Any) -> tuple[str, ...]:
-    """The patterns as a tuple; a str (read as one-letter globs) or a non-str is a ConfigError."""
-    if isinstance(patterns, collections.abc.Iterable) and not isinstance(patterns, str):
-        patterns = tuple(patterns)
-    if not isinstance(patterns, tuple) or not all(isinstance(p, str) for p in patterns):
-        raise ConfigError(f"{what} must be a list of glob patterns, e.g. [\"shell\"], "
-                          f"got {patterns!r}")
-    return patterns
+    """The patterns (a list, tuple or set of str) as a tuple; else a ConfigError (a str would
+    be read as one-letter globs)."""
+    if isinstance(patterns, (list, tuple, set, frozenset)) and all(
+            isinstance(p, str) for p in patterns):
+        return tuple(patterns)
+    raise ConfigError(f"{what} must be a list of glob patterns, e.g. [\"shell\"], "
+                      f"got {patterns!r}")
 
 
 def _run_tool(port: ToolPort, call: ToolCall, timeout_s: float,
@@ -1574,8 +1574,8 @@ class AgentRuntime:
         """Append the input (waiting calls get "not run" first), or for `input=None` take up
         the paused batch with its counts and decisions (True); CallTool answers the pause."""
         paused = t.session.paused if t.request.history is None else None
-        last = t.session.messages[-1:]   # calls without results: paused, or a turn cut short
-        waiting = last[0].tool_calls if last else ()
+        messages = t.session.messages   # calls without results: paused, or a turn cut short
+        waiting = messages[-1].tool_calls if messages else ()
         if t.request.input is None:
             if not (paused and waiting):
                 raise AgentError(f"session {t.request.session_id!r} has no tool calls waiting "
@@ -2229,7 +2229,8 @@ class OpenAICompatLlm:
         data, acc = json.dumps(body, separators=(",", ":")).encode(), _Stream(on_delta)
         me = threading.get_ident()  # a socket timeout bounds one read: headers dripped a byte
         watchdog = threading.Timer(timeout, lambda: _abort(self._inflight.get(me)))  # at a time
-        watchdog.start()           # are bounded by this (the body by _body's clock)
+        watchdog.daemon = True     # are bounded by this (the body by _body's clock)
+        watchdog.start()
         try:
             resp = self._session.post(self._url, data=data, headers=self._headers,
                                       timeout=(timeout, timeout), stream=True)
