@@ -572,9 +572,8 @@ def build_system_prompt(instructions: str, tools: Sequence[ToolDescriptor], mode
 
 
 def _units(messages: Sequence[Message]) -> list[list[int]]:
-    """Indices of messages in units: an assistant tool call with the results right after it, or
-    one other message (a system one too: a given history may hold many); a result whose call is
-    not right before it is in none."""
+    """Indices of non-system messages in units: an assistant tool call with the results right
+    after it, or one other message; a result whose call is not right before it is in none."""
     units: list[list[int]] = []
     open_ids: set[str | None] = set()        # calls of the last unit still without a result
     for i, m in enumerate(messages):
@@ -582,9 +581,11 @@ def _units(messages: Sequence[Message]) -> list[list[int]]:
             if m.tool_call_id in open_ids:
                 units[-1].append(i)
                 open_ids.discard(m.tool_call_id)
-        else:
+        elif m.role != "system":
             units.append([i])
             open_ids = {c.id for c in m.tool_calls}
+        else:
+            open_ids = set()
     return units
 
 
@@ -592,20 +593,23 @@ def _kept(messages: Sequence[Message], limit: int, keep: int | None) -> list[int
     """Indices of what `truncate_history` sends, in order."""
     units = _units(messages)
     forced = next((u for u in units if keep in u), [])
-    room, tail = limit - len(forced), []
+    system = [i for i, m in enumerate(messages) if m.role == "system"][::-1][  # a given
+        :max(0, limit - len(forced))]      # history's count too: dropped last, the newest kept
+    room, tail = limit - len(forced) - len(system), []
     for u in reversed(units):                 # newest first; the first unit that does not fit
         if u is not forced:                   # ends the walk, so only the oldest are dropped
             if len(u) > room:
                 break
             room -= len(u)
             tail += u
-    return sorted(tail + forced)
+    return sorted(tail + forced + system)
 
 
 def truncate_history(messages: Sequence[Message], limit: int, keep: int | None = None
                      ) -> list[Message]:
     """At most `limit` messages: the newest whole units (see _units), oldest dropped first, and
-    always the unit holding index `keep` (the current question)."""
+    always the unit holding index `keep` (the current question). System messages count too, and
+    are dropped last (oldest first), when they alone pass the limit."""
     return [messages[i] for i in _kept(messages, limit, keep)]
 
 
@@ -868,9 +872,9 @@ class FunctionTools:
 
 
 def _globs(what: str, patterns: Any) -> tuple[str, ...]:
-    """The patterns (a list, tuple or set of str) as a tuple; else a ConfigError (a str would
+    """The patterns (a list, tuple or set of str) as a tuple, else ConfigError (a str would
     be read as one-letter globs)."""
-    if isinstance(patterns, (list, tuple, set, frozenset)) and all(
+    if isinstance(patterns, (list, tuple, set)) and all(
             isinstance(p, str) for p in patterns):
         return tuple(patterns)
     raise ConfigError(f"{what} must be a list of glob patterns, e.g. [\"shell\"], "
@@ -879,9 +883,9 @@ def _globs(what: str, patterns: Any) -> tuple[str, ...]:
 
 def _run_tool(port: ToolPort, call: ToolCall, timeout_s: float,
               cancel: CancelToken | None) -> ToolResult:
-    """port.call_tool, given `cancel` only if it takes it (the first published form did not)."""
-    params = inspect.signature(port.call_tool).parameters
-    if "cancel" in params or any(p.kind is p.VAR_KEYWORD for p in params.values()):
+    """port.call_tool, given `cancel` only if its signature names it (the first published form,
+    call_tool(call, timeout_s), did not)."""
+    if "cancel" in inspect.signature(port.call_tool).parameters:
         return port.call_tool(call, timeout_s, cancel=cancel)
     return port.call_tool(call, timeout_s)
 
@@ -996,8 +1000,8 @@ class JsonFileSessionStore:
 
     def path_for(self, session_id: str) -> Path:
         """The file of a session; StoreError for an id that could escape the directory."""
-        if not isinstance(session_id, str) or not _SESSION_ID.fullmatch(session_id) or (
-                ".." in session_id):
+        if not isinstance(session_id, str) or ".." in session_id or not _SESSION_ID.fullmatch(
+                session_id):
             raise StoreError(f"invalid session id {session_id!r}: use 1-128 letters, digits, "
                              "'.', '_' or '-', starting with a letter or digit")
         return self.directory / f"{session_id}.json"
@@ -1517,9 +1521,9 @@ class AgentRuntime:
         if trip := t.guard.check_budget(sum(r is None for r in refusals)):
             return self._not_run(t, trip)
         if resumed:  # claim the pause before its calls run: another process resuming it too
-            claimed = dataclasses.replace(t.session, version=t.session.version + 1)
-            self.store.save(t.request.session_id, claimed)  # gets a StoreError, runs nothing
-            t.session.version = claimed.version
+            self.store.save(t.request.session_id, dataclasses.replace(  # gets a StoreError and
+                t.session, version=t.session.version + 1))             # runs nothing
+            t.session.version += 1
         results, ran = self._run_batch(t, decided, refusals)
         t.guard.record_results(results, ran)
         self._append_results(t, results)
@@ -1916,7 +1920,7 @@ def _usage(u: Any) -> Usage:
     """Token counts; Usage() (unknown) when the server sent none or nonsense."""
     n = ([u.get("prompt_tokens") or 0, u.get("completion_tokens") or 0]
          if isinstance(u, dict) else [-1])
-    return Usage(*n) if all(type(i) is int and 0 <= i < 2**53 for i in n) else Usage()
+    return Usage(*n) if all(type(i) is int and 0 <= i < 1e15 for i in n) else Usage()
 
 
 def _message_to_wire(m: Message) -> dict[str, Any]:
@@ -2103,8 +2107,8 @@ def _tracking_session(inflight: dict[int, Any], cancels: dict[int, CancelToken]
 
 def _seconds(what: str, value: Any) -> float:
     """`value` if it is a number of seconds > 0 (not None, a str, nan or inf), else ConfigError."""
-    if type(value) not in (int, float) or not 0 < value < math.inf:
-        raise ConfigError(f"{what} must be a number of seconds > 0, got {value!r}")
+    if type(value) not in (int, float) or not 0 < value < 1e9:   # nan compares false
+        raise ConfigError(f"{what} must be a number of seconds > 0 (and < 1e9), got {value!r}")
     return value
 
 
@@ -2229,8 +2233,7 @@ class OpenAICompatLlm:
         data, acc = json.dumps(body, separators=(",", ":")).encode(), _Stream(on_delta)
         me = threading.get_ident()  # a socket timeout bounds one read: headers dripped a byte
         watchdog = threading.Timer(timeout, lambda: _abort(self._inflight.get(me)))  # at a time
-        watchdog.daemon = True     # are bounded by this (the body by _body's clock)
-        watchdog.start()
+        watchdog.start()           # are bounded by this (the body by _body's clock)
         try:
             resp = self._session.post(self._url, data=data, headers=self._headers,
                                       timeout=(timeout, timeout), stream=True)

@@ -472,17 +472,19 @@ def test_two_bad_replies_in_a_row_raise_agent_error_and_the_session_is_saved():
 
 @st.composite
 def histories(draw):
-    """Histories as blocks ((start, end) of each unit, system messages too), maybe with orphans."""
+    """Histories as blocks ((start, end) of each non-system block), maybe led by orphans."""
     msgs: list[Message] = []
     blocks: list[tuple[int, int]] = []
     if draw(st.booleans()):
         msgs.append(Message("system", "sys"))
-        blocks.append((0, 1))
     for j in range(draw(st.integers(0, 2))):       # results of calls cut off a stored history
         msgs.append(Message("tool", f"orphan{j}", tool_call_id=f"gone{j}", name="t"))
     for b in range(draw(st.integers(0, 14))):
         kind = draw(st.sampled_from(["user", "assistant", "calls", "calls", "system"]))
         start = len(msgs)
+        if kind == "system":
+            msgs.append(Message("system", f"sys{b}"))
+            continue
         if kind == "calls":
             calls = tuple(ToolCall(f"b{b}c{j}", "t", {}) for j in range(draw(st.integers(1, 3))))
             msgs.append(Message("assistant", f"a{b}", calls))
@@ -504,23 +506,27 @@ def test_truncate_history_never_orphans_tool_results(case):
     index = {id(m): i for i, m in enumerate(msgs)}
     kept = [index[id(m)] for m in out]
     assert kept == sorted(set(kept)), "output is not a subsequence of the input"
+    system = [i for i, m in enumerate(msgs) if m.role == "system"]
+    forced_len = next((e - s for s, e in blocks if keep_from is not None and s <= keep_from < e), 0)
+    n_sys = min(len(system), max(0, limit - forced_len))   # system messages count, go last
+    assert [i for i in kept if msgs[i].role == "system"] == system[len(system) - n_sys:]
     if keep_from is not None:
         assert keep_from in kept
     assert not any(m.content.startswith("orphan") for m in out)
-    assert_well_formed(out)
+    assert_well_formed([m for m in out if m.role != "system"])
     for p, m in enumerate(out):        # each result follows its call, only results in between
         if m.role == "tool":
             q = p - 1
             while out[q].role == "tool":
                 q -= 1
             assert m.tool_call_id in [c.id for c in out[q].tool_calls]
-    body = kept   # system messages of a given history count too (issue 21)
+    body = [i for i in kept if msgs[i].role != "system"]
     forced = [list(range(s, e)) for s, e in blocks if keep_from is not None and s <= keep_from < e]
-    if len(body) > limit:            # only the unit holding keep_from may pass the limit
-        assert [body] == forced
+    if len(kept) > limit:            # only the unit holding keep_from may pass the limit
+        assert [body] == forced and n_sys == 0
     dropped = [(s, e) for s, e in blocks if s not in kept]
     if dropped:                      # and nothing is dropped that need not be
-        assert len(body) + dropped[-1][1] - dropped[-1][0] > limit
+        assert len(kept) + dropped[-1][1] - dropped[-1][0] > limit
 
 
 def test_truncate_history_drops_results_whose_call_is_gone():
