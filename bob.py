@@ -35,6 +35,7 @@ import inspect
 import itertools
 import json
 import logging
+import math
 import os
 import queue
 import random
@@ -282,12 +283,24 @@ class GuardReason(str, enum.Enum):
     STAGNATION = "stagnation"
 
 
+def _given(obj: Any, **kinds: tuple[type, ...]) -> None:
+    """ConfigError naming the first field of `obj` that is none of its `kinds` (see _field)."""
+    try:
+        for key, kind in kinds.items():
+            _field(vars(obj), key, kind)
+    except ValueError as e:
+        raise ConfigError(f"{type(obj).__name__}: {e}") from None
+
+
 @dataclass(frozen=True)
 class Approval:
     """A decision on one tool call: `reason` is told the model if declined; `arguments` replace."""
     allow: bool
     reason: str = ""
     arguments: dict[str, Any] | None = None
+
+    def __post_init__(self) -> None:
+        _given(self, allow=(bool,), reason=(str,), arguments=(dict, type(None)))
 
 
 @dataclass
@@ -299,6 +312,9 @@ class AgentRequest:
     policy: TurnPolicy | None = None
     history: list[Message] | None = None
     approvals: dict[str, Approval] | None = None
+
+    def __post_init__(self) -> None:   # a bad value saved would make the session unloadable
+        _given(self, input=(str, type(None)), session_id=(str,), policy=(TurnPolicy, type(None)))
 
 
 @dataclass
@@ -476,7 +492,7 @@ Call one tool at a time; you will see its result, then reply again."""
 
 DEFAULT_INSTRUCTIONS = "You are a helpful assistant. Use the tools when they help."
 
-_FENCE = re.compile(r"^```(?:json)?\s*\n?(.*?)\n?```$", re.DOTALL | re.IGNORECASE)
+_FENCE = re.compile(r"^```(?:json)?(.*)```$", re.DOTALL | re.IGNORECASE)  # linear: one .*
 _THINK = re.compile(r"^\s*<think>.*?</think>", re.DOTALL)  # reasoning models' (Qwen3, R1) preamble
 _json = functools.partial(json.loads, strict=False)  # raw newlines and tabs in strings pass
 _BAD_JSON = (ValueError, RecursionError)  # bad JSON, an int past the digit limit, deep nesting
@@ -577,21 +593,23 @@ def _kept(messages: Sequence[Message], limit: int, keep: int | None) -> list[int
     """Indices of what `truncate_history` sends, in order."""
     units = _units(messages)
     forced = next((u for u in units if keep in u), [])
-    room, tail = limit - len(forced), []
+    system = [i for i, m in enumerate(messages) if m.role == "system"][::-1][  # a given
+        :max(0, limit - len(forced))]      # history's count too: dropped last, the newest kept
+    room, tail = limit - len(forced) - len(system), []
     for u in reversed(units):                 # newest first; the first unit that does not fit
         if u is not forced:                   # ends the walk, so only the oldest are dropped
             if len(u) > room:
                 break
             room -= len(u)
             tail += u
-    sent = set(tail + forced)
-    return [i for i, m in enumerate(messages) if m.role == "system" or i in sent]
+    return sorted(tail + forced + system)
 
 
 def truncate_history(messages: Sequence[Message], limit: int, keep: int | None = None
                      ) -> list[Message]:
-    """System messages, plus at most `limit` others: the newest whole units (see _units), oldest
-    dropped first, and always the unit holding index `keep` (the current question)."""
+    """At most `limit` messages: the newest whole units (see _units), oldest dropped first, and
+    always the unit holding index `keep` (the current question). System messages count too, and
+    are dropped last (oldest first), when they alone pass the limit."""
     return [messages[i] for i in _kept(messages, limit, keep)]
 
 
@@ -853,6 +871,25 @@ class FunctionTools:
                 + f". Input schema: {json.dumps(schema, sort_keys=True)}")
 
 
+def _globs(what: str, patterns: Any) -> tuple[str, ...]:
+    """The patterns (a list, tuple or set of str) as a tuple, else ConfigError (a str would
+    be read as one-letter globs)."""
+    if isinstance(patterns, (list, tuple, set)) and all(
+            isinstance(p, str) for p in patterns):
+        return tuple(patterns)
+    raise ConfigError(f"{what} must be a list of glob patterns, e.g. [\"shell\"], "
+                      f"got {patterns!r}")
+
+
+def _run_tool(port: ToolPort, call: ToolCall, timeout_s: float,
+              cancel: CancelToken | None) -> ToolResult:
+    """port.call_tool, given `cancel` only if its signature names it (the first published form,
+    call_tool(call, timeout_s), did not)."""
+    if "cancel" in inspect.signature(port.call_tool).parameters:
+        return port.call_tool(call, timeout_s, cancel=cancel)
+    return port.call_tool(call, timeout_s)
+
+
 class CompositeToolPort:
     """Several ToolPorts as one; a tool name offered by two ports is a ConfigError."""
 
@@ -883,7 +920,7 @@ class CompositeToolPort:
         port = self._owner.get(call.name)
         if port is None:
             return ToolResult(call.id, call.name, f"unknown tool {call.name!r}", True)
-        return port.call_tool(call, timeout_s, cancel=cancel)
+        return _run_tool(port, call, timeout_s, cancel)
 
 
 def is_denied(name: str, patterns: Sequence[str]) -> bool:
@@ -963,7 +1000,8 @@ class JsonFileSessionStore:
 
     def path_for(self, session_id: str) -> Path:
         """The file of a session; StoreError for an id that could escape the directory."""
-        if not _SESSION_ID.fullmatch(session_id) or ".." in session_id:
+        if not isinstance(session_id, str) or ".." in session_id or not _SESSION_ID.fullmatch(
+                session_id):
             raise StoreError(f"invalid session id {session_id!r}: use 1-128 letters, digits, "
                              "'.', '_' or '-', starting with a letter or digit")
         return self.directory / f"{session_id}.json"
@@ -994,7 +1032,10 @@ class JsonFileSessionStore:
             lock = self._lock()
             try:
                 _check_newer(session_id, self._stored_version(session_id), state)
-                with open(tmp, "w", encoding="ascii") as f:
+                with contextlib.suppress(FileNotFoundError):  # whatever is there (a planted
+                    os.unlink(tmp)     # link, a FIFO), and O_EXCL: never written through
+                with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666), "w",
+                          encoding="ascii") as f:
                     f.write(data)
                     f.flush()
                     os.fsync(f.fileno())
@@ -1008,17 +1049,19 @@ class JsonFileSessionStore:
         """The directory's lock (released at close, or when the process dies), as a descriptor."""
         import fcntl  # POSIX only; imported here so that `import bob` works anywhere
         lock, since = os.open(self.directory, os.O_RDONLY), time.monotonic()
-        while True:
-            try:
-                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                return lock
-            except BlockingIOError:
+        try:   # any failure closes the descriptor: ENOLCK (NFS without lockd), a timeout, Ctrl-C
+            while True:
+                with contextlib.suppress(BlockingIOError):
+                    fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    return lock
                 if time.monotonic() - since >= self.lock_timeout_s:
-                    os.close(lock)
                     raise StoreError(f"session directory {self.directory} is locked by another "
                                      f"process for over {self.lock_timeout_s} s (`fuser -v` "
-                                     "names it; or raise lock_timeout_s)") from None
+                                     "names it; or raise lock_timeout_s)")
                 time.sleep(0.01)
+        except BaseException:
+            os.close(lock)
+            raise
 
     def _stored_version(self, session_id: str) -> int | None:
         """The saved state's version, from the head of its file (else by loading it all)."""
@@ -1065,8 +1108,9 @@ class JsonlEventSink:
                            "ts": event.ts}, default=str, ensure_ascii=True)
         line = f'{head[:-1]}, "data": {_data_json(event.data)}}}'  # the data as encoded
         with self._lock:
-            if self._file is None:
-                self._file = open(self.path, "a", encoding="utf-8")  # opened on first event
+            if self._file is None:   # opened on the first event, never blocking (a FIFO nobody
+                flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | getattr(os, "O_NONBLOCK", 0)
+                self._file = open(os.open(self.path, flags, 0o666), "a", encoding="utf-8")  # reads)
             self._file.write(line + "\n")
             self._file.flush()
 
@@ -1080,8 +1124,10 @@ class JsonlEventSink:
 
 # Secret keys in text (a reply, a tool result): "key":, \"key\": in JSON inside a JSON string, and
 # deeper; then the value: a string (to its end, or the text's: a cut reply), a list, a number. No
-# part backtracks over the text: each stops at a quote or after 64 chars (one did: seconds).
-_TEXT_KEY = re.compile(f'(\\\\*["\'])([^"\\n]{{0,64}}?(?:{_SECRETS})[^"\\n]{{0,64}}?)\\1\\s*:\\s*')
+# part backtracks over the text: each stops at a quote or after 64 chars (one did: seconds), and
+# the escape before a key is at most 31 backslashes (JSON five levels deep): 32,000 took seconds.
+_TEXT_KEY = re.compile(f'(\\\\{{0,31}}["\'])'
+                       f'([^"\\n]{{0,64}}?(?:{_SECRETS})[^"\\n]{{0,64}}?)\\1\\s*:\\s*')
 
 
 @functools.lru_cache(maxsize=16)
@@ -1309,8 +1355,11 @@ class AgentRuntime:
         self.sinks: list[EventSink] = (
             [] if events is None else list(events) if isinstance(events, (list, tuple))
             else [typing.cast(EventSink, events)])
+        if not isinstance(policy, (TurnPolicy, type(None))):
+            raise ConfigError(f"policy must be a TurnPolicy, got {type(policy).__name__}")
         self.policy, self.system_prompt = policy or TurnPolicy(), system_prompt
-        self.deny_tools, self.ask_tools = tuple(deny_tools), tuple(ask_tools)
+        self.deny_tools = _globs("deny_tools", deny_tools)
+        self.ask_tools = _globs("ask_tools", ask_tools)
         self.approver = approver
         self._failing: set[int] = set()   # ids of sinks that raised (logged once each)
         self._probe: _Worker | None = None  # health()'s list_tools call
@@ -1334,11 +1383,11 @@ class AgentRuntime:
                     raise AgentError(f"bug: illegal transition {state.value} -> {nxt.value}")
                 self._emit(turn, "state", {"from": state.value, "to": nxt.value})
                 state = nxt
-        except Exception as e:  # a bug or a broken store: save what the turn has, then raise
-            if not turn.session.messages:
+        except BaseException as e:  # a bug, a broken store, Ctrl-C, a sink's SystemExit: save
+            if not turn.session.messages:  # what the turn did, then raise
                 raise               # the session never loaded: saving would overwrite it
             turn.error = e
-            if not isinstance(e, BobError):
+            if isinstance(e, Exception) and not isinstance(e, BobError):
                 turn.error = AgentError(f"internal error in {state.value}: {type(e).__name__}: {e}")
                 turn.error.__cause__ = e
         finally:
@@ -1372,7 +1421,7 @@ class AgentRuntime:
         t.session = self.store.load(t.request.session_id) or SessionState()
         if (history := t.request.history) is not None:
             calls = [c.arguments for m in history for c in getattr(m, "tool_calls", ())]
-            if bad := _json_problem(calls):   # a non-Message fails as a bug, in build_prompt
+            if bad := _json_problem(calls):   # a non-Message fails as a bug, in start
                 raise AgentError(f"AgentRequest.history cannot be sent: its tool calls' JSON {bad}")
             t.session.messages = list(history)
         self._trace_loaded(t)
@@ -1404,9 +1453,12 @@ class AgentRuntime:
         self._emit(t, "llm_call_started", lambda: {"messages": len(prompt.messages),
                                                    "digest": request_digest(prompt, t.parts)})
         t0, worker = time.perf_counter(), self._complete(t, prompt)
-        if _too_long(worker.error) and len(prompt.messages) > 2 and not t.cancel.cancelled:
-            sent = len(prompt.messages) - 1  # once per step, with half the history
-            t.prompt = prompt = self._prompt(t, sent // 2)
+        while _too_long(worker.error) and not t.cancel.cancelled:
+            sent = len(prompt.messages) - 1  # with half the history, while it shrinks: at
+            shorter = self._prompt(t, sent // 2)  # most log2(max_history_messages) times
+            if len(shorter.messages) > sent:
+                break
+            t.prompt = prompt = shorter
             self._emit(t, "history_truncated", lambda: {"from": sent, "to": len(
                 prompt.messages) - 1, "digest": request_digest(prompt, t.parts)})
             worker = self._complete(t, prompt)
@@ -1454,9 +1506,10 @@ class AgentRuntime:
         """Guard the batch, get the decisions it needs, run it, append results in call order."""
         assert isinstance(t.action, CallTools)
         calls, t.session.paused = t.action.calls, None  # answered below, or paused afresh
+        resumed, t.resumed = t.resumed, False   # the turn's later batches are guarded again
         if t.caller_cancel.cancelled:  # cancelled while the model answered: start nothing
             return self._interrupted(t)
-        if not t.resumed:  # a resumed batch passed these two before it paused
+        if not resumed:  # a resumed batch passed these two before it paused
             if len(calls) > t.policy.max_parallel_tools:  # first: O(1) per call, unlike hashing
                 return self._refuse_batch(t, calls)
             if trip := t.guard.check_loop(calls):
@@ -1467,6 +1520,10 @@ class AgentRuntime:
             return decided
         if trip := t.guard.check_budget(sum(r is None for r in refusals)):
             return self._not_run(t, trip)
+        if resumed:  # claim the pause before its calls run: another process resuming it too
+            self.store.save(t.request.session_id, dataclasses.replace(  # gets a StoreError and
+                t.session, version=t.session.version + 1))             # runs nothing
+            t.session.version += 1
         results, ran = self._run_batch(t, decided, refusals)
         t.guard.record_results(results, ran)
         self._append_results(t, results)
@@ -1521,12 +1578,12 @@ class AgentRuntime:
         """Append the input (waiting calls get "not run" first), or for `input=None` take up
         the paused batch with its counts and decisions (True); CallTool answers the pause."""
         paused = t.session.paused if t.request.history is None else None
-        waiting = t.session.messages[-1].tool_calls if paused else ()
+        messages = t.session.messages   # calls without results: paused, or a turn cut short
+        waiting = messages[-1].tool_calls if messages else ()
         if t.request.input is None:
-            if not waiting:
+            if not (paused and waiting):
                 raise AgentError(f"session {t.request.session_id!r} has no tool calls waiting "
                                  "for approval: give an input to start a turn")
-            assert paused is not None
             vars(t.guard).update(paused["guard"])
             t.input_index = paused["input_index"]
             t.approvals = {k: Approval(**a) for k, a in paused["approvals"].items()}
@@ -1571,6 +1628,7 @@ class AgentRuntime:
                 calls[i] = dataclasses.replace(call, arguments=dict(approval.arguments))
         if waiting:
             return self._pause(t, waiting)
+        t.approvals = {}   # decisions hold for this batch: a later call reusing an id is asked
         if calls != list(t.action.calls):  # the history records the arguments that ran
             t.session.messages[-1] = dataclasses.replace(t.session.messages[-1],
                                                          tool_calls=tuple(calls))
@@ -1688,8 +1746,8 @@ class AgentRuntime:
             if results[i] is None:
                 timeout = min(t.policy.tool_timeout_ms / 1000, t.guard.remaining_s())
                 assert self.tools is not None  # _refusal lets only listed tools through
-                worker = _Worker(functools.partial(self.tools.call_tool, call, timeout,
-                                                   cancel=t.cancel), t.wake)
+                worker = _Worker(functools.partial(_run_tool, self.tools, call, timeout,
+                                                   t.cancel), t.wake)
                 running.append((i, worker, timeout))
         t0 = time.monotonic()
         _wait_all([w for _, w, _ in running], [t0 + s for _, _, s in running], t.wake, t.cancel)
@@ -1862,7 +1920,7 @@ def _usage(u: Any) -> Usage:
     """Token counts; Usage() (unknown) when the server sent none or nonsense."""
     n = ([u.get("prompt_tokens") or 0, u.get("completion_tokens") or 0]
          if isinstance(u, dict) else [-1])
-    return Usage(*n) if all(type(i) is int and i >= 0 for i in n) else Usage()
+    return Usage(*n) if all(type(i) is int and 0 <= i < 1e15 for i in n) else Usage()
 
 
 def _message_to_wire(m: Message) -> dict[str, Any]:
@@ -1968,6 +2026,11 @@ def _retry_after(value: str | None) -> float | None:
     return None
 
 
+def _hide_login(url: str) -> str:
+    """The URL with its user:password@ (a secret, and the password may hold '@') as ***@."""
+    return re.sub(r"//[^/?#]*@", "//***@", url)
+
+
 def _cause(e: BaseException) -> str:
     """The innermost reason of a transport error, short (requests nests them deeply)."""
     found = re.findall(r"\[Errno -?\d+\] [^'\")]+|Read timed out|Connection refused|"
@@ -2032,10 +2095,21 @@ def _tracking_session(inflight: dict[int, Any], cancels: dict[int, CancelToken]
     adapter.poolmanager.pool_classes_by_scheme = {
         "http": _tracked(urllib3.HTTPConnectionPool, inflight, cancels),
         "https": _tracked(urllib3.HTTPSConnectionPool, inflight, cancels)}
-    session = requests.Session()
+    class Session(requests.Session):
+        def resolve_redirects(self, *args: Any, **kwargs: Any) -> Iterator[Any]:
+            return iter(())  # none followed: requests reads a 3xx body whole, even not following
+
+    session = Session()
     session.mount("http://", adapter)
     session.mount("https://", adapter)
     return session, (requests.RequestException, urllib3.exceptions.HTTPError, OSError)
+
+
+def _seconds(what: str, value: Any) -> float:
+    """`value` if it is a number of seconds > 0 (not None, a str, nan or inf), else ConfigError."""
+    if type(value) not in (int, float) or not 0 < value < 1e9:   # nan compares false
+        raise ConfigError(f"{what} must be a number of seconds > 0 (and < 1e9), got {value!r}")
+    return value
 
 
 @dataclass(frozen=True)
@@ -2079,11 +2153,11 @@ class OpenAICompatLlm:
         self.retry_max, self.stream, self.stream_usage = retry_max, stream, stream_usage
         self.temperature, self.seed, self.max_tokens = temperature, seed, max_tokens
         self.json_response_format, self.tool_choice = json_response_format, tool_choice
-        self.timeout_s, self.backoff_base_s = timeout_s, backoff_base_s
+        self.timeout_s, self.backoff_base_s = _seconds("timeout_s", timeout_s), backoff_base_s
         self.max_response_bytes = max_response_bytes
         self._api_key, self._key_source = self._find_key(model, api_key)
         self._url = self.base_url + "/chat/completions"
-        self._shown = re.sub(r"//[^/@]*@", "//***@", self._url)   # user:password@ is a secret
+        self._shown = _hide_login(self._url)
         self._headers = {"Content-Type": "application/json", **(
             {"Authorization": f"Bearer {self._api_key}"} if self._api_key else {})}
         self._rejected: set[str] = set()       # optional fields this server refused
@@ -2122,7 +2196,7 @@ class OpenAICompatLlm:
                  on_delta: Callable[[str], None] | None = None) -> LlmResponse:
         """One chat completion with retries, by timeout_s or the deadline; LlmError, Cancelled."""
         body = self._to_wire(req)
-        end = time.monotonic() + self.timeout_s if req.deadline is None else req.deadline
+        end = min(time.monotonic() + self.timeout_s, req.deadline or math.inf)  # earlier wins
         me = threading.get_ident()
         self._cancels[me] = cancel
         unhook = cancel.on_cancel(lambda: _abort(self._inflight.pop(me, None)))
@@ -2157,12 +2231,15 @@ class OpenAICompatLlm:
         if timeout <= 0:
             raise LlmError(f"no time left for a request to {self._shown}")
         data, acc = json.dumps(body, separators=(",", ":")).encode(), _Stream(on_delta)
+        me = threading.get_ident()  # a socket timeout bounds one read: headers dripped a byte
+        watchdog = threading.Timer(timeout, lambda: _abort(self._inflight.get(me)))  # at a time
+        watchdog.start()           # are bounded by this (the body by _body's clock)
         try:
             resp = self._session.post(self._url, data=data, headers=self._headers,
                                       timeout=(timeout, timeout), stream=True)
             try:
                 if resp.status_code != 200:
-                    return self._http_failure(resp, body, b"".join(self._body(resp, end)))
+                    return self._http_failure(resp, body, end)
                 if "text/event-stream" not in resp.headers.get("Content-Type", ""):
                     return self._from_wire(b"".join(self._body(resp, end)))  # "stream" ignored
                 self._read_stream(resp, acc, end)
@@ -2177,21 +2254,31 @@ class OpenAICompatLlm:
                 raise Cancelled("the LLM request was cancelled") from None
             if acc.text or acc.calls or acc.done:  # the user saw part of it: do not try again
                 return acc.response(self._shown)
-            import requests  # already loaded by _tracking_session
-            what = ("timed out connecting to" if isinstance(e, requests.ConnectTimeout) else
-                    "no answer in time from" if isinstance(e, requests.Timeout)
-                    or _cause(e) == "Read timed out" else  # urllib3's, reading the body
-                    "cannot reach" if isinstance(e, requests.ConnectionError) else
-                    "transport error on")
-            hint = (" (is the server running? check base_url)"
-                    if isinstance(e, requests.ConnectionError) else "")
-            return _Retry(LlmError(f"{what} {self._shown}: {_cause(e)}{hint}"))
+            return _Retry(self._transport_error(e, time.monotonic() >= end))
         finally:  # a cancel from now on must not shut a connection another call may be using
-            self._inflight.pop(threading.get_ident(), None)
+            watchdog.cancel()
+            self._inflight.pop(me, None)
 
-    def _http_failure(self, resp: Any, body: dict[str, Any], raw: bytes) -> _Retry:
+    def _transport_error(self, e: BaseException, late: bool) -> LlmError:
+        """What failed on the wire, in words; `late`: the watchdog shut the socket."""
+        import requests  # already loaded by _tracking_session
+        what = ("timed out connecting to" if isinstance(e, requests.ConnectTimeout) else
+                "no answer in time from" if isinstance(e, requests.Timeout) or late
+                or _cause(e) == "Read timed out" else  # urllib3's, reading the body
+                "cannot reach" if isinstance(e, requests.ConnectionError) else
+                "transport error on")
+        hint = (" (is the server running? check base_url)"
+                if isinstance(e, requests.ConnectionError) and not late else "")
+        return LlmError(f"{what} {self._shown}: {_cause(e)}{hint}")
+
+    def _http_failure(self, resp: Any, body: dict[str, Any], end: float) -> _Retry:
         """A non-200 answer: a _Retry when the status may pass, else raise LlmError at once."""
-        status, text = resp.status_code, raw.decode("utf-8", "replace")
+        if resp.is_redirect:   # not followed (see _tracking_session)
+            raise LlmError(f"{self._shown} redirected (HTTP {resp.status_code}) to "
+                           f"{_hide_login(_excerpt(resp.headers['Location']))}; set base_url "
+                           "to where it points")
+        status, raw = resp.status_code, b"".join(self._body(resp, end))
+        text = raw.decode("utf-8", "replace")
         hint = ""
         if status in (401, 403):
             fix = (f"check the key in {self._key_source}" if self._key_source
@@ -2215,8 +2302,8 @@ class OpenAICompatLlm:
 
     def _error(self, status: int, what: str, text: str | bytes) -> LlmError:
         """LlmError "<endpoint> <what>: '<what the server sent>'", with the API key masked."""
-        text = " ".join((text.decode("utf-8", "replace") if isinstance(text, bytes) else text
-                         ).split())
+        text = text.decode("utf-8", "replace") if isinstance(text, bytes) else text
+        text = " ".join(w.group() for w in itertools.islice(re.finditer(r"\S+", text), 300))
         for key in {self._api_key, self._api_key.replace("/", "\\/")} if self._api_key else ():
             text = text.replace(key, "***")   # as sent, and as JSON that escapes "/" echoes it
         excerpt = text[:300]
@@ -2267,13 +2354,15 @@ class OpenAICompatLlm:
 
     def _body(self, resp: Any, end: float) -> Iterator[bytes]:
         """The inflated body in pieces as they come; LlmError past max_response_bytes or `end`."""
-        sock, total = getattr(resp.raw.connection, "sock", None), 0
+        total = 0
         while True:
             left = end - time.monotonic()
             if left <= 0:
                 raise LlmError(f"the answer from {self._shown} was still coming when the time "
                                f"for the call ran out ({total} bytes came)")
-            if sock is not None:
+            # looked up each time: at the body's end urllib3 gives the connection back to the
+            # pool, which closes it when full (16 callers: "[Errno 9] Bad file descriptor")
+            if (sock := getattr(resp.raw.connection, "sock", None)) is not None:
                 sock.settimeout(left)  # test_a_server_sending_a_byte_every_so_often_...
             piece = resp.raw.read1(65536, decode_content=True)  # what has come, inflated
             total += len(piece)

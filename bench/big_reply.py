@@ -9,6 +9,12 @@ cancel fired as the big reply arrives until run() returns (an event sink fires i
 median of a few runs. Work per reply must be linear: 40,000 about twice 20,000, both in
 milliseconds (the quadratic call-id check took 4.6 s and 19 s).
 
+Then issue 21's two texts, in json mode: "```json" and 25,000 / 100,000 spaces with no closing
+fence (the fence pattern was quadratic: 4-8 s, 45 s), and a final answer holding 32,000
+backslashes with an event sink listening (the masking pattern was quadratic: 6-10 s). Printed:
+the whole turn, and cancel -> return for a cancel fired 20 ms into the turn (from a timer
+thread; "ended first" when the turn was over by then).
+
 Sections: 1. Setup  2. Measure and report
 """
 from __future__ import annotations
@@ -16,6 +22,7 @@ from __future__ import annotations
 import gc
 import statistics
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -77,14 +84,48 @@ def cancel_ms(n: int) -> float:
     return (time.perf_counter() - sink.t) * 1000
 
 
+class Listen:
+    """A sink that only listens (so events are built and masked)."""
+
+    def emit(self, event: bob.AgentEvent) -> None:
+        pass
+
+
+HOSTILE = {"```json + 25,000 spaces, no closing fence": "```json" + " " * 25_000 + "x",
+           "```json + 100,000 spaces, no closing fence": "```json" + " " * 100_000 + "x",
+           "final of 32,000 backslashes, a sink listening":
+               '{"type": "final", "content": "' + "\\" * 32_000 + 'x"}'}
+
+
+def hostile_ms(text: str) -> tuple[float, str]:
+    """The turn's time, and cancel -> return for a cancel fired 20 ms into it."""
+    final = '{"type": "final", "content": "ok"}'
+    rt = bob.AgentRuntime(bob.ScriptedLlm([text, final, final]), events=Listen())
+    t0 = time.perf_counter()
+    rt.run(bob.AgentRequest("go"))
+    turn = (time.perf_counter() - t0) * 1000
+    token = bob.CancelToken()   # measured from when the cancel was due: a regex holding the
+    timer = threading.Timer(0.02, token.cancel)   # GIL delays the timer thread itself
+    rt = bob.AgentRuntime(bob.ScriptedLlm([text, final, final]), events=Listen())
+    t1 = time.perf_counter()
+    timer.start()
+    r = rt.run(bob.AgentRequest("go"), cancel=token)
+    late = (time.perf_counter() - t1 - 0.02) * 1000
+    timer.cancel()
+    return turn, f"{late:.1f} ms, {r.finish_reason.value}" if late > 0 else "ended first"
+
+
 def main() -> None:
-    """Print one line per reply size."""
+    """Print one line per reply size, then one per hostile text."""
     print(f"bob big replies: median of {REPEATS} runs, Python {sys.version.split()[0]}")
     for n in SIZES:
         turn = statistics.median(turn_ms(n) for _ in range(REPEATS))
         cancel = statistics.median(cancel_ms(n) for _ in range(REPEATS))
         print(f"{n:>7} calls: turn {turn:7.1f} ms, cancel -> return {cancel:6.1f} ms "
               f"(target < 100)")
+    for what, text in HOSTILE.items():
+        turn, cancel = hostile_ms(text)
+        print(f"{what}: turn {turn:7.1f} ms, cancel at 20 ms -> return {cancel} (target < 100)")
 
 
 if __name__ == "__main__":

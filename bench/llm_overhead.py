@@ -6,7 +6,10 @@ A stub server (a subprocess, so it does not share our GIL) answers every POST wi
 chat completion over keep-alive HTTP/1.1. We time, interleaved call by call so drift hits both
 alike: (a) the adapter's complete() and (b) a bare session.post of the same JSON bytes that
 reads the body. Overhead = median(a) - median(b). Target: under 0.3 ms per call.
-It also times the adapter's own work without the network (request body + reply parsing).
+It also times the adapter's own work without the network (request body + reply parsing), and
+runs 16 callers at once on one adapter (more than its pool of 10 connections), 10 rounds, with
+retry_max=0 so that every transport error shows: before issue 21, about 6 of 16 calls of a round
+failed with "[Errno 9] Bad file descriptor" (and with retries, were billed again).
 
 Sections: 1. The stub server  2. Timing  3. Main
 """
@@ -114,9 +117,37 @@ def measure(calls: int, n_messages: int) -> None:
         print(f"overhead               median {ma - mb:.3f} ms  (target < 0.3 ms)")
         print(f"adapter's own work     median {statistics.median(own) * 1e3:.3f} ms "
               "(request body + JSON + reply parsing, no network)")
+        callers(OpenAICompatLlm("bench:model", base_url=url, api_key="sk-bench", retry_max=0),
+                req)
     finally:
         stub.kill()
         stub.wait()
+
+
+def callers(llm, req, n: int = 16, rounds: int = 10) -> None:
+    """n threads calling complete() at once, `rounds` times: answers and errors."""
+    import threading
+
+    from bob import CancelToken
+    answers, errors = [], []
+
+    def call(barrier: threading.Barrier) -> None:
+        barrier.wait()
+        try:
+            answers.append(llm.complete(req, CancelToken()))
+        except Exception as e:
+            errors.append(str(e))
+    t0 = time.perf_counter()
+    for _ in range(rounds):
+        barrier = threading.Barrier(n)
+        threads = [threading.Thread(target=call, args=(barrier,)) for _ in range(n)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    took = time.perf_counter() - t0
+    print(f"{n} callers x {rounds} rounds: {len(answers)} answers, {len(errors)} errors in "
+          f"{took * 1000:.0f} ms" + (f" (first: {errors[0][:80]})" if errors else ""))
 
 
 # ---- 3. Main ------------------------------------------------------------------------------------

@@ -162,7 +162,11 @@ class FakeOpenAI:
         self._release = threading.Event()
         self._conns: set[socket.socket] = set()
         self._threads: set[threading.Thread] = set()
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), _make_handler(self))
+        self._server = ThreadingHTTPServer(("127.0.0.1", 0), _make_handler(self),
+                                           bind_and_activate=False)
+        self._server.request_queue_size = 64   # 16 callers at once are not reset (listen's 5)
+        self._server.server_bind()
+        self._server.server_activate()
         self._server.daemon_threads = True
         self._server.handle_error = _quiet_error  # a client hanging up is not news
         self._server.block_on_close = False

@@ -506,7 +506,10 @@ def test_truncate_history_never_orphans_tool_results(case):
     index = {id(m): i for i, m in enumerate(msgs)}
     kept = [index[id(m)] for m in out]
     assert kept == sorted(set(kept)), "output is not a subsequence of the input"
-    assert all(i in kept for i, m in enumerate(msgs) if m.role == "system")
+    system = [i for i, m in enumerate(msgs) if m.role == "system"]
+    forced_len = next((e - s for s, e in blocks if keep_from is not None and s <= keep_from < e), 0)
+    n_sys = min(len(system), max(0, limit - forced_len))   # system messages count, go last
+    assert [i for i in kept if msgs[i].role == "system"] == system[len(system) - n_sys:]
     if keep_from is not None:
         assert keep_from in kept
     assert not any(m.content.startswith("orphan") for m in out)
@@ -519,11 +522,11 @@ def test_truncate_history_never_orphans_tool_results(case):
             assert m.tool_call_id in [c.id for c in out[q].tool_calls]
     body = [i for i in kept if msgs[i].role != "system"]
     forced = [list(range(s, e)) for s, e in blocks if keep_from is not None and s <= keep_from < e]
-    if len(body) > limit:            # only the unit holding keep_from may pass the limit
-        assert [body] == forced
+    if len(kept) > limit:            # only the unit holding keep_from may pass the limit
+        assert [body] == forced and n_sys == 0
     dropped = [(s, e) for s, e in blocks if s not in kept]
     if dropped:                      # and nothing is dropped that need not be
-        assert len(body) + dropped[-1][1] - dropped[-1][0] > limit
+        assert len(kept) + dropped[-1][1] - dropped[-1][0] > limit
 
 
 def test_truncate_history_drops_results_whose_call_is_gone():

@@ -235,7 +235,7 @@ def test_a_session_that_cannot_be_loaded_is_never_saved_over():
 
 
 def test_an_internal_error_is_an_agent_error_caused_by_it():
-    with pytest.raises(AgentError, match="internal error in build_prompt: AttributeError") as e:
+    with pytest.raises(AgentError, match="internal error in start: AttributeError") as e:
         AgentRuntime(ScriptedLlm()).run(AgentRequest("go", history=["not a Message"]))
     assert isinstance(e.value.__cause__, AttributeError)
 

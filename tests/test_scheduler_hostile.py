@@ -56,13 +56,14 @@ def test_context_overflow_is_retried_once_with_half_the_history(refusal):
     assert len(r.history) == 42                          # the session itself is not cut
 
 
-def test_context_overflow_twice_gives_up_with_the_llm_error():
-    with FakeOpenAI([TOO_LONG, TOO_LONG, "never"]) as srv:
+def test_context_overflow_down_to_the_input_alone_gives_up_with_the_llm_error():
+    with FakeOpenAI([TOO_LONG] * 4 + ["never"]) as srv:
         llm = OpenAICompatLlm("test:gpt-x", base_url=srv.url, api_key="sk-test")
         rt = AgentRuntime(llm)
         with pytest.raises(LlmError, match="context") as e:
             rt.run(AgentRequest("question", history=long_history(10)))
-        assert len(srv.requests) == 2
+        sizes = [len(q["body"]["messages"]) for q in srv.requests]
+    assert sizes == [12, 6, 3, 2]     # halved while it shrinks: then system + input only
     assert e.value.status_code == 400
 
 
