@@ -52,7 +52,6 @@ _GRACE_S = 7.0          # beyond configured timeouts: the SDK's own bounded shut
 _CLOSE_S = 8.0          # close(): total budget before process groups are killed outright
 _SHOWN = 500            # characters of one line a server wrote that bob shows (logs, errors)
 _MAX_PAGES = 100        # tools/list pages followed; a nextCursor that never ends is an error
-_CONTROLS = dict.fromkeys([*range(32), *range(127, 160)], "\ufffd")   # they drive terminals
 
 
 # ---- 1. Errors and configuration ----------------------------------------------------------------
@@ -176,9 +175,9 @@ def _result_text(result: Any) -> str:
 
 
 def _masked(data: Any, scrub: Any) -> Any:
-    """JSON-like data (a tool's schema) with scrub() applied to every string in it."""
+    """JSON-like data (a tool's schema) with scrub() applied to every string value in it."""
     if isinstance(data, dict):
-        return {scrub(k): _masked(v, scrub) for k, v in data.items()}
+        return {k: _masked(v, scrub) for k, v in data.items()}
     if isinstance(data, list):
         return [_masked(v, scrub) for v in data]
     return scrub(data) if isinstance(data, str) else data
@@ -197,12 +196,6 @@ def _leaf(exc: BaseException) -> BaseException:
 _serving: contextvars.ContextVar[_Server] = contextvars.ContextVar("bob_mcp_serving")
 
 
-def _bad_input(exc: Any) -> Any:
-    """What the server sent that the SDK could not validate (a pydantic error's input)."""
-    errors = exc.errors() if hasattr(exc, "errors") else [{}]
-    return errors[0].get("input", exc) if errors else exc
-
-
 def _sdk_note(record: logging.LogRecord) -> bool:
     """The SDK logs a stdout line that is not JSON-RPC, or a notification it could not validate,
     with a traceback quoting it, at ERROR or WARNING: for our servers, one line, masked, at
@@ -211,13 +204,14 @@ def _sdk_note(record: logging.LogRecord) -> bool:
     server = _serving.get(None)
     if record.funcName not in ("_parse_line", "_on_notify") or server is None:
         return True
-    bad = _bad_input(record.exc_info and record.exc_info[1])
+    exc = record.exc_info[1] if record.exc_info else None
+    errors = exc.errors() if hasattr(exc, "errors") else [{}]
+    bad = errors[0].get("input", exc) if errors else exc   # what the server sent
     log.info("[%s] skipped output that is not JSON-RPC or not valid MCP: %s", server.cfg.id,
              server._show(f"{record.getMessage()}: {bad}"))
-    if isinstance(bad, dict) and "id" in bad and "method" not in bad and server.session:
-        server.session._dispatcher._resolve_pending(bad["id"], mcp.types.ErrorData(
-            code=mcp.types.INTERNAL_ERROR, message="malformed answer (its result must be a "
-            "JSON object with content)"))
+    if isinstance(bad, dict) and "result" in bad and server.session:   # as the content, which
+        server.session._dispatcher._resolve_pending(   # call_tool refuses: an "invalid result"
+            bad.get("id"), {"content": bad["result"]})
     return False
 
 
@@ -348,14 +342,13 @@ class _Server:
         elif not ready and self._scope.cancelled_caught:
             cause = f"no answer to the MCP handshake within {self.cfg.startup_timeout_ms} ms"
         elif self.status in (401, 403):   # the SDK says "Server returned an error response"
-            names = ", ".join(self.cfg.headers or {}) or "none set"
-            cause = f"HTTP {self.status}: check the token in its headers ({names})"
+            cause = (f"HTTP {self.status}: check the token in its headers "
+                     f"{sorted(self.cfg.headers or {})}")
         elif error is None:   # not what bob did to it after an error: the SDK's error says why
             cause = "closed the connection" if code is None else f"exited (code {code})"
         else:
             hint = " (is it installed and on PATH?)" if isinstance(leaf, FileNotFoundError) else ""
-            cause = ("failed: " if ready else "") + " ".join(
-                f"{type(leaf).__name__}: {leaf}{hint}".split())
+            cause = ("failed: " if ready else "") + f"{type(leaf).__name__}: {leaf}{hint}"
         tail = "; stderr:\n  " + "\n  ".join(self.tail) if self.tail else ""
         if not ready:
             self.ready.set_exception(McpError(
@@ -372,8 +365,8 @@ class _Server:
 
     def _show(self, text: str) -> str:
         """A line the server wrote, fit to show: masked, no controls, at most _SHOWN chars."""
-        text = self._scrub(text).translate(_CONTROLS)
-        return text if len(text) <= _SHOWN else text[:_SHOWN] + "..."
+        text = self._scrub(text)[:_SHOWN]
+        return "".join(c if c.isprintable() else "\ufffd" for c in text)   # no ESC, no BEL
 
     def _read_stderr(self, final: bool = False) -> None:
         """Log stderr lines (INFO), keep the last; when readable, and once more (final) at exit."""
@@ -429,7 +422,7 @@ class _Server:
                 return f"tool {tool} timed out after {round(timeout_s * 1000)} ms", True
             if (err.code, err.message, err.data) != (mcp.types.CONNECTION_CLOSED,
                                                      "Connection closed", None):
-                if self.status != 404:   # 404: the session is gone (McpToolPort._call)
+                if self.status != 404:   # 404: the session is gone; restarted next turn
                     return f"MCP error from server {self.cfg.id}: {err.message}", True
                 self._lost = e
         except (RuntimeError, ValueError) as e:   # it answered, but not with a valid result
@@ -515,12 +508,13 @@ class McpToolPort:
             else:
                 log.warning("%s\nSkipping it (required = false); the other servers run.", error)
         if failed:   # _wait_started() closes the port, which stops the servers that did start
-            raise failed[0] if len(failed) == 1 else McpError("\n".join(map(str, failed)))
+            raise McpError("\n".join(map(str, failed)))
         self._publish()
 
     def _publish(self) -> None:
-        """Rebuild the name map and the descriptors from the servers' tool lists; a clash of
-        required servers that renaming an id would fix is an McpError."""
+        """Rebuild the name map and the descriptors from the servers' tool lists. Of two tools
+        exposed under one name the first is kept, with a warning (a server's bug, or two ids
+        that rename to one): no server fails for it, an optional one least of all."""
         names: dict[str, tuple[_Server, str]] = {}
         tools = []
         for server in self._servers:
@@ -528,13 +522,11 @@ class McpToolPort:
                 name = exposed_name(server.cfg.id, tool.name)
                 if name in names:
                     other, other_tool = names[name]
-                    clash = (f"MCP tool name clash: {other.cfg.id!r} tool {other_tool!r} and "
-                             f"{server.cfg.id!r} tool {tool.name!r} are both exposed as {name!r}")
-                    if other is server or not server.cfg.required:   # renaming ids cannot help
-                        log.warning("%s; skipping the second (%s)", clash, "the server lists them"
-                                    if other is server else "its server has required = false")
-                        continue
-                    raise McpError(f"{clash}; rename one of the server ids")
+                    fix = "the server lists both" if other is server else "rename a server id"
+                    log.warning(f"MCP tool name clash: {other.cfg.id!r} tool {other_tool!r} and "
+                                f"{server.cfg.id!r} tool {tool.name!r} are both exposed as "
+                                f"{name!r}; skipping the second ({fix})")
+                    continue
                 names[name] = (server, tool.name)
                 tools.append(ToolDescriptor(name, server._scrub(tool.description or ""),
                                             _masked(tool.input_schema, server._scrub)))
@@ -590,21 +582,7 @@ class McpToolPort:
                 log.warning("MCP server %r: listing tools failed: %s", server.cfg.id,
                             server._scrub(repr(e)))
         if todo:
-            try:
-                self._publish()
-            except McpError as e:
-                log.error("%s\nKeeping the previous tool list.", e)
-
-    async def _call(self, name: str, arguments: dict[str, Any], limit: float) -> tuple[str, bool]:
-        """The named tool's call, masked. HTTP 404 there: the server forgot the session (it
-        restarted); as the MCP spec says, bob starts a new session and calls once more."""
-        server, tool = self._names[name]
-        text, is_error = await server.call(tool, arguments, limit)
-        if server.status == 404:
-            await self._before_turn()   # it is dead now: restarted, its tools published
-            server, tool = self._names.get(name, (server, tool))
-            text, is_error = await server.call(tool, arguments, limit)
-        return server._scrub(text), is_error
+            self._publish()
 
     def call_tool(self, call: ToolCall, timeout_s: float,
                   cancel: CancelToken | None = None) -> ToolResult:
@@ -619,8 +597,9 @@ class McpToolPort:
             server, tool = entry
             limit = max(0.001, min(timeout_s, server.cfg.tool_timeout_ms / 1000))
             try:   # the SDK times the call out itself; this wait is only the backstop
-                text, is_error = self._run(self._call(call.name, call.arguments, limit),
-                                           limit + 1.0, cancel)
+                text, is_error = self._run(server.call(tool, call.arguments, limit), limit + 1.0,
+                                           cancel)
+                text = server._scrub(text)
             except McpError:   # the backstop's timeout
                 text, is_error = f"tool {tool} timed out after {round(limit * 1000)} ms", True
             except concurrent.futures.CancelledError:
