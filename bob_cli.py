@@ -638,6 +638,21 @@ def _list_sessions(store: bob.JsonFileSessionStore) -> int:
     return 0
 
 
+class _Above(logging.StreamHandler):  # type: ignore[type-arg]
+    """Log records on stderr. While the REPL waits at its prompt (an MCP server dies then), a
+    record goes on a new line, and the prompt and what was typed so far are drawn again."""
+    prompt = ""   # the REPL's, while it waits for a line
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if not self.prompt:
+            return super().emit(record)
+        readline = sys.modules.get("readline")
+        self.stream.write("\n")
+        super().emit(record)
+        self.stream.write(self.prompt + (readline.get_line_buffer() if readline else ""))
+        self.flush()
+
+
 def _save_history(readline: Any, path: str) -> None:
     with contextlib.suppress(OSError):  # e.g. a read-only HOME: not worth a traceback at exit
         readline.write_history_file(path)
@@ -669,7 +684,11 @@ def _run_repl(shell: Shell, banner: str) -> int:
     prompt = "bob> "
     while True:
         try:
-            line = _read_message(prompt)
+            _Above.prompt = prompt   # a log record now goes above the prompt
+            try:
+                line = _read_message(prompt)
+            finally:
+                _Above.prompt = ""
             if line.startswith("/") and not shell.command(line):
                 return 0
             if line and not line.startswith("/"):
@@ -735,7 +754,7 @@ class _Voice(logging.Formatter):
 
 def _sinks(args: argparse.Namespace) -> list[Any]:
     """-v: each event as a line, and INFO logs (MCP servers' stderr); --trace: events as JSONL."""
-    handler = logging.StreamHandler(sys.stderr)
+    handler = _Above(sys.stderr)
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
                          if args.verbose else _Voice())
     logging.basicConfig(level=logging.WARNING, handlers=[handler])   # httpx's INFO: URLs, tokens

@@ -8,13 +8,15 @@ Modes: `null-result` / `array-result` (tools/call answered with "result": null /
 `a.b` and `a_b`), `prefixed` (a tool `x__echo`), `bad-level` (notifications/message with an invalid level quoting API_KEY,
 200 times, on every call), `described` (a description and a schema default quoting API_KEY),
 `setsid-crash` (a setsid grandchild at start, tool `crash` exits at once), `noisy` (stderr
-lines with terminal controls, 100,000 characters long, then `crash` exits).
+lines with terminal controls, 100,000 characters long, then `crash` exits), `die-soon` (exits
+0.5 s after its first tools/list).
 Tool `echo` returns its `text` argument.
 """
 import json
 import os
 import subprocess
 import sys
+import threading
 
 MODES = set(sys.argv[1:])
 SECRET = os.environ.get("API_KEY", "")
@@ -50,6 +52,8 @@ def answer(msg: dict) -> dict | None:
         return {"protocolVersion": version, "capabilities": {"tools": {}},
                 "serverInfo": {"name": "raw", "version": "1"}}
     if method == "tools/list":
+        if "die-soon" in MODES:
+            threading.Timer(0.5, os._exit, [3]).start()
         if "pages" in MODES:
             return {"tools": tools() if not params.get("cursor") else [],
                     "nextCursor": str(int(params.get("cursor") or 0) + 1)}

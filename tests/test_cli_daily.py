@@ -395,3 +395,24 @@ def test_verbose_shows_each_event_once_on_one_short_line(tmp_path, srv):
     demo = bob(tmp_path, "--demo", "-v", COLUMNS="100")
     assert demo.returncode == 0 and demo.stdout.count("turn_completed") == 1, demo.stderr
     assert "turn_completed" not in demo.stderr
+
+
+# ---- issue 22: a server dying while the REPL waits ----
+
+RAW_SERVER = Path(__file__).resolve().parent / "mcp_raw_server.py"
+
+
+def test_a_server_dying_at_the_prompt_does_not_overwrite_it(tmp_path, srv):
+    write_config(tmp_path, srv, extra=(
+        f'[[mcp.servers]]\nid = "r"\ncommand = "{sys.executable}"\n'
+        f'args = ["{RAW_SERVER}", "die-soon"]\n'))
+    term = Terminal(tmp_path)
+    try:
+        term.expect(b"bob> ")
+        term.send(b"typed")
+        warning = term.expect(b"on the next turn", timeout=10)
+        assert b"exited (code 3)" in warning and not warning.startswith(b"typed bob:"), warning
+        assert warning.startswith(b"typed\r\n") or warning.startswith(b"\r"), warning
+        term.expect(b"bob> typed")   # the prompt again, with what was typed
+    finally:
+        term.close()
