@@ -64,7 +64,10 @@ _SCHEMA: dict[str, dict[str, str]] = {
     "mcp": {"servers": "an array of tables"},
 }
 _RANGES = {"retry_max": (0, 10), "max_tokens": (1, 10**7), "temperature": (0, 2)}  # [llm]
-_VAR = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
+_VAR = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")   # ${VAR}, ${VAR:-default}
+_NAMES = {"env": (re.compile(r"[^=\0]+"), "no '=' or NUL in an environment variable's name"),
+          "headers": (re.compile(r"[-!#$%&'*+.^_`|~\w]+", re.ASCII),
+                      "a header name is ASCII letters, digits and !#$%&'*+-.^_`|~, no space")}
 
 
 @dataclass(frozen=True)
@@ -106,11 +109,16 @@ def _expand(value: Any, where: str, environ: dict[str, str]) -> Any:
         return tuple(_expand(v, where, environ) for v in value)
     if not isinstance(value, str):   # a wrong kind: McpServerConfig names it
         return value
-    for name in _VAR.findall(value):
+
+    def variable(m: re.Match[str]) -> str:
+        name, default = m.groups()
+        if default is not None:   # as in sh: the default when the variable is unset or empty
+            return environ.get(name) or default
         if name not in environ:
             raise bob.ConfigError(f"{where}: environment variable {name} is not set; "
-                                  "export it or change the value")
-    return _VAR.sub(lambda m: environ[m.group(1)], value)
+                                  "export it, give a default (${VAR:-default}) or change the value")
+        return environ[name]
+    return _VAR.sub(variable, value)
 
 
 def _path(value: str, what: str, base: Path) -> Path:
@@ -139,6 +147,12 @@ def _mcp_server(raw: Any, n: int, where: str, base: Path, environ: dict[str, str
     except bob.ConfigError as e:
         raise bob.ConfigError(f"{where}: {label}, {e}") from None
     here = f"{where}: {label}, MCP server id={cfg.id!r}:"
+    for key, (rule, how) in _NAMES.items():   # else the server's start or the HTTP client fails
+        if bad := [name for name in getattr(cfg, key) or {} if not rule.fullmatch(name)]:
+            raise bob.ConfigError(f"{here} {key} name {bad[0]!r} is not valid: {how}")
+    for key in ("command", "args"):
+        if "\0" in "".join(server.get(key) or ()):
+            raise bob.ConfigError(f"{here} {key} holds a NUL character; remove it")
     cwd = cfg.cwd and str(_path(cfg.cwd, f"{here} cwd", base))   # like [store] path
     if cwd and not Path(cwd).is_dir():
         raise bob.ConfigError(f"{here} cwd {cwd} is not a directory")
