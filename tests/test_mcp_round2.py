@@ -183,3 +183,17 @@ def test_what_a_server_wrote_is_shown_bounded_and_neutralised(level):
     for text in (r.stdout, r.stderr):
         assert "\x1b" not in text and "\x07" not in text, text[:300]
     assert len(r.stderr) < 20_000 and max(map(len, r.stderr.splitlines())) < 2_000
+
+
+def test_through_the_cli_a_lone_surrogate_is_no_dead_server(tmp_path, srv):
+    from conftest import final, run_cli, write_config
+    srv.push('{"type": "tool_call", "name": "r__echo", "arguments": {"text": "cut \\ud83d"}}',
+             '{"type": "tool_call", "name": "r__echo", "arguments": {"text": "whole"}}',
+             final("done"))
+    write_config(tmp_path, srv, extra=(
+        f'[[mcp.servers]]\nid = "r"\ncommand = "{sys.executable}"\nargs = ["{RAW}"]\n'))
+    r = run_cli(tmp_path, "-p", "echo it")
+    assert r.returncode == 0 and r.stdout == "done\n", r.stderr
+    assert "exited" not in r.stderr and "restart" not in r.stderr, r.stderr
+    results = [m for m in srv.requests[2]["body"]["messages"] if "whole" in str(m)]
+    assert results and "surrogate" in str(srv.requests[1]["body"]["messages"]), srv.requests[1]
