@@ -100,7 +100,8 @@ def _checked(values: Any, label: str, where: str, kinds: dict[str, Any]) -> dict
 
 
 def _expand(value: Any, where: str, environ: dict[str, str]) -> Any:
-    """${VAR} replaced from `environ` in a string, list or table; unset is a ConfigError."""
+    """${VAR} and ${VAR:-default} replaced from `environ` in a string, list or table; a
+    variable unset without a default is a ConfigError."""
     if isinstance(value, dict):
         return {k: _expand(v, f"{where}.{k}", environ) for k, v in value.items()}
     if isinstance(value, list):
@@ -111,8 +112,8 @@ def _expand(value: Any, where: str, environ: dict[str, str]) -> Any:
         if name not in environ and not default:
             raise bob.ConfigError(f"{where}: environment variable {name} is not set; "
                                   "export it, give a default (${VAR:-default}) or change the value")
-    return _VAR.sub(lambda m: environ.get(m[1]) or m[2] or "", value)   # as sh: the default
-    # when the variable is unset or empty
+    # ${VAR:-default} as in sh: the default when the variable is unset or empty
+    return _VAR.sub(lambda m: environ.get(m[1]) or m[2] or "", value)
 
 
 def _path(value: str, what: str, base: Path) -> Path:
