@@ -64,7 +64,8 @@ _SCHEMA: dict[str, dict[str, str]] = {
     "mcp": {"servers": "an array of tables"},
 }
 _RANGES = {"retry_max": (0, 10), "max_tokens": (1, 10**7), "temperature": (0, 2)}  # [llm]
-_VAR = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
+_VAR = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")   # ${VAR}, ${VAR:-default}
+_NAMES = {"env": r"[^=\0]+", "headers": r"[-!#$%&'*+.^_`|~0-9A-Za-z]+"}   # env, header names
 
 
 @dataclass(frozen=True)
@@ -99,18 +100,20 @@ def _checked(values: Any, label: str, where: str, kinds: dict[str, Any]) -> dict
 
 
 def _expand(value: Any, where: str, environ: dict[str, str]) -> Any:
-    """${VAR} replaced from `environ` in a string, list or table; unset is a ConfigError."""
+    """${VAR} and ${VAR:-default} replaced from `environ` in a string, list or table; a
+    variable unset without a default is a ConfigError."""
     if isinstance(value, dict):
         return {k: _expand(v, f"{where}.{k}", environ) for k, v in value.items()}
     if isinstance(value, list):
         return tuple(_expand(v, where, environ) for v in value)
     if not isinstance(value, str):   # a wrong kind: McpServerConfig names it
         return value
-    for name in _VAR.findall(value):
-        if name not in environ:
+    for name, default in _VAR.findall(value):
+        if name not in environ and not default:
             raise bob.ConfigError(f"{where}: environment variable {name} is not set; "
-                                  "export it or change the value")
-    return _VAR.sub(lambda m: environ[m.group(1)], value)
+                                  "export it, give a default (${VAR:-default}) or change the value")
+    # ${VAR:-default} as in sh: the default when the variable is unset or empty
+    return _VAR.sub(lambda m: environ.get(m[1]) or m[2] or "", value)
 
 
 def _path(value: str, what: str, base: Path) -> Path:
@@ -139,6 +142,12 @@ def _mcp_server(raw: Any, n: int, where: str, base: Path, environ: dict[str, str
     except bob.ConfigError as e:
         raise bob.ConfigError(f"{where}: {label}, {e}") from None
     here = f"{where}: {label}, MCP server id={cfg.id!r}:"
+    for key, rule in _NAMES.items():   # else the server's start or the HTTP client fails
+        if bad := [name for name in getattr(cfg, key) or {} if not re.fullmatch(rule, name)]:
+            raise bob.ConfigError(f"{here} {key} name {bad[0]!r} is not valid (env: no '=' or "
+                                  "NUL; headers: ASCII letters, digits and !#$%&'*+-.^_`|~)")
+    if "\0" in "".join([cfg.command or "", *cfg.args]):
+        raise bob.ConfigError(f"{here} command or args hold a NUL character; remove it")
     cwd = cfg.cwd and str(_path(cfg.cwd, f"{here} cwd", base))   # like [store] path
     if cwd and not Path(cwd).is_dir():
         raise bob.ConfigError(f"{here} cwd {cwd} is not a directory")
@@ -206,6 +215,7 @@ _TEMPLATE = """\
 # bob's agent.toml, from bob --init. Every key is optional; README "Configuration" has them all.
 [runtime]
 # default_model = "openai:gpt-4o-mini"    # provider:model; --model and $BOB_MODEL win
+# default_model = "local:qwen2.5"         # a local server (base_url below): no key needed
 # max_steps = 12                          # LLM calls per turn
 [llm]
 # base_url = "http://127.0.0.1:8080/v1"   # any OpenAI-compatible server
@@ -257,6 +267,11 @@ _DEMO_REPLIES = (
 )
 
 _CONTROLS = dict.fromkeys([*range(32), *range(127, 160)], "\ufffd")
+
+
+def _plain() -> bool:
+    """TERM=dumb or NO_COLOR: no status line, no dim text (no escape sequences at all)."""
+    return os.environ.get("TERM", "dumb") == "dumb" or "NO_COLOR" in os.environ
 
 
 def _cut(text: str, room: int) -> str:   # text from the model or a server must not drive
@@ -343,14 +358,17 @@ class _TurnView:
             self.cut = True
 
     def tick(self, stop: bool = False) -> None:
-        """Redraw the status line, as the time moves on; stop: erase it until the next begin()."""
-        self._write("\r\x1b[K" if stop else f"\r\x1b[K  {self.state}  step {self.step}/"
-                    f"{self.max_steps}  {time.monotonic() - self.t0:.1f}s", stop)
+        """Redraw the status line, as the time moves on; stop: erase it until the next begin().
+        A plain terminal (TERM=dumb, NO_COLOR) gets no status line, only the tool calls."""
+        status = "" if stop or _plain() else (f"  {self.state}  step {self.step}/"
+                                             f"{self.max_steps}  {time.monotonic() - self.t0:.1f}s")
+        self._write(f"\r\x1b[K{status}", stop)
 
     def _write(self, text: str, stop: bool = False) -> None:
         with self._lock:   # the worker's events and the main thread's ticks
-            if self.drawing:
-                print(text, end="", file=self.out, flush=True)
+            if self.drawing:   # "\x1b[K" erases the line, from where "\r" took the cursor
+                print(text.replace("\x1b[K", "") if _plain() else text, end="", file=self.out,
+                      flush=True)
             self.drawing = self.drawing and not stop
 
     def stats(self, r: bob.AgentRunResult) -> str:
@@ -487,7 +505,8 @@ class Shell:
             _note("warning: the reply was cut by the token limit; raise max_tokens under [llm] "
                   f"in {self.config_name}")
         if self.view.out and result.finish_reason is not bob.FinishReason.CANCELLED:
-            print(f"\x1b[2m  {self.view.stats(result)}\x1b[0m", file=sys.stderr, flush=True)
+            stats = f"  {self.view.stats(result)}"
+            print(stats if _plain() else f"\x1b[2m{stats}\x1b[0m", file=sys.stderr, flush=True)
         if self.view.error is not None:
             raise self._unsaved()
         return result
@@ -563,6 +582,8 @@ class Shell:
                 self._save(_path(arg, "/save", Path()))   # ~nosuchuser: a ConfigError
             case "/exit" | "/quit", _:
                 return False
+            case "/save" | "/resume" | "/model", False:
+                print(f"{name} needs an argument; /help shows it")
             case _:
                 print(f"unknown command {line.strip()!r}; /help lists the commands")
         return True
@@ -618,6 +639,8 @@ def _run_piped(shell: Shell, lines: Iterable[str]) -> int:
 def _prompt(prompt: str, stdin: TextIO) -> str:
     """-p's text: `-` is all of stdin; piped text follows the prompt after a blank line."""
     piped = "" if stdin.isatty() and prompt != "-" else _bounded(stdin.read, "stdin")
+    if prompt == "-" and not piped.strip():
+        raise bob.ConfigError("-p -: stdin is empty; pipe the prompt in, or pass -p TEXT")
     return piped if prompt == "-" else f"{prompt}\n\n{piped}" if piped.strip() else prompt
 
 
@@ -638,6 +661,26 @@ def _list_sessions(store: bob.JsonFileSessionStore) -> int:
     return 0
 
 
+class _Above(logging.StreamHandler):  # type: ignore[type-arg]
+    """Log records on stderr. While the REPL waits at its prompt (an MCP server dies then), a
+    record goes on a new line, and the prompt and what was typed so far are drawn again."""
+    prompt = ""   # the REPL's, while it waits for a line
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if not self.prompt:
+            return super().emit(record)
+        readline = sys.modules.get("readline")
+        self.stream.write("\n")
+        super().emit(record)
+        self.stream.write(self.prompt + (readline.get_line_buffer() if readline else ""))
+        self.flush()
+
+
+def _owner_only(path: str) -> None:
+    """Create the file owner-only (0600) if it is not there; an existing one keeps its mode."""
+    os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600))
+
+
 def _save_history(readline: Any, path: str) -> None:
     with contextlib.suppress(OSError):  # e.g. a read-only HOME: not worth a traceback at exit
         readline.write_history_file(path)
@@ -647,7 +690,10 @@ def _read_message(prompt: str) -> str:
     """One message: a line ending in `\\` goes on; `\"\"\"` opens a block; a paste comes whole."""
     lines = [input(prompt).strip()]
     if lines[0] == '"""':   # up to the next line that is just """, kept as typed
-        return "\n".join(iter(lambda: input("... "), '"""'))
+        block: list[str] = []
+        with contextlib.suppress(EOFError):   # Ctrl-D sends what was typed; the next one quits
+            block.extend(iter(lambda: input("... "), '"""'))
+        return "\n".join(block)
     while lines[-1].endswith("\\"):
         lines[-1] = lines[-1][:-1]
         lines.append(input("... "))
@@ -660,6 +706,8 @@ def _run_repl(shell: Shell, banner: str) -> int:
         import readline
         path = os.path.expanduser("~/.bob_history")
         with contextlib.suppress(OSError):
+            _owner_only(path)
+        with contextlib.suppress(OSError):
             readline.read_history_file(path)
         readline.set_history_length(1000)
         if os.environ.get("TERM", "dumb") != "dumb":   # a paste of many lines: one message
@@ -669,10 +717,16 @@ def _run_repl(shell: Shell, banner: str) -> int:
     prompt = "bob> "
     while True:
         try:
-            line = _read_message(prompt)
-            if line.startswith("/") and not shell.command(line):
-                return 0
-            if line and not line.startswith("/"):
+            _Above.prompt = prompt   # a log record now goes above the prompt
+            try:
+                line = _read_message(prompt)
+            finally:
+                _Above.prompt = ""
+            if line.startswith("/"):
+                if not shell.command(line):
+                    return 0
+                prompt = "bob> "   # after /reset or /resume no question waits
+            elif line:
                 asked = shell.turn(line).finish_reason is bob.FinishReason.ASK_USER
                 prompt = "your answer to bob's question> " if asked else "bob> "
         except (KeyboardInterrupt, EOFError) as e:   # Ctrl-C drops the line, Ctrl-D quits
@@ -702,8 +756,12 @@ def _run_demo(sinks: list[Any]) -> int:
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="bob", description="The bob agent: a REPL, one turn with "
-                                "-p, or a turn per piped line.", epilog="exit codes: 0 ok, 1 "
-                                "runtime error, 2 usage or config error, 3 a guard or a cancel")
+                                "-p, or a turn per piped line.", epilog="the API key: in "
+                                "$OPENAI_API_KEY (or the provider's variable, or --api-key-env); "
+                                "none for a local server or --demo. In the REPL /help lists the "
+                                "commands. Sessions live in $XDG_DATA_HOME/bob/sessions "
+                                "(~/.local/share/bob/sessions). Exit codes: 0 ok, 1 runtime "
+                                "error, 2 usage or config error, 3 a guard or a cancel")
     add = p.add_argument
     add("--config", metavar="PATH", help="default: ./agent.toml, else $XDG_CONFIG_HOME/bob/")
     add("-p", "--prompt", help="one turn, then exit; piped stdin follows PROMPT; '-': all stdin")
@@ -735,7 +793,7 @@ class _Voice(logging.Formatter):
 
 def _sinks(args: argparse.Namespace) -> list[Any]:
     """-v: each event as a line, and INFO logs (MCP servers' stderr); --trace: events as JSONL."""
-    handler = logging.StreamHandler(sys.stderr)
+    handler = _Above(sys.stderr)
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
                          if args.verbose else _Voice())
     logging.basicConfig(level=logging.WARNING, handlers=[handler])   # httpx's INFO: URLs, tokens
@@ -743,20 +801,26 @@ def _sinks(args: argparse.Namespace) -> list[Any]:
     sinks: list[Any] = [_EventPrinter(sys.stderr)] if args.verbose and not args.demo else []
     if args.trace:
         try:  # the sink opens it at the first event: find a bad path now, not once per event
-            open(args.trace, "a", encoding="utf-8").close()
+            _owner_only(args.trace)
         except OSError as e:
             raise bob.ConfigError(f"--trace {args.trace}: cannot write it ({e.strerror})") from None
         sinks.append(bob.JsonlEventSink(args.trace))
     return sinks
 
 
-def _find_config(arg: str | None) -> Path | None:
+def _xdg(name: str, default: str) -> Path:
+    """$name if it is an absolute path (the XDG spec ignores relative ones), else ~/default."""
+    value = os.getenv(name, "")
+    return Path(value) if os.path.isabs(value) else Path.home() / default
+
+
+def _find_config(arg: str | None, verbose: bool) -> Path | None:
     """--config PATH, else ./agent.toml, else $XDG_CONFIG_HOME/bob/agent.toml; None: defaults."""
     if arg is not None:
         return Path(arg)
-    xdg = Path(os.environ.get("XDG_CONFIG_HOME") or Path.home() / ".config") / "bob"
+    xdg = _xdg("XDG_CONFIG_HOME", ".config") / "bob"
     found = [p for p in (Path("agent.toml"), xdg / "agent.toml") if p.is_file()]
-    if not found:
+    if not found and verbose:   # every run of the flags-only quick start: only when asked
         _note(f"no agent.toml here or in {xdg}: running on built-in defaults")
     return found[0] if found else None
 
@@ -779,16 +843,19 @@ def _llm(cfg: Config, args: argparse.Namespace) -> bob.OpenAICompatLlm:
     try:
         return bob.OpenAICompatLlm(model, stream=stream, **options)
     except bob.ConfigError as e:
-        hint = ("; for a local server pass --base-url URL; --demo shows bob without any key"
-                if "no API key" in str(e) else "")
+        hint = (f"; a local server needs none: {'' if url else 'pass --base-url URL and '}a "
+                "model of a provider bob does not know, e.g. --model local:NAME; --demo shows "
+                "bob without any key" if "no API key" in str(e) else "")
         where = "--model: " if args.model else f"{cfg.path}: " if cfg.path else ""
         raise bob.ConfigError(f"{where}{e}{hint}") from None
 
 
 def _store(cfg: Config, args: argparse.Namespace) -> tuple[bob.JsonFileSessionStore, str]:
     """The session store ([store] path, else $XDG_DATA_HOME/bob/sessions) and the session id."""
-    data = Path(os.environ.get("XDG_DATA_HOME") or Path.home() / ".local" / "share")
-    store = bob.JsonFileSessionStore(cfg.store_path or data / "bob" / "sessions")
+    store = bob.JsonFileSessionStore(cfg.store_path or _xdg("XDG_DATA_HOME", ".local/share")
+                                     / "bob" / "sessions")
+    with contextlib.suppress(OSError):   # conversations: owner-only (a failing save says why)
+        store.directory.mkdir(0o700, parents=True, exist_ok=True)
     session_id = args.session
     if args.resume and not session_id:
         recent = _by_use(store)
@@ -844,9 +911,12 @@ def _fail(e: BaseException, code: int, verbose: bool) -> int:
 
 def _start(args: argparse.Namespace, opened: list[Shell]) -> int:
     """Pick the mode: --init, --demo, --sessions, -p, piped stdin or the REPL."""
+    if sys.stdout is None:   # `>&-`: print() would drop every answer without a word
+        raise bob.BobError("stdout is closed, so answers would be lost; redirect it to a file "
+                           "or to /dev/null")
     if args.init or args.demo:
         return _init() if args.init else _run_demo(_sinks(args))
-    found = _find_config(args.config)
+    found = _find_config(args.config, args.verbose)
     cfg = load_config(found) if found else Config()
     if args.sessions:   # needs no key
         return _list_sessions(_store(cfg, args)[0])

@@ -50,6 +50,8 @@ _TAIL_LINES = 8         # stderr lines kept per server for error messages
 _POLL_S = 0.2           # how often a stdio server's owner checks that its process is alive
 _GRACE_S = 7.0          # beyond configured timeouts: the SDK's own bounded shutdown steps
 _CLOSE_S = 8.0          # close(): total budget before process groups are killed outright
+_SHOWN = 500            # characters of one line a server wrote that bob shows (logs, errors)
+_MAX_PAGES = 100        # tools/list pages followed; a nextCursor that never ends is an error
 
 
 # ---- 1. Errors and configuration ----------------------------------------------------------------
@@ -172,6 +174,15 @@ def _result_text(result: Any) -> str:
     return "\n".join(text for text, _ in parts)
 
 
+def _masked(data: Any, scrub: Any) -> Any:
+    """JSON-like data (a tool's schema) with scrub() applied to every string value in it."""
+    if isinstance(data, dict):
+        return {k: _masked(v, scrub) for k, v in data.items()}
+    if isinstance(data, list):
+        return [_masked(v, scrub) for v in data]
+    return scrub(data) if isinstance(data, str) else data
+
+
 def _leaf(exc: BaseException) -> BaseException:
     """The first real error inside (nested) exception groups, skipping cancellations."""
     if not isinstance(exc, BaseExceptionGroup):
@@ -185,16 +196,22 @@ def _leaf(exc: BaseException) -> BaseException:
 _serving: contextvars.ContextVar[_Server] = contextvars.ContextVar("bob_mcp_serving")
 
 
-def _bad_line(record: logging.LogRecord) -> bool:
-    """The SDK logs a stdout line that is not JSON-RPC whole, at ERROR: ours go masked, at INFO."""
+def _sdk_note(record: logging.LogRecord) -> bool:
+    """The SDK logs a stdout line that is not JSON-RPC, or a notification it could not validate,
+    with a traceback quoting it, at ERROR or WARNING: for our servers, one line, masked, at
+    INFO. An answer it cannot read ("result": null, an array) it drops, and the request would
+    wait for its timeout: that request fails now (the SDK has no API for this)."""
     server = _serving.get(None)
-    if record.funcName != "_parse_line" or server is None:
+    if record.funcName not in ("_parse_line", "_on_notify") or server is None:
         return True
     exc = record.exc_info[1] if record.exc_info else None
     errors = exc.errors() if hasattr(exc, "errors") else [{}]
-    line = str(errors[0].get("input", exc) if errors else exc)
-    log.info("[%s] skipped a stdout line that is not JSON-RPC: %s", server.cfg.id,
-             server._scrub(line[:500]))
+    bad = errors[0].get("input", exc) if errors else exc   # what the server sent
+    log.info("[%s] skipped output that is not JSON-RPC or not valid MCP: %s", server.cfg.id,
+             server._show(f"{record.getMessage()}: {bad}"))
+    if isinstance(bad, dict) and "result" in bad and server.session:   # as the content, which
+        server.session._dispatcher._resolve_pending(   # call_tool refuses: an "invalid result"
+            bad.get("id"), {"content": bad["result"]})
     return False
 
 
@@ -220,14 +237,16 @@ def _descendants(pid: int | None) -> list[int]:
 
 
 async def _list_all(session: Any) -> list[Any]:
-    """Every tool of a session, following tools/list pagination."""
+    """Every tool of a session, following tools/list pagination up to _MAX_PAGES pages."""
     page = await session.list_tools()
     tools = list(page.tools)
-    while page.next_cursor:
+    for _ in range(_MAX_PAGES):
+        if not page.next_cursor:
+            return tools
         page = await session.list_tools(
             params=mcp.types.PaginatedRequestParams(cursor=page.next_cursor))
         tools += page.tools
-    return tools
+    raise McpError(f"tools/list sent over {_MAX_PAGES} pages (a nextCursor that never ends?)")
 
 
 class _Server:
@@ -248,6 +267,7 @@ class _Server:
         self._lost: Exception | None = None  # why the transport failed under a call
         self._stderr = -1                   # our end of the stderr pipe (stdio), once open
         self._partial = b""                 # the start of a stderr line still being written
+        self.status = 0                     # HTTP: its first error status in a start or call
         start_s = cfg.startup_timeout_ms / 1000   # stop() cancels the scope: startup, then wait
         self._scope = anyio.CancelScope(deadline=anyio.current_time() + start_s)
         self.ready = asyncio.get_running_loop().create_future()   # awaited: None or McpError
@@ -255,7 +275,7 @@ class _Server:
 
     async def _own(self) -> None:
         error = None
-        _serving.set(self)   # the SDK's reader tasks inherit it: _bad_line names us
+        _serving.set(self)   # the SDK's reader tasks inherit it: _sdk_note names us
         try:
             async with contextlib.AsyncExitStack() as stack:
                 stack.enter_context(self._scope)
@@ -271,8 +291,10 @@ class _Server:
                 self.ready.set_result(None)
                 with anyio.CancelScope() as self._scope:  # cancelled: leave the SDK's managers
                     while getattr(self._process, "returncode", None) is None:   # it may exit
+                        # Who to kill at the end, seen while it runs: once it died, a setsid
+                        # child of it is re-parented, tied to it by nothing.
+                        self._family = _descendants(self.pgid)
                         await anyio.sleep(_POLL_S)
-                self._family = _descendants(self.pgid)   # before the SDK ends the server
         except Exception as e:
             error = e
         finally:
@@ -289,6 +311,7 @@ class _Server:
         if cfg.transport == "streamable_http":
             http = mcp.client.streamable_http
             client = await stack.enter_async_context(http.create_mcp_http_client(cfg.headers))
+            client.event_hooks["response"].append(self._on_response)   # the SDK hides statuses
             return await stack.enter_async_context(
                 http.streamable_http_client(cfg.url or "", http_client=client))  # url: checked
         self._stderr, write_fd = os.pipe()   # the server's stderr: to the log, never the terminal
@@ -311,13 +334,17 @@ class _Server:
         """Say why the owner ended: to start() while starting, else in `dead` for the calls."""
         error, code = error or self._lost, getattr(self._process, "returncode", None)
         ready, leaf = self.ready.done(), _leaf(error) if error else None
-        if isinstance(leaf, mcp.MCPError) and code == -signal.SIGTERM:  # the SDK's stop, at EOF
-            code, error = None, None      # it closed its stdout but lived on
+        if isinstance(leaf, mcp.MCPError) and leaf.error.code == mcp.types.CONNECTION_CLOSED:
+            error = None                  # it ended the connection; its exit code says more
+            code = None if code == -signal.SIGTERM else code   # the SDK's stop, at EOF
         if not ready and self.closing:
             cause = "stopped while starting"
         elif not ready and self._scope.cancelled_caught:
             cause = f"no answer to the MCP handshake within {self.cfg.startup_timeout_ms} ms"
-        elif code is not None or error is None:
+        elif self.status in (401, 403):   # the SDK says "Server returned an error response"
+            cause = (f"HTTP {self.status}: check the token in its headers "
+                     f"{sorted(self.cfg.headers or {})}")
+        elif error is None:   # not what bob did to it after an error: the SDK's error says why
             cause = "closed the connection" if code is None else f"exited (code {code})"
         else:
             hint = " (is it installed and on PATH?)" if isinstance(leaf, FileNotFoundError) else ""
@@ -336,6 +363,11 @@ class _Server:
             text = text.replace(secret, "***")
         return text
 
+    def _show(self, text: str) -> str:
+        """A line the server wrote, fit to show: masked, no controls, at most _SHOWN chars."""
+        text = self._scrub(text)[:_SHOWN]
+        return "".join(c if c.isprintable() else "\ufffd" for c in text)   # no ESC, no BEL
+
     def _read_stderr(self, final: bool = False) -> None:
         """Log stderr lines (INFO), keep the last; when readable, and once more (final) at exit."""
         data, eof = b"", False
@@ -351,10 +383,15 @@ class _Server:
         if eof or final:
             asyncio.get_running_loop().remove_reader(self._stderr)
         for line in filter(None, lines):
-            self.tail.append(self._scrub(line.decode("utf-8", "replace").rstrip()))
+            self.tail.append(self._show(line.decode("utf-8", "replace").rstrip()))
             log.info("[%s] %s", self.cfg.id, self.tail[-1])
         if final:
             os.close(self._stderr)
+
+    async def _on_response(self, response: Any) -> None:
+        """Keep the first error status (the SDK says "Server returned an error response")."""
+        if response.status_code >= 400 and not self.status:   # not the 405 of the DELETE after
+            self.status = response.status_code
 
     async def _roots(self, context: Any) -> Any:
         paths = [Path(p).resolve() for p in self.cfg.roots]
@@ -368,8 +405,14 @@ class _Server:
     async def call(self, tool: str, arguments: dict[str, Any], timeout_s: float
                    ) -> tuple[str, bool]:
         """(text, is_error) of one tool call, unmasked; a server that is gone is error text."""
+        try:
+            json.dumps(arguments, ensure_ascii=False).encode()
+        except UnicodeEncodeError:   # the SDK's writer would fail on it and end the session
+            return ("the arguments hold a lone surrogate (half a character, e.g. a cut emoji) "
+                    "that cannot be sent; call again with valid text"), True
         if self.session is None:
             return f"executor unavailable: {self.dead or f'server {self.cfg.id} stopped'}", True
+        self.status = 0
         try:
             result = await self.session.call_tool(tool, arguments, read_timeout_seconds=timeout_s)
             return _result_text(result), bool(result.is_error)
@@ -379,7 +422,9 @@ class _Server:
                 return f"tool {tool} timed out after {round(timeout_s * 1000)} ms", True
             if (err.code, err.message, err.data) != (mcp.types.CONNECTION_CLOSED,
                                                      "Connection closed", None):
-                return f"MCP error from server {self.cfg.id}: {err.message}", True
+                if self.status != 404:   # 404: the session is gone; restarted next turn
+                    return f"MCP error from server {self.cfg.id}: {err.message}", True
+                self._lost = e
         except (RuntimeError, ValueError) as e:   # it answered, but not with a valid result
             return f"invalid result from server {self.cfg.id}: {e}", True
         except Exception as e:                    # the transport failed (e.g. HTTP refused)
@@ -433,7 +478,8 @@ class McpToolPort:
                 self._thread = threading.Thread(target=self._run_loop, name="bob-mcp", daemon=True)
                 self._thread.start()
                 atexit.register(self.close)       # no server outlives bob, whatever happens
-                logging.getLogger("mcp.client.stdio").addFilter(_bad_line)  # inert elsewhere
+                for name in ("mcp.client.stdio", "client"):   # inert elsewhere
+                    logging.getLogger(name).addFilter(_sdk_note)
                 self._started = asyncio.run_coroutine_threadsafe(self._start_all(), self._loop)
         if wait:
             self._wait_started()
@@ -462,11 +508,13 @@ class McpToolPort:
             else:
                 log.warning("%s\nSkipping it (required = false); the other servers run.", error)
         if failed:   # _wait_started() closes the port, which stops the servers that did start
-            raise failed[0] if len(failed) == 1 else McpError("\n".join(map(str, failed)))
+            raise McpError("\n".join(map(str, failed)))
         self._publish()
 
     def _publish(self) -> None:
-        """Rebuild the name map and the descriptors from the servers' tool lists."""
+        """Rebuild the name map and the descriptors from the servers' tool lists. Of two tools
+        exposed under one name the first is kept, with a warning (a server's bug, or two ids
+        that rename to one): no server fails for it, an optional one least of all."""
         names: dict[str, tuple[_Server, str]] = {}
         tools = []
         for server in self._servers:
@@ -474,11 +522,14 @@ class McpToolPort:
                 name = exposed_name(server.cfg.id, tool.name)
                 if name in names:
                     other, other_tool = names[name]
-                    raise McpError(f"MCP tool name clash: {other.cfg.id!r} tool {other_tool!r} "
-                                   f"and {server.cfg.id!r} tool {tool.name!r} are both exposed "
-                                   f"as {name!r}; rename one of the server ids")
+                    fix = "the server lists both" if other is server else "rename a server id"
+                    log.warning(f"MCP tool name clash: {other.cfg.id!r} tool {other_tool!r} and "
+                                f"{server.cfg.id!r} tool {tool.name!r} are both exposed as "
+                                f"{name!r}; skipping the second ({fix})")
+                    continue
                 names[name] = (server, tool.name)
-                tools.append(ToolDescriptor(name, tool.description or "", tool.input_schema))
+                tools.append(ToolDescriptor(name, server._scrub(tool.description or ""),
+                                            _masked(tool.input_schema, server._scrub)))
         self._names, self._tools = names, tools   # swapped whole: read by other threads
 
     def _wait_started(self) -> None:
@@ -531,10 +582,7 @@ class McpToolPort:
                 log.warning("MCP server %r: listing tools failed: %s", server.cfg.id,
                             server._scrub(repr(e)))
         if todo:
-            try:
-                self._publish()
-            except McpError as e:
-                log.error("%s\nKeeping the previous tool list.", e)
+            self._publish()
 
     def call_tool(self, call: ToolCall, timeout_s: float,
                   cancel: CancelToken | None = None) -> ToolResult:
@@ -590,7 +638,7 @@ class McpToolPort:
         except BaseException as e:  # the loop is stuck, or Ctrl-C: kill them from this thread
             log.warning("MCP servers did not stop in time (%r); killing them", e)
             for server in self._servers:
-                _kill(server.pgid, _descendants(server.pgid))
+                _kill(server.pgid, server._family)
             if not isinstance(e, Exception):
                 raise
         self._loop.call_soon_threadsafe(self._loop.stop)

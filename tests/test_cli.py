@@ -93,6 +93,17 @@ def test_load_config_of_an_empty_file_gives_the_defaults(tmp_path):
      ["id='a'", "url must be an http"]),
     ("[[mcp.servers]]\nid = 'a'\ncommand = 'x'\ncwd = 'nowhere'\n",
      ["id='a'", "nowhere is not a directory"]),
+    # issue 22: they failed at server start (exit 1), or in the HTTP client
+    ("[[mcp.servers]]\nid = 'a'\ncommand = 'x'\nenv = { 'K=V' = 'x' }\n",
+     ["id='a'", "env name 'K=V'", "'='"]),
+    ("[[mcp.servers]]\nid = 'a'\ncommand = 'x'\nenv = { \"K\\u0000\" = 'x' }\n",
+     ["id='a'", "env name 'K\\x00'", "NUL"]),
+    ("[[mcp.servers]]\nid = 'a'\ntransport = 'streamable_http'\nurl = 'http://h:1/mcp'\n"
+     "headers = { 'X Key' = 'v' }\n", ["id='a'", "headers name 'X Key'", "ASCII letters"]),
+    ("[[mcp.servers]]\nid = 'a'\ntransport = 'streamable_http'\nurl = 'http://h:1/mcp'\n"
+     "headers = { 'X-Clé' = 'v' }\n", ["id='a'", "headers name 'X-Clé'", "ASCII letters"]),
+    ("[[mcp.servers]]\nid = 'a'\ncommand = \"run\\u0000me\"\n", ["id='a'", "command", "NUL"]),
+    ("[[mcp.servers]]\nid = 'a'\ncommand = 'x'\nargs = [\"\\u0000\"]\n", ["id='a'", "args", "NUL"]),
 ])
 def test_config_errors_name_file_table_and_key(tmp_path, text, words):
     (tmp_path / "agent.toml").write_text(text)
@@ -100,6 +111,22 @@ def test_config_errors_name_file_table_and_key(tmp_path, text, words):
         bob_cli.load_config(tmp_path / "agent.toml", environ={})
     for word in [str(tmp_path / "agent.toml"), *words]:
         assert word in str(err.value)
+
+
+def test_a_shell_default_is_used_when_the_variable_is_unset_or_empty(tmp_path):
+    (tmp_path / "agent.toml").write_text(
+        "[[mcp.servers]]\nid = 'a'\ncommand = 'x'\n"
+        "args = ['${UNSET:-fallback}', '${EMPTY:-d2}', '${SET:-unused}', '${SET}']\n")
+    cfg = bob_cli.load_config(tmp_path / "agent.toml", environ={"EMPTY": "", "SET": "yes"})
+    assert cfg.mcp_servers[0].args == ("fallback", "d2", "yes", "yes")
+
+
+def test_a_bad_env_name_is_exit_2_naming_it_and_the_file(tmp_path):
+    (tmp_path / "agent.toml").write_text(
+        "[[mcp.servers]]\nid = 'a'\ncommand = 'x'\nenv = { 'K=V' = 'secret' }\n")
+    r = run_cli(tmp_path, "-p", "hi")
+    assert r.returncode == 2 and "env name 'K=V'" in r.stderr, r.stderr
+    assert str(tmp_path / "agent.toml") in r.stderr and "secret" not in r.stderr
 
 
 # ---- 3. One-shot, piped, sessions, trace, guards, demo ----
@@ -350,7 +377,6 @@ def test_repl_answers_cancels_on_ctrl_c_and_quits_on_ctrl_d(tmp_path, srv):
         assert b"first-reply" in term.expect(b"bob> ")
         term.send(b"wait for me\r")
         assert srv.wait_for_requests(2)
-        term.expect(b"llm_infer  step 1/12")           # the status line on stderr (a tty)
         term.send(b"\x03")                           # Ctrl-C while the model hangs
         assert b"cancelled" in term.expect(b"bob> ")
         srv.release()

@@ -1,0 +1,96 @@
+"""A hand-written MCP stdio server for bob's tests: JSON-RPC lines, broken on purpose.
+
+    python tests/mcp_raw_server.py MODE...
+
+Modes: `null-result` / `array-result` (tools/call answered with "result": null / [...]),
+`pages` (tools/list pages forever), `old-protocol` (initialize answers version 1999-01-01),
+`no-schema` (a tool without inputSchema), `twice` (the same tool listed twice), `clash` (tools
+`a.b` and `a_b`), `prefixed` (a tool `x__echo`), `bad-level` (notifications/message with an invalid level quoting API_KEY,
+200 times, on every call), `described` (a description and a schema default quoting API_KEY),
+`setsid-crash` (a setsid grandchild at start, tool `crash` exits at once), `noisy` (stderr
+lines with terminal controls, 100,000 characters long, then `crash` exits), `die-soon` (exits
+0.5 s after its first tools/list).
+Tool `echo` returns its `text` argument.
+"""
+import json
+import os
+import subprocess
+import sys
+import threading
+
+MODES = set(sys.argv[1:])
+SECRET = os.environ.get("API_KEY", "")
+
+
+def send(message: dict) -> None:
+    sys.stdout.write(json.dumps(message) + "\n")
+    sys.stdout.flush()
+
+
+def tools() -> list[dict]:
+    schema = {"type": "object", "properties": {"text": {"type": "string"}}}
+    listed = [{"name": "echo", "description": "Echo text.", "inputSchema": schema},
+              {"name": "crash", "inputSchema": {"type": "object"}}]
+    if "no-schema" in MODES:
+        listed.append({"name": "bare", "description": "no inputSchema"})
+    if "twice" in MODES:
+        listed.append(listed[0])
+    if "clash" in MODES:
+        listed += [{"name": n, "inputSchema": {"type": "object"}} for n in ("a.b", "a_b")]
+    if "prefixed" in MODES:
+        listed.append({"name": "x__echo", "inputSchema": {"type": "object"}})
+    if "described" in MODES:
+        listed.append({"name": "leaky", "description": f"Uses the key {SECRET}.", "inputSchema": {
+            "type": "object", "properties": {"key": {"type": "string", "default": SECRET}}}})
+    return listed
+
+
+def answer(msg: dict) -> dict | None:
+    method, params = msg.get("method"), msg.get("params") or {}
+    if method == "initialize":
+        version = "1999-01-01" if "old-protocol" in MODES else params.get("protocolVersion")
+        return {"protocolVersion": version, "capabilities": {"tools": {}},
+                "serverInfo": {"name": "raw", "version": "1"}}
+    if method == "tools/list":
+        if "die-soon" in MODES:
+            threading.Timer(0.5, os._exit, [3]).start()
+        if "pages" in MODES:
+            return {"tools": tools() if not params.get("cursor") else [],
+                    "nextCursor": str(int(params.get("cursor") or 0) + 1)}
+        return {"tools": tools()}
+    if method == "tools/call":
+        if params.get("name") == "crash":
+            if "noisy" in MODES:
+                for _ in range(8):
+                    sys.stderr.write("\x1b]0;owned\x07\x1b[2J" + "x" * 100_000 + "\n")
+                sys.stderr.flush()
+            os._exit(3)
+        if "bad-level" in MODES:
+            for _ in range(200):
+                send({"jsonrpc": "2.0", "method": "notifications/message",
+                      "params": {"level": f"loud-{SECRET}", "data": "hi"}})
+        if "null-result" in MODES:
+            return None
+        if "array-result" in MODES:
+            return ["not", "an", "object"]
+        text = (params.get("arguments") or {}).get("text", "")
+        return {"content": [{"type": "text", "text": text}]}
+    if method == "ping":
+        return {}
+    return {}
+
+
+def main() -> None:
+    if "setsid-crash" in MODES:
+        subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)",
+                          os.environ.get("MARKER", "bob-raw")], start_new_session=True,
+                         stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                         stderr=subprocess.DEVNULL)
+    for line in sys.stdin:
+        msg = json.loads(line)
+        if "id" in msg and "method" in msg:
+            send({"jsonrpc": "2.0", "id": msg["id"], "result": answer(msg)})
+
+
+if __name__ == "__main__":
+    main()
