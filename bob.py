@@ -17,6 +17,7 @@ Sections:
     3. Ports                  8. Workers: threads with deadlines and cancel
     4. Actions and prompts    9. The scheduler (AgentRuntime)
     5. LoopGuard             10. LLM adapters: ScriptedLlm, OpenAICompatLlm
+                             11. Replay
 
 Vendoring: copy this file. It needs Python >= 3.11 and the standard library; `requests` is imported
 only when an OpenAICompatLlm is created. Nothing happens at import time.
@@ -51,7 +52,7 @@ from typing import Any, Callable, Iterable, Iterator, Literal, Protocol, Sequenc
 
 __all__ = [
     "BobError", "ConfigError", "LlmError", "ActionParseError", "StoreError", "AgentError",  # errors
-    "Cancelled",
+    "Cancelled", "TraceError",
     # domain
     "Message", "ToolDescriptor", "ToolCall", "ToolResult", "Final", "CallTools", "AskUser",
     "AgentAction", "TurnPolicy", "Usage", "FinishReason", "GuardReason", "AgentRequest", "Approval",
@@ -62,7 +63,9 @@ __all__ = [
     "parse_action", "truncate_history", "is_denied", "abandoned_workers", "FunctionTools",
     "CompositeToolPort", "InMemorySessionStore", "JsonFileSessionStore", "LoggingEventSink",
     "JsonlEventSink", "AgentRuntime", "ScriptedLlm", "OpenAICompatLlm", "PROVIDERS",
-    "RETRYABLE_STATUSES", "TOOL_NAME", "request_digest",
+    "RETRYABLE_STATUSES", "TOOL_NAME",
+    # the trace and replay
+    "request_digest", "replay", "ReplayReport", "ReplayLlm", "ReplayTools", "read_trace",
 ]
 __version__ = "0.1.0"
 TRACE_FORMAT = 1   # the format of what a trace records (README: "The trace")
@@ -2301,3 +2304,338 @@ class OpenAICompatLlm:
                 acc.add(chunk)
             except (*_BAD_JSON, TypeError) as e:
                 raise self._error(200, f"sent a bad stream event ({e})", payload) from None
+
+
+# ---- 11. Replay --------------------------------------------------------------------------------
+# A JSONL trace is a complete record of a run; these ports answer from one, replay() compares.
+
+_Event = dict[str, Any]   # one event of a trace, as JSON has it, with its `line`
+_Trace = Union[str, os.PathLike, Sequence[_Event]]   # a JSONL file, or its events
+
+
+class TraceError(BobError):
+    """A trace that cannot be read or was cut short; the message names the line."""
+
+
+def read_trace(trace: _Trace) -> list[_Event]:
+    """The events of a JSONL trace file (or a list of them), each with its `line`."""
+    if not isinstance(trace, (str, os.PathLike)):
+        return list(trace)
+    try:
+        lines = Path(trace).read_text(encoding="utf-8").splitlines()
+    except (OSError, ValueError) as e:
+        raise TraceError(f"cannot read the trace {trace}: {e}") from None
+    events = []
+    for n, line in enumerate(lines, 1):
+        with contextlib.suppress(*_BAD_JSON):
+            events.append({**_want(_json(line), dict, "an event"), "line": n})
+        if not (len(events) == n and isinstance(events[-1].get("kind"), str)
+                and isinstance(events[-1].get("data"), dict)):
+            raise TraceError(f"{trace} line {n} is not a trace event (cut short?)")
+    return events
+
+
+class ReplayLlm:
+    """An LlmPort answering from a trace: a request must have the recorded digest, and gets the
+    recorded reply; otherwise LlmError, and `divergence` says why. Never calls a model."""
+
+    def __init__(self, trace: _Trace):
+        self._script: list[list[Any]] = []   # [digest, reply or None, error text or None]
+        for e in read_trace(trace):
+            kind, d = e["kind"], e["data"]
+            if kind == "llm_call_started":
+                self._script.append([d.get("digest"), None, None])
+            elif kind == "llm_call_completed" and self._script:
+                self._script[-1][1] = LlmResponse(d["content"], tuple(
+                    ToolCall(**c) for c in d["tool_calls"]), Usage(**d["usage"]),
+                    d["finish_reason"])
+            elif kind == "error" and d.get("where") == "turn" and self._script:
+                self._script[-1][2] = d["error"].partition(": ")[2]
+        self.requests: list[LlmRequest] = []
+        self.divergence: str | None = None
+        self._lock, self._parts = threading.Lock(), {}   # the parts of request_digest
+
+    @property
+    def left_over(self) -> int:
+        """Recorded replies that no request asked for."""
+        return sum(s[1] is not None for s in self._script[len(self.requests):])
+
+    def complete(self, req: LlmRequest, cancel: CancelToken,
+                 on_delta: Callable[[str], None] | None = None) -> LlmResponse:
+        """The recorded reply to this request."""
+        with self._lock:
+            n = len(self.requests)
+            self.requests.append(req)
+        digest, reply, error = self._script[n] if n < len(self._script) else (None,) * 3
+        if digest is None or request_digest(req, self._parts) != digest:
+            self.divergence = self.divergence or f"LLM request {n + 1} " + (
+                "differs from the recorded" if digest else "has no recorded reply")
+            raise LlmError(f"replay: {self.divergence}")
+        if reply is None and error is None:   # unanswered: cancelled or out of time meanwhile
+            cancel.wait(60.0 if req.deadline is None else req.deadline - time.monotonic() + 1)
+            raise Cancelled("the recorded request was never answered")
+        if reply is None:
+            raise LlmError(error)
+        return typing.cast(LlmResponse, reply)
+
+
+class ReplayTools:
+    """A ToolPort answering each call with its recorded result if name and arguments match (else
+    an error; `divergence` says why); a call interrupted in the recording calls `on_interrupt`."""
+
+    def __init__(self, trace: _Trace, on_interrupt: Callable[[], None] | None = None):
+        events = read_trace(trace)
+        starts = [e["data"] for e in events if e["kind"] == "turn_started"]
+        self.tools = [ToolDescriptor(**d) for d in starts[0]["tools"]] if starts else []
+        self.on_interrupt, self.divergence = on_interrupt, None
+        self._calls: dict[str, list[_Event]] = {}  # call id -> recorded, oldest first
+        self._running: collections.Counter[int] = collections.Counter()  # batch -> unanswered
+        self._cond, started, batch = threading.Condition(), {}, 0
+        for e in events:
+            kind, d = e["kind"], e["data"]
+            batch += kind == "llm_call_completed"
+            started.update({d["call_id"]: d} if kind == "tool_call_started" else {})
+            if kind == "tool_call_completed" and started.get(d["call_id"], {}).get("runs"):
+                rec = {**started[d["call_id"]], **d, "batch": batch,
+                       "cut": "before this call ended" in d["content"]}
+                self._calls.setdefault(d["call_id"], []).append(rec)
+                self._running[batch] += not rec["cut"]
+
+    def list_tools(self) -> list[ToolDescriptor]:
+        """The tools the (first) recorded turn offered."""
+        return list(self.tools)
+
+    def call_tool(self, call: ToolCall, timeout_s: float,
+                  cancel: CancelToken | None = None) -> ToolResult:
+        """The recorded result of this call."""
+        with self._cond:
+            rec = (self._calls.get(call.id) or [None]).pop(0)
+        args = redact(call.arguments)
+        if rec is None or (rec["name"], rec["arguments"]) != (call.name, args):
+            what = f"tool call {call.id} {call.name}({json.dumps(args)}) was never recorded"
+            if rec is not None:
+                what += f"; recorded: {rec['name']}({json.dumps(rec['arguments'])})"
+            self.divergence = self.divergence or what
+            return _error(call, f"replay: {what}")
+        with self._cond:  # an interrupted call: the others of its batch ended before the cancel
+            self._running[rec["batch"]] -= not rec["cut"]
+            self._cond.notify_all()
+            self._cond.wait_for(lambda: not rec["cut"] or not self._running[rec["batch"]], 10)
+        if rec["cut"] and self.on_interrupt:
+            self.on_interrupt()
+        return ToolResult(call.id, call.name, rec["content"], rec["is_error"])
+
+
+@dataclass
+class ReplayReport:
+    """What replay() found: `ok`, a line per turn, and the first divergence: turn, step, what,
+    the recorded and new values, and for a request the first differing message (`detail`)."""
+    ok: bool
+    turns: list[str]
+    turn: int | None = None
+    step: int | None = None
+    what: str = ""
+    recorded: Any = None
+    new: Any = None
+    detail: str = ""
+
+    def __str__(self) -> str:
+        values = [f"  {k:<10}{json.dumps(v, default=str)}" for k, v in
+                  (("recorded:", self.recorded), ("new:", self.new))] if not self.ok else []
+        where = [] if self.ok else [f"turn {self.turn}, step {self.step}: {self.what}"]
+        return "\n".join(self.turns + where + values + ([self.detail] if self.detail else []))
+
+
+# -- reading turns back --
+# The fields replay compares, per event kind (not timestamps, durations or usage).
+_COMPARED = {"turn_started": (), "state": ("from", "to"), "llm_call_started": ("digest",),
+             "action_parsed": ("type", "tools"), "parse_error": ("error",),
+             "tool_call_started": ("call_id", "name", "arguments"),
+             "tool_call_completed": ("call_id", "name", "content", "is_error"),
+             "guard_tripped": ("reason", "detail"), "error": ("where",),
+             "turn_completed": ("finish_reason", "guard_reason", "content")}
+
+
+def _compared(e: dict[str, Any]) -> bool:
+    """Compared events: a failing store.save is about the machine, not the run."""
+    return e["kind"] in _COMPARED and e["data"].get("where") != "store.save"
+
+
+def _turn_start(turn: list[_Event]) -> _Event | None:
+    """The data of a turn's turn_started, if it has one yet."""
+    return next((e["data"] for e in turn if e["kind"] == "turn_started"), None)
+
+
+def _turns(events: list[_Event]) -> list[list[_Event]]:
+    """The events grouped by turn (session_loaded included); TraceError for a turn cut short."""
+    turns: list[list[_Event]] = []
+    open_turns: dict[Any, list[_Event]] = {}   # session -> its turn so far
+    for e in events:
+        turn = open_turns.setdefault(e.get("session_id"), [])
+        if e["kind"] == "turn_started":
+            if e["data"].get("format") != TRACE_FORMAT or _turn_start(turn):
+                raise TraceError(f"line {e['line']}: not a turn this bob replays (format "
+                                 f"{e['data'].get('format')}, or the last turn never ended)")
+            turns.append(turn)
+        turn.append(e)
+        if e["kind"] == "turn_completed":
+            open_turns.pop(e.get("session_id"))
+    for turn in open_turns.values():
+        if _turn_start(turn):
+            raise TraceError(f"the turn that starts at line {turn[0]['line']} has no "
+                             "turn_completed: the trace is cut short")
+    return turns
+
+
+def _cancel_point(events: list[_Event]) -> int | None:
+    """The index (among compared events) of the event a recorded cancel came right after; None
+    when the turn was not cancelled or a tool was interrupted (ReplayTools cancels then)."""
+    texts = [e["data"]["content"] for e in events if e["kind"] == "tool_call_completed"]
+    if (events[-1]["data"].get("finish_reason") != FinishReason.CANCELLED.value
+            or any("before this call ended" in c for c in texts)):
+        return None
+    states = [i for i, e in enumerate(events) if e["kind"] == "state"]
+    if any("before this call started" in c for c in texts):   # while the model answered
+        return max(i for i in states if events[i]["data"]["to"] == State.CALL_TOOL.value)
+    return states[-1] - 1   # the cancel was seen at the last transition, to done
+
+
+# -- replaying a turn --
+
+class _Recorder:
+    """The replay's event sink: keeps compared events as JSON has them; cancels at `cancel_at`."""
+
+    def __init__(self, cancel: CancelToken, cancel_at: int | None):
+        self.events: list[_Event] = []
+        self.cancel, self.cancel_at = cancel, cancel_at
+
+    def emit(self, event: AgentEvent) -> None:
+        e = json.loads(json.dumps(vars(event), default=str))
+        if _compared(e):
+            self.events.append(e)
+            if len(self.events) - 1 == self.cancel_at:
+                self.cancel.cancel()
+
+
+def _shown(e: _Event | None) -> _Event | None:
+    return e and {"kind": e["kind"], **{f: e["data"].get(f) for f in _COMPARED[e["kind"]]}}
+
+
+def _first_difference(recorded: list[_Event], new: list[_Event]) -> tuple[Any, ...] | None:
+    """(step, what, recorded, new) of the first compared event that differs, or None."""
+    for a, b in itertools.zip_longest(recorded, new):
+        if a is None or b is None or a["kind"] != b["kind"]:
+            what = ("the new run did more" if a is None else "the new run ended before this"
+                    if b is None else "a different event")
+            return (a or b)["step"], what, _shown(a), _shown(b)
+        for f in _COMPARED[a["kind"]]:
+            if a["data"].get(f) != b["data"].get(f):
+                return a["step"], f"{a['kind']} {f}", a["data"].get(f), b["data"].get(f)
+    return None
+
+
+class _FailedSave:
+    """A store whose save fails, as the recorded one did (the session stays as it was)."""
+
+    def __init__(self, store: SessionStore):
+        self.load = store.load
+
+    def save(self, session_id: str, state: SessionState) -> None:
+        raise StoreError("replay: the recorded save failed")
+
+
+def _approver(events: list[_Event]) -> Callable[[ToolCall], Approval]:
+    """An approver that gives the decisions recorded in a turn, by call id."""
+    decided = {d["call_id"]: Approval(d["allow"], d.get("reason", ""), d.get("arguments"))
+               for d in (e["data"] for e in events if e["kind"] == "approval_decided")}
+    return lambda call: decided.get(call.id, Approval(False, "replay: no recorded decision"))
+
+
+def _replay_turn(events: list[_Event], store: SessionStore, given: dict[str, Any]
+                 ) -> tuple[list[_Event], ReplayLlm]:
+    """Run a recorded turn again with replay()'s settings: the compared events, its ReplayLlm."""
+    start, sid = _turn_start(events) or {}, events[0]["session_id"]
+    for e in events:
+        if e["kind"] == "session_loaded":   # a version past the replayed one, so the save takes
+            version = getattr(store.load(sid), "version", -1) + 1
+            store.save(sid, SessionState([Message.from_dict(m) for m in e["data"]["messages"]],
+                                         paused=e["data"].get("paused"), version=version))
+    if any(e["kind"] == "error" and e["data"].get("where") == "store.save" for e in events):
+        store = _FailedSave(store)   # the recorded save failed: the turn raised, so must this one
+    caller, llm = CancelToken(), ReplayLlm(events)
+    sink = _Recorder(caller, _cancel_point([e for e in events if _compared(e)]))
+    settings = {"policy": TurnPolicy(**start["policy"]), "system_prompt": start["system_prompt"],
+                "action_mode": start["action_mode"]}
+    settings.update((k, given[k]) for k in settings if given.get(k) is not None)
+    tools = given.get("tools")
+    runtime = AgentRuntime(llm, tools if tools is not None else ReplayTools(events, caller.cancel),
+                           store=store, events=sink, **settings, ask_tools=start.get(
+                               "ask_tools", ()), deny_tools=(  # the recorded denials stay
+                               *given.get("deny_tools", ()), *start.get("deny_tools", ())),
+                           approver=_approver(events) if start.get("approver") else None)
+    approvals = {k: Approval(**a) for k, a in start.get("approvals", {}).items()}
+    with contextlib.suppress(BobError):  # an error that ends the turn is an event
+        runtime.run(AgentRequest(start["input"], sid, approvals=approvals or None), caller)
+    return sink.events, llm
+
+
+def _request_diff(events: list[_Event], before: SessionState | None, llm: ReplayLlm) -> str:
+    """The first message of `llm`'s last request that differs from the recorded one (rebuilt by
+    replaying the turn as recorded, proved by its digest): index, role, unified diff."""
+    store, k = InMemorySessionStore(), len(llm.requests) - 1
+    if before is not None:
+        store.save(events[0]["session_id"], before)
+    ref = _replay_turn(events, store, {})[1].requests
+    digests = [e["data"]["digest"] for e in events if e["kind"] == "llm_call_started"]
+    if len(ref) <= k or k >= len(digests) or request_digest(ref[k]) != digests[k]:
+        return "  (the recorded request cannot be rebuilt from the trace)"
+    for i, (a, b) in enumerate(itertools.zip_longest(ref[k].messages, llm.requests[k].messages)):
+        if a != b:
+            texts = [(m.content if m else "").splitlines() for m in (a, b)]
+            import difflib   # only when a request differs
+            diff = difflib.unified_diff(*texts, "recorded", "new", lineterm="", n=1)
+            return f"  message {i} ({(a or b).role}) differs:\n    " + "\n    ".join(diff)
+    return "  the messages are the same: the tools or the response format differ"
+
+
+def _check_turn(events: list[_Event], store: SessionStore, given: dict[str, Any]
+                ) -> str | ReplayReport:
+    """Replay one turn: "same (...)" or the report of its first divergence."""
+    before = store.load(events[0]["session_id"])
+    new, llm = _replay_turn(events, store, given)
+    found = _first_difference([e for e in events if _compared(e)], new)
+    if found is None:
+        end = events[-1]["data"]
+        return (f"same ({end['steps']} LLM calls, {end['tool_calls']} tool calls, "
+                f"{end['finish_reason'] or 'error'})")
+    step, what, old, value = found
+    if isinstance(value, str) and value.startswith("replay: "):   # what ReplayTools saw
+        what = value.removeprefix("replay: ")
+    detail = ""
+    if what == "llm_call_started digest":
+        what, detail = llm.divergence or what, _request_diff(events, before, llm)
+    return ReplayReport(False, [], None, step, what, old, value, detail)
+
+
+def replay(trace: _Trace, *,
+           tools: ToolPort | None = None, policy: TurnPolicy | None = None,
+           system_prompt: str | None = None, action_mode: str | None = None,
+           deny_tools: Sequence[str] = ()) -> ReplayReport:
+    """Re-run every recorded turn offline until the first divergence: `tools` (less `deny_tools`)
+    run for real if given; the overrides replace the recorded settings; TraceError."""
+    given = {"policy": policy, "system_prompt": system_prompt, "action_mode": action_mode,
+             "tools": tools, "deny_tools": deny_tools}
+    store, lines, turns = InMemorySessionStore(), [], _turns(read_trace(trace))
+    if not turns:
+        raise TraceError(f"{trace if isinstance(trace, (str, os.PathLike)) else 'the trace'}"
+                         " has no turn_started: it is not a bob trace, or it is empty")
+    for n, events in enumerate(turns, 1):
+        try:
+            outcome = _check_turn(events, store, given)
+        except (TypeError, KeyError, ValueError, AttributeError, IndexError) as e:
+            raise TraceError(f"the turn that starts at line {events[0].get('line')} cannot "
+                             f"be replayed: {type(e).__name__}: {e}") from None
+        if isinstance(outcome, ReplayReport):
+            return dataclasses.replace(outcome, turns=[*lines, f"turn {n}: DIFFERENT"], turn=n)
+        lines.append(f"turn {n}: {outcome}")
+    return ReplayReport(True, lines)
