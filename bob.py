@@ -543,6 +543,15 @@ def parse_action(text: str, call_id: str = "call_1") -> AgentAction:
     raise ActionParseError(f'"type" must be "final", "tool_call" or "ask_user", got {kind!r}')
 
 
+def _parse_problem(text: str) -> ActionParseError | None:
+    """Why `text` is not one valid action, or None."""
+    try:
+        parse_action(text)
+    except ActionParseError as e:
+        return e
+    return None
+
+
 def build_system_prompt(instructions: str, tools: Sequence[ToolDescriptor], mode: str) -> str:
     """Instructions, then (json mode) the action contract and one block per tool."""
     if mode != "json":
@@ -671,7 +680,8 @@ class LoopGuard:
         """Stagnation: the same non-final assistant text seen too often (catches A->B->A)."""
         if not text.strip():
             return None
-        key = hashlib.sha1(text.strip().encode("utf-8", "surrogatepass")).hexdigest()
+        masked = redact(text.strip())   # as a replay sees it
+        key = hashlib.sha1(masked.encode("utf-8", "surrogatepass")).hexdigest()
         self._texts[key] = seen = self._texts.get(key, 0) + 1
         if seen > self.policy.max_stagnation_steps:
             return Trip(GuardReason.STAGNATION, f"the model repeated the same reply {seen} times "
@@ -680,7 +690,8 @@ class LoopGuard:
 
     def check_loop(self, calls: Sequence[ToolCall]) -> Trip | None:
         """Before a batch runs: the same batch (names + canonical arguments) seen too often."""
-        sig = "|".join(sorted(c.name + json.dumps(c.arguments, sort_keys=True, default=str)
+        sig = "|".join(sorted(c.name + json.dumps(redact(c.arguments), sort_keys=True,
+                                                  default=str)   # masked, as a replay sees it
                               for c in calls))
         self._batches[sig] = seen = self._batches.get(sig, 0) + 1
         if seen > self.policy.max_repeated_batches:
@@ -1047,8 +1058,8 @@ class LoggingEventSink:
         self.logger, self.level = logger or logging.getLogger("bob.events"), level
 
     def emit(self, event: AgentEvent) -> None:
-        """One line: kind, session, step, data as JSON."""
-        if self.logger.isEnabledFor(self.level):
+        """One line: kind, session, step, data as JSON (not text_delta: see JsonlEventSink)."""
+        if self.logger.isEnabledFor(self.level) and event.kind != "text_delta":
             self.logger.log(self.level, "%s session=%s step=%d %s", event.kind, event.session_id,
                             event.step, _data_json(event.data))
 
@@ -1116,6 +1127,25 @@ def redact(data: Any) -> Any:
     if isinstance(data, list):
         return [redact(v) for v in data]
     return _mask_text(data) if isinstance(data, str) else data
+
+
+_SCHEMA_VALUES = ("default", "const", "enum", "examples")   # where a schema can quote a value
+
+
+def _masked_schema(schema: Any, secret: bool = False) -> Any:
+    """A tool's input schema with the values it quotes for a secret-named property (its default,
+    examples...) as "***" and its texts masked; still a schema a model can follow."""
+    if isinstance(schema, list):
+        return [_masked_schema(v, secret) for v in schema]
+    if not isinstance(schema, dict):
+        return redact(schema)
+    return {k: "***" if secret and k in _SCHEMA_VALUES else _masked_schema(v, secret or (
+        secret_name(k) and k not in _SCHEMA_VALUES)) for k, v in schema.items()}
+
+
+def _masked_tool(d: ToolDescriptor) -> ToolDescriptor:
+    """A tool as the model and the trace see it: no secret in its description or schema."""
+    return ToolDescriptor(d.name, redact(d.description), _masked_schema(d.input_schema))
 
 
 def request_digest(req: LlmRequest, cache: dict[int, tuple[Message, str]] | None = None) -> str:
@@ -1378,14 +1408,16 @@ class AgentRuntime:
             if bad := _json_problem(calls):   # a non-Message fails as a bug, in build_prompt
                 raise AgentError(f"AgentRequest.history cannot be sent: its tool calls' JSON {bad}")
             t.session.messages = list(history)
-        self._trace_loaded(t)
-        resume = self._take_up(t)
         worker = self._call_port(t, self.tools.list_tools) if self.tools is not None else None
         if worker is not None and worker.done and worker.error is None:
             t.tools = [d for d in worker.value if not is_denied(d.name, self.deny_tools)]
-        if bad := next(((d, p) for d in t.tools if (p := _json_problem(d.input_schema))), None):
+        bad = next(((d, p) for d in t.tools if (p := _json_problem(d.input_schema))), None)
+        t.tools = [] if bad else list(map(_masked_tool, t.tools))
+        self._trace_loaded(t)
+        self._trace_start(t)   # first: every turn in the trace begins with it
+        resume = self._take_up(t)
+        if bad:
             raise AgentError(f"tool {bad[0].name!r}: its input schema {bad[1]}; deny it")
-        self._trace_start(t)
         stop = worker and self._stopped(t, worker, "listing the tools")
         return stop or (State.CALL_TOOL if resume else State.BUILD_PROMPT)
 
@@ -1426,17 +1458,19 @@ class AgentRuntime:
         reply = typing.cast(LlmResponse, t.reply)
         try:
             t.action = self._to_action(reply, f"call_{len(t.session.messages)}")
-        except ActionParseError as e:
+        except ActionParseError as raw:
             t.parse_failures += 1
+            seen = redact(reply.content)   # as the trace has it: so a replay finds the same error
+            e = (self.action_mode == "json" and _parse_problem(seen)) or raw
             self._emit(t, "parse_error", {"error": str(e), "attempt": t.parse_failures})
             if t.parse_failures >= 2:
                 t.error = AgentError(f"the model replied with an invalid action twice in a row: "
-                                     f"{e}. Last reply: {redact(_excerpt(reply.content))!r}")
+                                     f"{e}. Last reply: {_excerpt(seen)!r}")
                 return State.DONE
             t.session.messages.append(Message("user", (
                 f"Your last reply was not a valid action: {e}. It began: "
-                f"{_excerpt(reply.content)!r}. " + (ACTION_CONTRACT if self.action_mode == "json"
-                                                  else "Answer in text or call a tool."))))
+                f"{_excerpt(seen)!r}. " + (ACTION_CONTRACT if self.action_mode == "json"
+                                           else "Answer in text or call a tool."))))
             return State.BUILD_PROMPT
         t.parse_failures, action = 0, t.action
         self._emit(t, "action_parsed", {
@@ -1484,20 +1518,20 @@ class AgentRuntime:
         try:
             self.store.save(t.request.session_id, t.session)
             self._traced[t.request.session_id] = t.session.version   # not after a lost race
-        except Exception as e:
-            self._emit(t, "error", {"error": redact(f"{type(e).__name__}: {e}"),
-                                    "where": "store.save"})
+        except Exception as e:   # the next turn says what it loaded (session_loaded)
+            self._traced.pop(t.request.session_id, None)
+            self._emit(t, "error", {"error": f"{type(e).__name__}: {e}", "where": "store.save"})
             failed = e if isinstance(e, StoreError) else StoreError(
                 f"cannot save session {t.request.session_id!r}: {type(e).__name__}: {e}")
             failed.result = result   # not stored, but not lost
         if t.error is not None:
-            self._emit(t, "error", {"error": redact(f"{type(t.error).__name__}: {t.error}"),
+            self._emit(t, "error", {"error": f"{type(t.error).__name__}: {t.error}",
                                     "where": "turn"})
         failed = t.error or failed
         self._emit(t, "turn_completed", {  # a turn that raises has no finish reason
             "finish_reason": None if failed else t.finish.value, "usage": dict(vars(t.usage)),
             "guard_reason": t.guard_reason.value if t.guard_reason else None,
-            "steps": t.guard.steps, "tool_calls": t.guard.tool_calls, "content": redact(t.content)})
+            "steps": t.guard.steps, "tool_calls": t.guard.tool_calls, "content": t.content})
         if failed is not None:
             raise failed
         return result
@@ -1558,7 +1592,7 @@ class AgentRuntime:
                 continue
             if call.id not in t.approvals:
                 self._emit(t, "approval_requested", {"call_id": call.id, "name": call.name,
-                                                     "arguments": redact(call.arguments)})
+                                                     "arguments": call.arguments})
                 if self.approver is None:
                     waiting.append(call)
                     continue
@@ -1604,7 +1638,7 @@ class AgentRuntime:
         changed = approval.allow and approval.arguments not in (None, call.arguments)
         self._emit(t, "approval_decided", {"call_id": call.id, "allow": approval.allow,
                                            "arguments_changed": changed, "reason": approval.reason,
-                                           "arguments": redact(approval.arguments)})
+                                           "arguments": approval.arguments})
 
     def _pause(self, t: _Turn, waiting: list[ToolCall]) -> State:
         """End the turn NEEDS_APPROVAL with the batch unrun, saving what a resume needs."""
@@ -1735,41 +1769,40 @@ class AgentRuntime:
     def _append_results(self, t: _Turn, results: Sequence[ToolResult]) -> None:
         for r in results:
             self._emit(t, "tool_call_completed", {"call_id": r.call_id, "name": r.name,
-                                                  "is_error": r.is_error, "content": redact(
-                                                      r.content), "duration_ms": r.duration_ms})
+                                                  "is_error": r.is_error, "content": r.content,
+                                                  "duration_ms": r.duration_ms})
             t.session.messages.append(Message("tool", r.content, tool_call_id=r.call_id,
                                               name=r.name, is_error=r.is_error))
 
     def _trace_reply(self, t: _Turn, duration_ms: float) -> dict[str, Any]:
-        """llm_call_completed: the reply as the port gave it (ids before bob fixes them), masked."""
+        """llm_call_completed: the reply as the port gave it (ids before bob fixes them)."""
         reply = typing.cast(LlmResponse, t.reply)
-        return redact({**vars(reply), "tool_calls": [c.to_dict() for c in reply.tool_calls],
-                       "usage": vars(reply.usage), "duration_ms": duration_ms})
+        return {**vars(reply), "tool_calls": [c.to_dict() for c in reply.tool_calls],
+                "usage": vars(reply.usage), "duration_ms": duration_ms}
 
     def _trace_call(self, t: _Turn, call: ToolCall, runs: bool) -> None:
-        self._emit(t, "tool_call_started", lambda: {"call_id": call.id, "name": call.name,
-                                                    "runs": runs, "arguments": redact(
-                                                        call.arguments)})
+        self._emit(t, "tool_call_started", {"call_id": call.id, "name": call.name, "runs": runs,
+                                            "arguments": call.arguments})
 
     def _trace_loaded(self, t: _Turn) -> None:
         """session_loaded unless the session is as this runtime's last turn left it: a trace
         begun mid-session (or after a failed save, or another writer) reads alone."""
         sid, version = t.request.session_id, t.session.version
         if t.request.history is not None or self._traced.get(sid) != version:
-            self._emit(t, "session_loaded", lambda: {"paused": redact(t.session.paused),
-                                                     "messages": [redact(m.to_dict())
-                                                                  for m in t.session.messages]})
+            self._emit(t, "session_loaded", lambda: {"paused": t.session.paused, "messages": [
+                m.to_dict() for m in t.session.messages]})
 
     def _trace_start(self, t: _Turn) -> None:
         """turn_started: all that decides the run."""
         self._emit(t, "turn_started", lambda: {
-            "format": TRACE_FORMAT, "version": __version__, "input": redact(t.request.input),
+            "format": TRACE_FORMAT, "version": __version__, "input": t.request.input,
             "model": getattr(self.llm, "describe", lambda: type(self.llm).__name__)(),
             "action_mode": self.action_mode, "policy": dataclasses.asdict(t.policy),
-            "deny_tools": list(self.deny_tools), "system_prompt": redact(self._instructions(t)),
+            "deny_tools": list(self.deny_tools), "system_prompt": self._instructions(t),
             "tools": [dataclasses.asdict(d) for d in t.tools], "ask_tools": list(self.ask_tools),
             "approver": self.approver is not None, "approvals": {
-                k: redact(dataclasses.asdict(a)) for k, a in (t.request.approvals or {}).items()}})
+                k: dataclasses.asdict(a) if isinstance(a, Approval) else repr(a)
+                for k, a in (t.request.approvals or {}).items()}})
 
     def _instructions(self, t: _Turn) -> str:
         return t.request.system_prompt or self.system_prompt or DEFAULT_INSTRUCTIONS
@@ -1792,11 +1825,15 @@ class AgentRuntime:
     def _emit(self, t: _Turn, kind: str,
               data: dict[str, Any] | Callable[[], dict[str, Any]]) -> None:
         """Send one event to every sink; a sink that raises is logged and ignored. Data given
-        as a function is built only when a sink listens (trace data costs copies and hashes)."""
+        as a function is built only when a sink listens (trace data costs copies and hashes).
+        Here, and only here, secrets are masked: every event once, as the trace has it."""
         if not self.sinks:
             return
-        event = AgentEvent(kind, t.request.session_id, t.guard.steps,
-                           data() if callable(data) else data, time.time())
+        data = data() if callable(data) else data
+        masked = redact(data)
+        if kind == "turn_started":   # masked at Start as the model sees them (_masked_tool)
+            masked["tools"] = data["tools"]
+        event = AgentEvent(kind, t.request.session_id, t.guard.steps, masked, time.time())
         for sink in self.sinks:
             try:
                 sink.emit(event)
@@ -2573,7 +2610,8 @@ def _replay_turn(events: list[_Event], store: SessionStore, given: dict[str, Any
                                "ask_tools", ()), deny_tools=(  # the recorded denials stay
                                *given.get("deny_tools", ()), *start.get("deny_tools", ())),
                            approver=_approver(events) if start.get("approver") else None)
-    approvals = {k: Approval(**a) for k, a in start.get("approvals", {}).items()}
+    approvals = {k: Approval(**a) if isinstance(a, dict) else a   # a bad one fails again
+                 for k, a in start.get("approvals", {}).items()}
     with contextlib.suppress(BobError):  # an error that ends the turn is an event
         runtime.run(AgentRequest(start["input"], sid, approvals=approvals or None), caller)
     return sink.events, llm
