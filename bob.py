@@ -2348,6 +2348,7 @@ class OpenAICompatLlm:
 
 _Event = dict[str, Any]   # one event of a trace, as JSON has it, with its `line`
 _Trace = Union[str, os.PathLike, Sequence[_Event]]   # a JSONL file, or its events
+_TIMED_OUT = "the recorded turn ran out of time waiting for this reply"
 
 
 class TraceError(BobError):
@@ -2374,20 +2375,32 @@ def read_trace(trace: _Trace) -> list[_Event]:
 
 class ReplayLlm:
     """An LlmPort answering from a trace: a request must have the recorded digest, and gets the
-    recorded reply; otherwise LlmError, and `divergence` says why. Never calls a model."""
+    recorded reply; otherwise LlmError, and `divergence` says why. Never calls a model. A request
+    the recording ran out of time on fires the turn's cancel token: the turn times out at once.
+    TraceError when a request has no reply and the turn went on (the trace was edited)."""
 
     def __init__(self, trace: _Trace):
-        self._script: list[list[Any]] = []   # [digest, reply or None, error text or None]
+        self._script: list[list[Any]] = []   # [digest, reply, error text or _TIMED_OUT or None]
+        asked = None   # the line of the request not answered yet
         for e in read_trace(trace):
             kind, d = e["kind"], e["data"]
+            if asked and kind in ("llm_call_started", "action_parsed", "parse_error"):
+                raise TraceError(f"line {asked}: this llm_call_started has no "
+                                 "llm_call_completed, yet the turn went on: the trace was edited")
             if kind == "llm_call_started":
                 self._script.append([d.get("digest"), None, None])
+                asked = e.get("line", "?")
             elif kind == "llm_call_completed" and self._script:
                 self._script[-1][1] = LlmResponse(d["content"], tuple(
                     ToolCall(**c) for c in d["tool_calls"]), Usage(**d["usage"]),
                     d["finish_reason"])
+                asked = None
             elif kind == "error" and d.get("where") == "turn" and self._script:
                 self._script[-1][2] = d["error"].partition(": ")[2]
+            elif kind == "guard_tripped" and asked and d["reason"] == GuardReason.TURN_TIMEOUT:
+                self._script[-1][2] = _TIMED_OUT
+            asked = None if kind == "turn_completed" else asked
+        self._released = threading.Event()   # set when the turn is over (see _replay_turn)
         self.requests: list[LlmRequest] = []
         self.divergence: str | None = None
         self._lock, self._parts = threading.Lock(), {}   # the parts of request_digest
@@ -2408,7 +2421,10 @@ class ReplayLlm:
             self.divergence = self.divergence or f"LLM request {n + 1} " + (
                 "differs from the recorded" if digest else "has no recorded reply")
             raise LlmError(f"replay: {self.divergence}")
-        if reply is None and error is None:   # unanswered: cancelled or out of time meanwhile
+        if error is _TIMED_OUT:   # the turn's token: the runtime stops waiting, sees no answer
+            cancel.cancel()
+            self._released.wait(None if req.deadline is None else req.deadline - time.monotonic())
+        if reply is None and error in (None, _TIMED_OUT):   # unanswered: cancelled or timed out
             cancel.wait(60.0 if req.deadline is None else req.deadline - time.monotonic() + 1)
             raise Cancelled("the recorded request was never answered")
         if reply is None:
@@ -2614,6 +2630,7 @@ def _replay_turn(events: list[_Event], store: SessionStore, given: dict[str, Any
                  for k, a in start.get("approvals", {}).items()}
     with contextlib.suppress(BobError):  # an error that ends the turn is an event
         runtime.run(AgentRequest(start["input"], sid, approvals=approvals or None), caller)
+    llm._released.set()
     return sink.events, llm
 
 
@@ -2649,10 +2666,24 @@ def _check_turn(events: list[_Event], store: SessionStore, given: dict[str, Any]
     step, what, old, value = found
     if isinstance(value, str) and value.startswith("replay: "):   # what ReplayTools saw
         what = value.removeprefix("replay: ")
-    detail = ""
-    if what == "llm_call_started digest":
+    detail, tools = "", _tools_changed(_turn_start(events), _turn_start(new))
+    if what == "llm_call_started digest" and tools:
+        what = f"the tools offered differ: {tools}"
+    elif what == "llm_call_started digest":
         what, detail = llm.divergence or what, _request_diff(events, before, llm)
     return ReplayReport(False, [], None, step, what, old, value, detail)
+
+
+def _tools_changed(recorded: _Event | None, new: _Event | None) -> str:
+    """How the tools of two turn_started differ, by name: "removed: a; added: b; changed: c
+    (input_schema)", or "" when they are the same."""
+    old, now = ({d["name"]: d for d in (start or {}).get("tools", [])} for start in (recorded, new))
+    changed = [f"{n} ({', '.join(k for k in d if d[k] != now[n].get(k))})"
+               for n, d in old.items() if n in now and d != now[n]]
+    removed = [n for n in old if n not in now]
+    added = [n for n in now if n not in old]
+    parts = {"removed": removed, "added": added, "changed": changed}
+    return "; ".join(f"{what}: {', '.join(names)}" for what, names in parts.items() if names)
 
 
 def replay(trace: _Trace, *,
