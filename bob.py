@@ -33,6 +33,7 @@ import fnmatch
 import functools
 import hashlib
 import inspect
+import bisect
 import itertools
 import json
 import logging
@@ -567,44 +568,54 @@ def build_system_prompt(instructions: str, tools: Sequence[ToolDescriptor], mode
     return "\n".join(parts)
 
 
-def _units(messages: Sequence[Message]) -> list[list[int]]:
+class _Units:
     """Indices of non-system messages in units: an assistant tool call with the results right
-    after it, or one other message; a result whose call is not right before it is in none."""
-    units: list[list[int]] = []
-    open_ids: set[str | None] = set()        # calls of the last unit still without a result
-    for i, m in enumerate(messages):
-        if m.role == "tool":
-            if m.tool_call_id in open_ids:
-                units[-1].append(i)
-                open_ids.discard(m.tool_call_id)
-        elif m.role != "system":
-            units.append([i])
-            open_ids = {c.id for c in m.tool_calls}
-        else:
-            open_ids = set()
-    return units
+    after it, or one other message; a result whose call is not right before it is in none.
+    Kept up to date as messages are appended, so a step costs what it sends, not the history."""
 
+    def __init__(self) -> None:
+        self.units: list[list[int]] = []
+        self.system: list[int] = []               # indices of system messages
+        self.open_ids: set[str | None] = set()    # calls of the last unit still without a result
+        self.seen = 0                             # messages read so far
 
-def _kept(messages: Sequence[Message], limit: int, keep: int | None) -> list[int]:
-    """Indices of what `truncate_history` sends, in order."""
-    units = _units(messages)
-    forced = next((u for u in units if keep in u), [])
-    room, tail = limit - len(forced), []
-    for u in reversed(units):                 # newest first; the first unit that does not fit
-        if u is not forced:                   # ends the walk, so only the oldest are dropped
-            if len(u) > room:
-                break
-            room -= len(u)
-            tail += u
-    sent = set(tail + forced)
-    return [i for i, m in enumerate(messages) if m.role == "system" or i in sent]
+    def read(self, messages: Sequence[Message]) -> _Units:
+        """Take in the messages appended since the last call."""
+        for i in range(self.seen, len(messages)):
+            m = messages[i]
+            if m.role == "tool":
+                if m.tool_call_id in self.open_ids:
+                    self.units[-1].append(i)
+                    self.open_ids.discard(m.tool_call_id)
+            elif m.role != "system":
+                self.units.append([i])
+                self.open_ids = {c.id for c in m.tool_calls}
+            else:
+                self.system.append(i)
+                self.open_ids = set()
+        self.seen = len(messages)
+        return self
+
+    def kept(self, limit: int, keep: int | None) -> list[int]:
+        """Indices of what `truncate_history` sends, in order."""
+        units = self.units   # in order of their first index: the unit holding `keep` is found
+        at = bisect.bisect_right(units, -1 if keep is None else keep, key=lambda u: u[0]) - 1
+        forced = units[at] if at >= 0 and keep in units[at] else []
+        room, tail = limit - len(forced), []
+        for u in reversed(units):                 # newest first; the first unit that does not
+            if u is not forced:                   # fit ends the walk: only the oldest go
+                if len(u) > room:
+                    break
+                room -= len(u)
+                tail += u
+        return sorted(self.system + tail + forced)
 
 
 def truncate_history(messages: Sequence[Message], limit: int, keep: int | None = None
                      ) -> list[Message]:
     """System messages, plus at most `limit` others: the newest whole units (see _units), oldest
     dropped first, and always the unit holding index `keep` (the current question)."""
-    return [messages[i] for i in _kept(messages, limit, keep)]
+    return [messages[i] for i in _Units().read(messages).kept(limit, keep)]
 
 
 # An endpoint's words for "the request is too long for the model's context" (OpenAI, vLLM,
@@ -1309,6 +1320,7 @@ class _Turn:
     input_index: int = 0                    # where this turn's user message sits in history
     system: Message | None = None
     wire: dict[int, Message] = field(default_factory=dict)  # rendered messages, by index
+    units: _Units = field(default_factory=_Units)  # of session.messages, read as they grow
     wake: queue.SimpleQueue[None] = field(default_factory=queue.SimpleQueue)  # see _wait_all
     prompt: LlmRequest | None = None
     reply: LlmResponse | None = None
@@ -1323,6 +1335,9 @@ class _Turn:
     resumed: bool = False                   # took up a paused batch (its guards already ran)
     pending: tuple[ToolCall, ...] = ()      # calls left waiting for a decision
     parts: dict[int, tuple[Message, str]] = field(default_factory=dict)  # for request_digest
+
+
+_OWN_DATA = frozenset({"state", "llm_call_started", "history_truncated"})  # nothing to mask
 
 
 class AgentRuntime:
@@ -1541,7 +1556,7 @@ class AgentRuntime:
     def _prompt(self, t: _Turn, limit: int) -> LlmRequest:
         """System message + history cut to `limit`, in wire shape; each message renders once."""
         messages = t.session.messages
-        kept = _kept(messages, limit, t.input_index)
+        kept = t.units.read(messages).kept(limit, t.input_index)
         for i in kept:
             if i not in t.wire:
                 t.wire[i] = render_for_wire(messages[i], self.action_mode)
@@ -1830,7 +1845,7 @@ class AgentRuntime:
         if not self.sinks:
             return
         data = data() if callable(data) else data
-        masked = redact(data)
+        masked = data if kind in _OWN_DATA else redact(data)
         if kind == "turn_started":   # masked at Start as the model sees them (_masked_tool)
             masked["tools"] = data["tools"]
         event = AgentEvent(kind, t.request.session_id, t.guard.steps, masked, time.time())
@@ -2363,13 +2378,21 @@ def read_trace(trace: _Trace) -> list[_Event]:
         lines = Path(trace).read_text(encoding="utf-8").splitlines()
     except (OSError, ValueError) as e:
         raise TraceError(f"cannot read the trace {trace}: {e}") from None
-    events = []
-    for n, line in enumerate(lines, 1):
-        with contextlib.suppress(*_BAD_JSON):
-            events.append({**_want(_json(line), dict, "an event"), "line": n})
-        if not (len(events) == n and isinstance(events[-1].get("kind"), str)
-                and isinstance(events[-1].get("data"), dict)):
+    events: list[Any] = []
+    with contextlib.suppress(*_BAD_JSON):   # all lines in one parse: 2.5 times as fast
+        events = _json(f"[{','.join(lines)}]")
+    if len(events) != len(lines):           # a line is not one JSON value: parse each
+        events = []
+        for line in lines:
+            try:
+                events.append(_json(line))
+            except _BAD_JSON:
+                events.append(None)
+    for n, e in enumerate(events, 1):
+        if not (isinstance(e, dict) and isinstance(e.get("kind"), str)
+                and isinstance(e.get("data"), dict)):
             raise TraceError(f"{trace} line {n} is not a trace event (cut short?)")
+        e["line"] = n
     return events
 
 
@@ -2563,7 +2586,14 @@ class _Recorder:
         self.cancel, self.cancel_at = cancel, cancel_at
 
     def emit(self, event: AgentEvent) -> None:
-        e = json.loads(json.dumps(vars(event), default=str))
+        fields = _COMPARED.get(event.kind)
+        if fields is None:
+            return
+        data = event.data if event.kind == "turn_started" else {
+            f: event.data.get(f) for f in (*fields, "where")}
+        e = {"kind": event.kind, "step": event.step, "data": {   # as JSON would have them
+            k: v if isinstance(v, (str, bool, type(None))) else json.loads(_data_json(v))
+            for k, v in data.items()}}
         if _compared(e):
             self.events.append(e)
             if len(self.events) - 1 == self.cancel_at:
