@@ -1106,6 +1106,8 @@ class JsonlEventSink:
 # Secret keys in text (a reply, a tool result): "key":, \"key\": in JSON inside a JSON string, and
 # deeper; then the value: a string (to its end, or the text's: a cut reply), a list, a number. No
 # part backtracks over the text: each stops at a quote or after 64 chars (one did: seconds).
+# Compiled without (?i) on purpose: _mask_text runs it over the lowered text (twice as fast), so
+# it is as case-blind as secret_name ("API_KEY", "Password"; tests/test_replay_record.py pins it).
 _TEXT_KEY = re.compile(f'(\\\\*["\'])([^"\\n]{{0,64}}?(?:{_SECRETS})[^"\\n]{{0,64}}?)\\1\\s*:\\s*')
 
 
@@ -2378,21 +2380,19 @@ def read_trace(trace: _Trace) -> list[_Event]:
         lines = Path(trace).read_text(encoding="utf-8").splitlines()
     except (OSError, ValueError) as e:
         raise TraceError(f"cannot read the trace {trace}: {e}") from None
-    events: list[Any] = []
-    with contextlib.suppress(*_BAD_JSON):   # all lines in one parse: 2.5 times as fast
-        events = _json(f"[{','.join(lines)}]")
-    if len(events) != len(lines):           # a line is not one JSON value: parse each
-        events = []
-        for line in lines:
-            try:
-                events.append(_json(line))
-            except _BAD_JSON:
-                events.append(None)
+    bad = None
+    try:   # all lines in one parse, 2.5 times as fast as one at a time; an error has the line
+        events = _json("[" + ",\n".join(lines) + "]")
+    except _BAD_JSON as e:
+        events, bad = [], getattr(e, "lineno", "?")   # a RecursionError has none
     for n, e in enumerate(events, 1):
         if not (isinstance(e, dict) and isinstance(e.get("kind"), str)
                 and isinstance(e.get("data"), dict)):
-            raise TraceError(f"{trace} line {n} is not a trace event (cut short?)")
+            bad = bad or n
+            break
         e["line"] = n
+    if bad or len(events) != len(lines):   # (more events than lines: a line holds two)
+        raise TraceError(f"{trace} line {bad or len(lines)} is not a trace event (cut short?)")
     return events
 
 
@@ -2647,15 +2647,15 @@ def _replay_turn(events: list[_Event], store: SessionStore, given: dict[str, Any
         store = _FailedSave(store)   # the recorded save failed: the turn raised, so must this one
     caller, llm = CancelToken(), ReplayLlm(events)
     sink = _Recorder(caller, _cancel_point([e for e in events if _compared(e)]))
-    settings = {"policy": TurnPolicy(**start["policy"]), "system_prompt": start["system_prompt"],
-                "action_mode": start["action_mode"]}
-    settings.update((k, given[k]) for k in settings if given.get(k) is not None)
     tools = given.get("tools")
-    runtime = AgentRuntime(llm, tools if tools is not None else ReplayTools(events, caller.cancel),
-                           store=store, events=sink, **settings, ask_tools=start.get(
-                               "ask_tools", ()), deny_tools=(  # the recorded denials stay
-                               *given.get("deny_tools", ()), *start.get("deny_tools", ())),
-                           approver=_approver(events) if start.get("approver") else None)
+    runtime = AgentRuntime(
+        llm, tools if tools is not None else ReplayTools(events, caller.cancel), store=store,
+        events=sink, policy=given.get("policy") or TurnPolicy(**start["policy"]),
+        system_prompt=given.get("system_prompt") or start["system_prompt"],
+        action_mode=given.get("action_mode") or start["action_mode"],
+        ask_tools=start.get("ask_tools", ()),   # and the recorded denials stay:
+        deny_tools=(*given.get("deny_tools", ()), *start.get("deny_tools", ())),
+        approver=_approver(events) if start.get("approver") else None)
     approvals = {k: Approval(**a) if isinstance(a, dict) else a   # a bad one fails again
                  for k, a in start.get("approvals", {}).items()}
     with contextlib.suppress(BobError):  # an error that ends the turn is an event
@@ -2708,11 +2708,9 @@ def _tools_changed(recorded: _Event | None, new: _Event | None) -> str:
     """How the tools of two turn_started differ, by name: "removed: a; added: b; changed: c
     (input_schema)", or "" when they are the same."""
     old, now = ({d["name"]: d for d in (start or {}).get("tools", [])} for start in (recorded, new))
-    changed = [f"{n} ({', '.join(k for k in d if d[k] != now[n].get(k))})"
-               for n, d in old.items() if n in now and d != now[n]]
-    removed = [n for n in old if n not in now]
-    added = [n for n in now if n not in old]
-    parts = {"removed": removed, "added": added, "changed": changed}
+    parts = {"removed": [n for n in old if n not in now], "added": [n for n in now if n not in old],
+             "changed": [f"{n} ({', '.join(k for k in d if d[k] != now[n].get(k))})"
+                         for n, d in old.items() if n in now and d != now[n]]}
     return "; ".join(f"{what}: {', '.join(names)}" for what, names in parts.items() if names)
 
 

@@ -82,3 +82,14 @@ def test_a_cut_trace_exits_2_naming_the_line(tmp_path, recorded):
     run = cli(tmp_path, "replay", "t.jsonl")
     assert run.returncode == 2 and "starts at line 1 has no turn_completed" in run.stderr
     assert run.stdout == ""
+
+
+def test_live_tools_renamed_are_named_in_the_report(tmp_path, recorded):
+    # issue 20: which tools were added, removed or changed, not two digests
+    config = tmp_path / "agent.toml"
+    config.write_text(config.read_text().replace('id = "t"', 'id = "u"'))
+    run = cli(tmp_path, "replay", "t.jsonl", "--live-tools")
+    assert run.returncode == 1, run.stderr
+    report = run.stdout.splitlines()[1]
+    assert report.startswith("turn 1, step 1: the tools offered differ: removed: t__")
+    assert "t__env" in report and "added: u__" in report and "u__env" in report
