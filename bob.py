@@ -1135,8 +1135,16 @@ def _mask_text(text: str) -> str:
 
 def redact(data: Any) -> Any:
     """A copy of JSON-like data with secret-looking keys' values (also in JSON text) as '***'."""
-    if isinstance(data, dict):
-        return {k: "***" if secret_name(k) else redact(v) for k, v in data.items()}
+    if isinstance(data, dict):   # a value that cannot hold a secret is kept without a call:
+        out = {}                 # an event is masked as it is emitted, and events are many
+        for k, v in data.items():
+            if secret_name(k):
+                out[k] = "***"
+            elif isinstance(v, (dict, list)) or isinstance(v, str) and ('"' in v or "'" in v):
+                out[k] = redact(v)
+            else:
+                out[k] = v
+        return out
     if isinstance(data, list):
         return [redact(v) for v in data]
     return _mask_text(data) if isinstance(data, str) else data
