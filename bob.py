@@ -1345,6 +1345,7 @@ class _Turn:
     resumed: bool = False                   # took up a paused batch (its guards already ran)
     pending: tuple[ToolCall, ...] = ()      # calls left waiting for a decision
     parts: dict[int, tuple[Message, str]] = field(default_factory=dict)  # for request_digest
+    started: bool = False                   # turn_started was emitted: the turn must end too
 
 
 _OWN_DATA = frozenset({"state", "llm_call_started", "history_truncated"})  # nothing to mask
@@ -1393,7 +1394,7 @@ class AgentRuntime:
                 self._emit(turn, "state", {"from": state.value, "to": nxt.value})
                 state = nxt
         except Exception as e:  # a bug or a broken store: save what the turn has, then raise
-            if not turn.session.messages:
+            if not turn.started:
                 raise               # the session never loaded: saving would overwrite it
             turn.error = e
             if not isinstance(e, BobError):
@@ -1440,6 +1441,7 @@ class AgentRuntime:
         t.tools = [] if bad else list(map(_masked_tool, t.tools))
         self._trace_loaded(t)
         self._trace_start(t)   # first: every turn in the trace begins with it
+        t.started = True
         resume = self._take_up(t)
         if bad:
             raise AgentError(f"tool {bad[0].name!r}: its input schema {bad[1]}; deny it")

@@ -275,3 +275,16 @@ def test_after_a_failed_save_the_next_turn_says_what_it_loaded(tmp_path):
     assert len(loaded) == 2 and [m["content"] for m in loaded[1]] == ["a", "one"]
     report = bob.replay(path)
     assert report.ok, str(report)
+
+
+def test_a_resume_of_a_session_with_nothing_in_it_ends_its_turn_in_the_trace(tmp_path):
+    path = tmp_path / "t.jsonl"
+    sink = JsonlEventSink(path)
+    rt = AgentRuntime(ScriptedLlm([]), events=sink, action_mode="native")
+    with pytest.raises(bob.AgentError, match="no tool calls waiting"):
+        rt.run(AgentRequest(None, "fresh", approvals={}))
+    sink.close()
+    assert [e["kind"] for e in events(path)] == [
+        "session_loaded", "turn_started", "error", "turn_completed"]
+    report = bob.replay(path)
+    assert report.ok, str(report)
