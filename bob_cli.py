@@ -862,7 +862,7 @@ def _start(args: argparse.Namespace, opened: list[Shell]) -> int:
                      f"{shell.session_id}{servers}. /help lists commands, Ctrl-D quits.")
 
 
-def run_replay(argv: list[str]) -> int:
+def _run_replay(argv: list[str]) -> int:
     """`bob replay TRACE`: one line per turn, the first divergence in full; exit 0 same,
     1 a divergence, 2 an unreadable or incomplete trace (or a bad config)."""
     p = argparse.ArgumentParser(prog="bob replay", description="Replay a --trace file offline: "
@@ -898,7 +898,7 @@ def main(argv: list[str] | None = None) -> int:
     """Run the CLI on `argv` (default sys.argv[1:]); returns the exit code."""
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["replay"]:
-        return run_replay(argv[1:])
+        return _run_replay(argv[1:])
     parser = _parser()
     args = parser.parse_args(argv)
     if args.prompt is not None and not args.prompt.strip():
