@@ -17,6 +17,7 @@ Sections:
     3. Ports                  8. Workers: threads with deadlines and cancel
     4. Actions and prompts    9. The scheduler (AgentRuntime)
     5. LoopGuard             10. LLM adapters: ScriptedLlm, OpenAICompatLlm
+                             11. Replay
 
 Vendoring: copy this file. It needs Python >= 3.11 and the standard library; `requests` is imported
 only when an OpenAICompatLlm is created. Nothing happens at import time.
@@ -32,6 +33,7 @@ import fnmatch
 import functools
 import hashlib
 import inspect
+import bisect
 import itertools
 import json
 import logging
@@ -52,7 +54,7 @@ from typing import Any, Callable, Iterable, Iterator, Literal, Protocol, Sequenc
 
 __all__ = [
     "BobError", "ConfigError", "LlmError", "ActionParseError", "StoreError", "AgentError",  # errors
-    "Cancelled",
+    "Cancelled", "TraceError",
     # domain
     "Message", "ToolDescriptor", "ToolCall", "ToolResult", "Final", "CallTools", "AskUser",
     "AgentAction", "TurnPolicy", "Usage", "FinishReason", "GuardReason", "AgentRequest", "Approval",
@@ -63,7 +65,9 @@ __all__ = [
     "parse_action", "truncate_history", "is_denied", "abandoned_workers", "FunctionTools",
     "CompositeToolPort", "InMemorySessionStore", "JsonFileSessionStore", "LoggingEventSink",
     "JsonlEventSink", "AgentRuntime", "ScriptedLlm", "OpenAICompatLlm", "PROVIDERS",
-    "RETRYABLE_STATUSES", "TOOL_NAME", "request_digest",
+    "RETRYABLE_STATUSES", "TOOL_NAME",
+    # the trace and replay
+    "request_digest", "replay", "ReplayReport", "ReplayLlm", "ReplayTools", "read_trace",
 ]
 __version__ = "0.1.0"
 TRACE_FORMAT = 1   # the format of what a trace records (README: "The trace")
@@ -556,6 +560,15 @@ def parse_action(text: str, call_id: str = "call_1") -> AgentAction:
     raise ActionParseError(f'"type" must be "final", "tool_call" or "ask_user", got {kind!r}')
 
 
+def _parse_problem(text: str) -> ActionParseError | None:
+    """Why `text` is not one valid action, or None."""
+    try:
+        parse_action(text)
+    except ActionParseError as e:
+        return e
+    return None
+
+
 def build_system_prompt(instructions: str, tools: Sequence[ToolDescriptor], mode: str) -> str:
     """Instructions, then (json mode) the action contract and one block per tool."""
     if mode != "json":
@@ -571,46 +584,56 @@ def build_system_prompt(instructions: str, tools: Sequence[ToolDescriptor], mode
     return "\n".join(parts)
 
 
-def _units(messages: Sequence[Message]) -> list[list[int]]:
+class _Units:
     """Indices of non-system messages in units: an assistant tool call with the results right
-    after it, or one other message; a result whose call is not right before it is in none."""
-    units: list[list[int]] = []
-    open_ids: set[str | None] = set()        # calls of the last unit still without a result
-    for i, m in enumerate(messages):
-        if m.role == "tool":
-            if m.tool_call_id in open_ids:
-                units[-1].append(i)
-                open_ids.discard(m.tool_call_id)
-        elif m.role != "system":
-            units.append([i])
-            open_ids = {c.id for c in m.tool_calls}
-        else:
-            open_ids = set()
-    return units
+    after it, or one other message; a result whose call is not right before it is in none.
+    Kept up to date as messages are appended, so a step costs what it sends, not the history."""
 
+    def __init__(self) -> None:
+        self.units: list[list[int]] = []
+        self.system: list[int] = []               # indices of system messages
+        self.open_ids: set[str | None] = set()    # calls of the last unit still without a result
+        self.seen = 0                             # messages read so far
 
-def _kept(messages: Sequence[Message], limit: int, keep: int | None) -> list[int]:
-    """Indices of what `truncate_history` sends, in order."""
-    units = _units(messages)
-    forced = next((u for u in units if keep in u), [])
-    system = [i for i, m in enumerate(messages) if m.role == "system"][::-1][  # a given
-        :max(0, limit - len(forced))]      # history's count too: dropped last, the newest kept
-    room, tail = limit - len(forced) - len(system), []
-    for u in reversed(units):                 # newest first; the first unit that does not fit
-        if u is not forced:                   # ends the walk, so only the oldest are dropped
-            if len(u) > room:
-                break
-            room -= len(u)
-            tail += u
-    return sorted(tail + forced + system)
+    def read(self, messages: Sequence[Message]) -> _Units:
+        """Take in the messages appended since the last call."""
+        for i in range(self.seen, len(messages)):
+            m = messages[i]
+            if m.role == "tool":
+                if m.tool_call_id in self.open_ids:
+                    self.units[-1].append(i)
+                    self.open_ids.discard(m.tool_call_id)
+            elif m.role != "system":
+                self.units.append([i])
+                self.open_ids = {c.id for c in m.tool_calls}
+            else:
+                self.system.append(i)
+                self.open_ids = set()
+        self.seen = len(messages)
+        return self
+
+    def kept(self, limit: int, keep: int | None) -> list[int]:
+        """Indices of what `truncate_history` sends, in order."""
+        units = self.units   # in order of their first index: the unit holding `keep` is found
+        at = bisect.bisect_right(units, -1 if keep is None else keep, key=lambda u: u[0]) - 1
+        forced = units[at] if at >= 0 and keep in units[at] else []
+        system = self.system[::-1][:max(0, limit - len(forced))]  # a given history's count
+        room, tail = limit - len(forced) - len(system), []   # too: dropped last, newest kept
+        for u in reversed(units):                 # newest first; the first unit that does not
+            if u is not forced:                   # fit ends the walk: only the oldest go
+                if len(u) > room:
+                    break
+                room -= len(u)
+                tail += u
+        return sorted(system + tail + forced)
 
 
 def truncate_history(messages: Sequence[Message], limit: int, keep: int | None = None
                      ) -> list[Message]:
-    """At most `limit` messages: the newest whole units (see _units), oldest dropped first, and
+    """At most `limit` messages: the newest whole units (see _Units), oldest dropped first, and
     always the unit holding index `keep` (the current question). System messages count too, and
     are dropped last (oldest first), when they alone pass the limit."""
-    return [messages[i] for i in _kept(messages, limit, keep)]
+    return [messages[i] for i in _Units().read(messages).kept(limit, keep)]
 
 
 # An endpoint's words for "the request is too long for the model's context" (OpenAI, vLLM,
@@ -686,7 +709,8 @@ class LoopGuard:
         """Stagnation: the same non-final assistant text seen too often (catches A->B->A)."""
         if not text.strip():
             return None
-        key = hashlib.sha1(text.strip().encode("utf-8", "surrogatepass")).hexdigest()
+        masked = redact(text.strip())   # as a replay sees it
+        key = hashlib.sha1(masked.encode("utf-8", "surrogatepass")).hexdigest()
         self._texts[key] = seen = self._texts.get(key, 0) + 1
         if seen > self.policy.max_stagnation_steps:
             return Trip(GuardReason.STAGNATION, f"the model repeated the same reply {seen} times "
@@ -695,7 +719,8 @@ class LoopGuard:
 
     def check_loop(self, calls: Sequence[ToolCall]) -> Trip | None:
         """Before a batch runs: the same batch (names + canonical arguments) seen too often."""
-        sig = "|".join(sorted(c.name + json.dumps(c.arguments, sort_keys=True, default=str)
+        sig = "|".join(sorted(c.name + json.dumps(redact(c.arguments), sort_keys=True,
+                                                  default=str)   # masked, as a replay sees it
                               for c in calls))
         self._batches[sig] = seen = self._batches.get(sig, 0) + 1
         if seen > self.policy.max_repeated_batches:
@@ -1087,8 +1112,8 @@ class LoggingEventSink:
         self.logger, self.level = logger or logging.getLogger("bob.events"), level
 
     def emit(self, event: AgentEvent) -> None:
-        """One line: kind, session, step, data as JSON."""
-        if self.logger.isEnabledFor(self.level):
+        """One line: kind, session, step, data as JSON (not text_delta: see JsonlEventSink)."""
+        if self.logger.isEnabledFor(self.level) and event.kind != "text_delta":
             self.logger.log(self.level, "%s session=%s step=%d %s", event.kind, event.session_id,
                             event.step, _data_json(event.data))
 
@@ -1126,6 +1151,8 @@ class JsonlEventSink:
 # deeper; then the value: a string (to its end, or the text's: a cut reply), a list, a number. No
 # part backtracks over the text: each stops at a quote or after 64 chars (one did: seconds), and
 # the escape before a key is at most 31 backslashes (JSON five levels deep): 32,000 took seconds.
+# Compiled without (?i) on purpose: _mask_text runs it over the lowered text (twice as fast), so
+# it is as case-blind as secret_name ("API_KEY", "Password"; tests/test_replay_record.py pins it).
 _TEXT_KEY = re.compile(f'(\\\\{{0,31}}["\'])'
                        f'([^"\\n]{{0,64}}?(?:{_SECRETS})[^"\\n]{{0,64}}?)\\1\\s*:\\s*')
 
@@ -1154,11 +1181,38 @@ def _mask_text(text: str) -> str:
 
 def redact(data: Any) -> Any:
     """A copy of JSON-like data with secret-looking keys' values (also in JSON text) as '***'."""
-    if isinstance(data, dict):
-        return {k: "***" if secret_name(k) else redact(v) for k, v in data.items()}
+    if isinstance(data, dict):   # a value that cannot hold a secret is kept without a call:
+        out = {}                 # an event is masked as it is emitted, and events are many
+        for k, v in data.items():
+            if secret_name(k):
+                out[k] = "***"
+            elif isinstance(v, (dict, list)) or isinstance(v, str) and ('"' in v or "'" in v):
+                out[k] = redact(v)
+            else:
+                out[k] = v
+        return out
     if isinstance(data, list):
         return [redact(v) for v in data]
     return _mask_text(data) if isinstance(data, str) else data
+
+
+_SCHEMA_VALUES = ("default", "const", "enum", "examples")   # where a schema can quote a value
+
+
+def _masked_schema(schema: Any, secret: bool = False) -> Any:
+    """A tool's input schema with the values it quotes for a secret-named property (its default,
+    examples...) as "***" and its texts masked; still a schema a model can follow."""
+    if isinstance(schema, list):
+        return [_masked_schema(v, secret) for v in schema]
+    if not isinstance(schema, dict):
+        return redact(schema)
+    return {k: "***" if secret and k in _SCHEMA_VALUES else _masked_schema(v, secret or (
+        secret_name(k) and k not in _SCHEMA_VALUES)) for k, v in schema.items()}
+
+
+def _masked_tool(d: ToolDescriptor) -> ToolDescriptor:
+    """A tool as the model and the trace see it: no secret in its description or schema."""
+    return ToolDescriptor(d.name, redact(d.description), _masked_schema(d.input_schema))
 
 
 def request_digest(req: LlmRequest, cache: dict[int, tuple[Message, str]] | None = None) -> str:
@@ -1322,6 +1376,7 @@ class _Turn:
     input_index: int = 0                    # where this turn's user message sits in history
     system: Message | None = None
     wire: dict[int, Message] = field(default_factory=dict)  # rendered messages, by index
+    units: _Units = field(default_factory=_Units)  # of session.messages, read as they grow
     wake: queue.SimpleQueue[None] = field(default_factory=queue.SimpleQueue)  # see _wait_all
     prompt: LlmRequest | None = None
     reply: LlmResponse | None = None
@@ -1336,6 +1391,10 @@ class _Turn:
     resumed: bool = False                   # took up a paused batch (its guards already ran)
     pending: tuple[ToolCall, ...] = ()      # calls left waiting for a decision
     parts: dict[int, tuple[Message, str]] = field(default_factory=dict)  # for request_digest
+    started: bool = False                   # turn_started was emitted: the turn must end too
+
+
+_OWN_DATA = frozenset({"state", "llm_call_started", "history_truncated"})  # nothing to mask
 
 
 class AgentRuntime:
@@ -1384,7 +1443,7 @@ class AgentRuntime:
                 self._emit(turn, "state", {"from": state.value, "to": nxt.value})
                 state = nxt
         except BaseException as e:  # a bug, a broken store, Ctrl-C, a sink's SystemExit: save
-            if not turn.session.messages:  # what the turn did, then raise
+            if not turn.started:    # what the turn did, then raise
                 raise               # the session never loaded: saving would overwrite it
             turn.error = e
             if isinstance(e, Exception) and not isinstance(e, BobError):
@@ -1424,14 +1483,17 @@ class AgentRuntime:
             if bad := _json_problem(calls):   # a non-Message fails as a bug, in start
                 raise AgentError(f"AgentRequest.history cannot be sent: its tool calls' JSON {bad}")
             t.session.messages = list(history)
-        self._trace_loaded(t)
-        resume = self._take_up(t)
         worker = self._call_port(t, self.tools.list_tools) if self.tools is not None else None
         if worker is not None and worker.done and worker.error is None:
             t.tools = [d for d in worker.value if not is_denied(d.name, self.deny_tools)]
-        if bad := next(((d, p) for d in t.tools if (p := _json_problem(d.input_schema))), None):
+        bad = next(((d, p) for d in t.tools if (p := _json_problem(d.input_schema))), None)
+        t.tools = [] if bad else list(map(_masked_tool, t.tools))
+        self._trace_loaded(t)
+        self._trace_start(t)   # first: every turn in the trace begins with it
+        t.started = True
+        resume = self._take_up(t)
+        if bad:
             raise AgentError(f"tool {bad[0].name!r}: its input schema {bad[1]}; deny it")
-        self._trace_start(t)
         stop = worker and self._stopped(t, worker, "listing the tools")
         return stop or (State.CALL_TOOL if resume else State.BUILD_PROMPT)
 
@@ -1475,17 +1537,19 @@ class AgentRuntime:
         reply = typing.cast(LlmResponse, t.reply)
         try:
             t.action = self._to_action(reply, f"call_{len(t.session.messages)}")
-        except ActionParseError as e:
+        except ActionParseError as raw:
             t.parse_failures += 1
+            seen = redact(reply.content)   # as the trace has it: so a replay finds the same error
+            e = (self.action_mode == "json" and _parse_problem(seen)) or raw
             self._emit(t, "parse_error", {"error": str(e), "attempt": t.parse_failures})
             if t.parse_failures >= 2:
                 t.error = AgentError(f"the model replied with an invalid action twice in a row: "
-                                     f"{e}. Last reply: {redact(_excerpt(reply.content))!r}")
+                                     f"{e}. Last reply: {_excerpt(seen)!r}")
                 return State.DONE
             t.session.messages.append(Message("user", (
                 f"Your last reply was not a valid action: {e}. It began: "
-                f"{_excerpt(reply.content)!r}. " + (ACTION_CONTRACT if self.action_mode == "json"
-                                                  else "Answer in text or call a tool."))))
+                f"{_excerpt(seen)!r}. " + (ACTION_CONTRACT if self.action_mode == "json"
+                                           else "Answer in text or call a tool."))))
             return State.BUILD_PROMPT
         t.parse_failures, action = 0, t.action
         self._emit(t, "action_parsed", {
@@ -1538,20 +1602,20 @@ class AgentRuntime:
         try:
             self.store.save(t.request.session_id, t.session)
             self._traced[t.request.session_id] = t.session.version   # not after a lost race
-        except Exception as e:
-            self._emit(t, "error", {"error": redact(f"{type(e).__name__}: {e}"),
-                                    "where": "store.save"})
+        except Exception as e:   # the next turn says what it loaded (session_loaded)
+            self._traced.pop(t.request.session_id, None)
+            self._emit(t, "error", {"error": f"{type(e).__name__}: {e}", "where": "store.save"})
             failed = e if isinstance(e, StoreError) else StoreError(
                 f"cannot save session {t.request.session_id!r}: {type(e).__name__}: {e}")
             failed.result = result   # not stored, but not lost
         if t.error is not None:
-            self._emit(t, "error", {"error": redact(f"{type(t.error).__name__}: {t.error}"),
+            self._emit(t, "error", {"error": f"{type(t.error).__name__}: {t.error}",
                                     "where": "turn"})
         failed = t.error or failed
         self._emit(t, "turn_completed", {  # a turn that raises has no finish reason
             "finish_reason": None if failed else t.finish.value, "usage": dict(vars(t.usage)),
             "guard_reason": t.guard_reason.value if t.guard_reason else None,
-            "steps": t.guard.steps, "tool_calls": t.guard.tool_calls, "content": redact(t.content)})
+            "steps": t.guard.steps, "tool_calls": t.guard.tool_calls, "content": t.content})
         if failed is not None:
             raise failed
         return result
@@ -1561,7 +1625,7 @@ class AgentRuntime:
     def _prompt(self, t: _Turn, limit: int) -> LlmRequest:
         """System message + history cut to `limit`, in wire shape; each message renders once."""
         messages = t.session.messages
-        kept = _kept(messages, limit, t.input_index)
+        kept = t.units.read(messages).kept(limit, t.input_index)
         for i in kept:
             if i not in t.wire:
                 t.wire[i] = render_for_wire(messages[i], self.action_mode)
@@ -1612,7 +1676,7 @@ class AgentRuntime:
                 continue
             if call.id not in t.approvals:
                 self._emit(t, "approval_requested", {"call_id": call.id, "name": call.name,
-                                                     "arguments": redact(call.arguments)})
+                                                     "arguments": call.arguments})
                 if self.approver is None:
                     waiting.append(call)
                     continue
@@ -1659,7 +1723,7 @@ class AgentRuntime:
         changed = approval.allow and approval.arguments not in (None, call.arguments)
         self._emit(t, "approval_decided", {"call_id": call.id, "allow": approval.allow,
                                            "arguments_changed": changed, "reason": approval.reason,
-                                           "arguments": redact(approval.arguments)})
+                                           "arguments": approval.arguments})
 
     def _pause(self, t: _Turn, waiting: list[ToolCall]) -> State:
         """End the turn NEEDS_APPROVAL with the batch unrun, saving what a resume needs."""
@@ -1790,41 +1854,40 @@ class AgentRuntime:
     def _append_results(self, t: _Turn, results: Sequence[ToolResult]) -> None:
         for r in results:
             self._emit(t, "tool_call_completed", {"call_id": r.call_id, "name": r.name,
-                                                  "is_error": r.is_error, "content": redact(
-                                                      r.content), "duration_ms": r.duration_ms})
+                                                  "is_error": r.is_error, "content": r.content,
+                                                  "duration_ms": r.duration_ms})
             t.session.messages.append(Message("tool", r.content, tool_call_id=r.call_id,
                                               name=r.name, is_error=r.is_error))
 
     def _trace_reply(self, t: _Turn, duration_ms: float) -> dict[str, Any]:
-        """llm_call_completed: the reply as the port gave it (ids before bob fixes them), masked."""
+        """llm_call_completed: the reply as the port gave it (ids before bob fixes them)."""
         reply = typing.cast(LlmResponse, t.reply)
-        return redact({**vars(reply), "tool_calls": [c.to_dict() for c in reply.tool_calls],
-                       "usage": vars(reply.usage), "duration_ms": duration_ms})
+        return {**vars(reply), "tool_calls": [c.to_dict() for c in reply.tool_calls],
+                "usage": vars(reply.usage), "duration_ms": duration_ms}
 
     def _trace_call(self, t: _Turn, call: ToolCall, runs: bool) -> None:
-        self._emit(t, "tool_call_started", lambda: {"call_id": call.id, "name": call.name,
-                                                    "runs": runs, "arguments": redact(
-                                                        call.arguments)})
+        self._emit(t, "tool_call_started", {"call_id": call.id, "name": call.name, "runs": runs,
+                                            "arguments": call.arguments})
 
     def _trace_loaded(self, t: _Turn) -> None:
         """session_loaded unless the session is as this runtime's last turn left it: a trace
         begun mid-session (or after a failed save, or another writer) reads alone."""
         sid, version = t.request.session_id, t.session.version
         if t.request.history is not None or self._traced.get(sid) != version:
-            self._emit(t, "session_loaded", lambda: {"paused": redact(t.session.paused),
-                                                     "messages": [redact(m.to_dict())
-                                                                  for m in t.session.messages]})
+            self._emit(t, "session_loaded", lambda: {"paused": t.session.paused, "messages": [
+                m.to_dict() for m in t.session.messages]})
 
     def _trace_start(self, t: _Turn) -> None:
         """turn_started: all that decides the run."""
         self._emit(t, "turn_started", lambda: {
-            "format": TRACE_FORMAT, "version": __version__, "input": redact(t.request.input),
+            "format": TRACE_FORMAT, "version": __version__, "input": t.request.input,
             "model": getattr(self.llm, "describe", lambda: type(self.llm).__name__)(),
             "action_mode": self.action_mode, "policy": dataclasses.asdict(t.policy),
-            "deny_tools": list(self.deny_tools), "system_prompt": redact(self._instructions(t)),
+            "deny_tools": list(self.deny_tools), "system_prompt": self._instructions(t),
             "tools": [dataclasses.asdict(d) for d in t.tools], "ask_tools": list(self.ask_tools),
             "approver": self.approver is not None, "approvals": {
-                k: redact(dataclasses.asdict(a)) for k, a in (t.request.approvals or {}).items()}})
+                k: dataclasses.asdict(a) if isinstance(a, Approval) else repr(a)
+                for k, a in (t.request.approvals or {}).items()}})
 
     def _instructions(self, t: _Turn) -> str:
         return t.request.system_prompt or self.system_prompt or DEFAULT_INSTRUCTIONS
@@ -1847,11 +1910,15 @@ class AgentRuntime:
     def _emit(self, t: _Turn, kind: str,
               data: dict[str, Any] | Callable[[], dict[str, Any]]) -> None:
         """Send one event to every sink; a sink that raises is logged and ignored. Data given
-        as a function is built only when a sink listens (trace data costs copies and hashes)."""
+        as a function is built only when a sink listens (trace data costs copies and hashes).
+        Here, and only here, secrets are masked: every event once, as the trace has it."""
         if not self.sinks:
             return
-        event = AgentEvent(kind, t.request.session_id, t.guard.steps,
-                           data() if callable(data) else data, time.time())
+        data = data() if callable(data) else data
+        masked = data if kind in _OWN_DATA else redact(data)
+        if kind == "turn_started":   # masked at Start as the model sees them (_masked_tool)
+            masked["tools"] = data["tools"]
+        event = AgentEvent(kind, t.request.session_id, t.guard.steps, masked, time.time())
         for sink in self.sinks:
             try:
                 sink.emit(event)
@@ -2390,3 +2457,381 @@ class OpenAICompatLlm:
                 acc.add(chunk)
             except (*_BAD_JSON, TypeError) as e:
                 raise self._error(200, f"sent a bad stream event ({e})", payload) from None
+
+
+# ---- 11. Replay --------------------------------------------------------------------------------
+# A JSONL trace is a complete record of a run; these ports answer from one, replay() compares.
+
+_Event = dict[str, Any]   # one event of a trace, as JSON has it, with its `line`
+_Trace = Union[str, os.PathLike, Sequence[_Event]]   # a JSONL file, or its events
+_TIMED_OUT = "the recorded turn ran out of time waiting for this reply"
+
+
+class TraceError(BobError):
+    """A trace that cannot be read or was cut short; the message names the line."""
+
+
+def read_trace(trace: _Trace) -> list[_Event]:
+    """The events of a JSONL trace file (or a list of them), each with its `line`."""
+    if not isinstance(trace, (str, os.PathLike)):
+        return list(trace)
+    try:
+        lines = Path(trace).read_text(encoding="utf-8").splitlines()
+    except (OSError, ValueError) as e:
+        raise TraceError(f"cannot read the trace {trace}: {e}") from None
+    bad = None
+    try:   # all lines in one parse, 2.5 times as fast as one at a time; an error has the line
+        events = _json("[" + ",\n".join(lines) + "]")
+    except _BAD_JSON as e:
+        events, bad = [], getattr(e, "lineno", "?")   # a RecursionError has none
+    for n, e in enumerate(events, 1):
+        if not (isinstance(e, dict) and isinstance(e.get("kind"), str)
+                and isinstance(e.get("data"), dict)):
+            bad = bad or n
+            break
+        e["line"] = n
+    if bad or len(events) != len(lines):   # (more events than lines: a line holds two)
+        raise TraceError(f"{trace} line {bad or len(lines)} is not a trace event (cut short?)")
+    return events
+
+
+class ReplayLlm:
+    """An LlmPort answering from a trace: a request must have the recorded digest, and gets the
+    recorded reply; otherwise LlmError, and `divergence` says why. Never calls a model. A request
+    the recording ran out of time on fires the turn's cancel token: the turn times out at once.
+    TraceError when a request has no reply and the turn went on (the trace was edited)."""
+
+    def __init__(self, trace: _Trace):
+        self._script: list[list[Any]] = []   # [digest, reply, error text or _TIMED_OUT or None]
+        asked = None   # the line of the request not answered yet
+        for e in read_trace(trace):
+            kind, d = e["kind"], e["data"]
+            if asked and kind in ("llm_call_started", "action_parsed", "parse_error"):
+                raise TraceError(f"line {asked}: this llm_call_started has no "
+                                 "llm_call_completed, yet the turn went on: the trace was edited")
+            if kind == "llm_call_started":
+                self._script.append([d.get("digest"), None, None])
+                asked = e.get("line", "?")
+            elif kind == "llm_call_completed" and self._script:
+                self._script[-1][1] = LlmResponse(d["content"], tuple(
+                    ToolCall(**c) for c in d["tool_calls"]), Usage(**d["usage"]),
+                    d["finish_reason"])
+                asked = None
+            elif kind == "error" and d.get("where") == "turn" and self._script:
+                self._script[-1][2] = d["error"].partition(": ")[2]
+            elif kind == "guard_tripped" and asked and d["reason"] == GuardReason.TURN_TIMEOUT:
+                self._script[-1][2] = _TIMED_OUT
+            asked = None if kind == "turn_completed" else asked
+        self._released = threading.Event()   # set when the turn is over (see _replay_turn)
+        self.requests: list[LlmRequest] = []
+        self.divergence: str | None = None
+        self._lock, self._parts = threading.Lock(), {}   # the parts of request_digest
+
+    @property
+    def left_over(self) -> int:
+        """Recorded replies that no request asked for."""
+        return sum(s[1] is not None for s in self._script[len(self.requests):])
+
+    def complete(self, req: LlmRequest, cancel: CancelToken,
+                 on_delta: Callable[[str], None] | None = None) -> LlmResponse:
+        """The recorded reply to this request."""
+        with self._lock:
+            n = len(self.requests)
+            self.requests.append(req)
+        digest, reply, error = self._script[n] if n < len(self._script) else (None,) * 3
+        if digest is None or request_digest(req, self._parts) != digest:
+            self.divergence = self.divergence or f"LLM request {n + 1} " + (
+                "differs from the recorded" if digest else "has no recorded reply")
+            raise LlmError(f"replay: {self.divergence}")
+        if error is _TIMED_OUT:   # the turn's token: the runtime stops waiting, sees no answer
+            cancel.cancel()
+            self._released.wait(None if req.deadline is None else req.deadline - time.monotonic())
+        if reply is None and error in (None, _TIMED_OUT):   # unanswered: cancelled or timed out
+            cancel.wait(60.0 if req.deadline is None else req.deadline - time.monotonic() + 1)
+            raise Cancelled("the recorded request was never answered")
+        if reply is None:
+            raise LlmError(error)
+        return typing.cast(LlmResponse, reply)
+
+
+class ReplayTools:
+    """A ToolPort answering each call with its recorded result if name and arguments match (else
+    an error; `divergence` says why); a call interrupted in the recording calls `on_interrupt`."""
+
+    def __init__(self, trace: _Trace, on_interrupt: Callable[[], None] | None = None):
+        events = read_trace(trace)
+        starts = [e["data"] for e in events if e["kind"] == "turn_started"]
+        self.tools = [ToolDescriptor(**d) for d in starts[0]["tools"]] if starts else []
+        self.on_interrupt, self.divergence = on_interrupt, None
+        self._calls: dict[str, list[_Event]] = {}  # call id -> recorded, oldest first
+        self._running: collections.Counter[int] = collections.Counter()  # batch -> unanswered
+        self._cond, started, batch = threading.Condition(), {}, 0
+        for e in events:
+            kind, d = e["kind"], e["data"]
+            batch += kind == "llm_call_completed"
+            started.update({d["call_id"]: d} if kind == "tool_call_started" else {})
+            if kind == "tool_call_completed" and started.get(d["call_id"], {}).get("runs"):
+                rec = {**started[d["call_id"]], **d, "batch": batch,
+                       "cut": "before this call ended" in d["content"]}
+                self._calls.setdefault(d["call_id"], []).append(rec)
+                self._running[batch] += not rec["cut"]
+
+    def list_tools(self) -> list[ToolDescriptor]:
+        """The tools the (first) recorded turn offered."""
+        return list(self.tools)
+
+    def call_tool(self, call: ToolCall, timeout_s: float,
+                  cancel: CancelToken | None = None) -> ToolResult:
+        """The recorded result of this call."""
+        with self._cond:
+            rec = (self._calls.get(call.id) or [None]).pop(0)
+        args = redact(call.arguments)
+        if rec is None or (rec["name"], rec["arguments"]) != (call.name, args):
+            what = f"tool call {call.id} {call.name}({json.dumps(args)}) was never recorded"
+            if rec is not None:
+                what += f"; recorded: {rec['name']}({json.dumps(rec['arguments'])})"
+            self.divergence = self.divergence or what
+            return _error(call, f"replay: {what}")
+        with self._cond:  # an interrupted call: the others of its batch ended before the cancel
+            self._running[rec["batch"]] -= not rec["cut"]
+            self._cond.notify_all()
+            self._cond.wait_for(lambda: not rec["cut"] or not self._running[rec["batch"]], 10)
+        if rec["cut"] and self.on_interrupt:
+            self.on_interrupt()
+        return ToolResult(call.id, call.name, rec["content"], rec["is_error"])
+
+
+@dataclass
+class ReplayReport:
+    """What replay() found: `ok`, a line per turn, and the first divergence: turn, step, what,
+    the recorded and new values, and for a request the first differing message (`detail`)."""
+    ok: bool
+    turns: list[str]
+    turn: int | None = None
+    step: int | None = None
+    what: str = ""
+    recorded: Any = None
+    new: Any = None
+    detail: str = ""
+
+    def __str__(self) -> str:
+        values = [f"  {k:<10}{json.dumps(v, default=str)}" for k, v in
+                  (("recorded:", self.recorded), ("new:", self.new))] if not self.ok else []
+        where = [] if self.ok else [f"turn {self.turn}, step {self.step}: {self.what}"]
+        return "\n".join(self.turns + where + values + ([self.detail] if self.detail else []))
+
+
+# -- reading turns back --
+# The fields replay compares, per event kind (not timestamps, durations or usage).
+_COMPARED = {"turn_started": (), "state": ("from", "to"), "llm_call_started": ("digest",),
+             "action_parsed": ("type", "tools"), "parse_error": ("error",),
+             "tool_call_started": ("call_id", "name", "arguments"),
+             "tool_call_completed": ("call_id", "name", "content", "is_error"),
+             "guard_tripped": ("reason", "detail"), "error": ("where",),
+             "turn_completed": ("finish_reason", "guard_reason", "content")}
+
+
+def _compared(e: dict[str, Any]) -> bool:
+    """Compared events: a failing store.save is about the machine, not the run."""
+    return e["kind"] in _COMPARED and e["data"].get("where") != "store.save"
+
+
+def _turn_start(turn: list[_Event]) -> _Event | None:
+    """The data of a turn's turn_started, if it has one yet."""
+    return next((e["data"] for e in turn if e["kind"] == "turn_started"), None)
+
+
+def _turns(events: list[_Event]) -> list[list[_Event]]:
+    """The events grouped by turn (session_loaded included); TraceError for a turn cut short."""
+    turns: list[list[_Event]] = []
+    open_turns: dict[Any, list[_Event]] = {}   # session -> its turn so far
+    for e in events:
+        turn = open_turns.setdefault(e.get("session_id"), [])
+        if e["kind"] == "turn_started":
+            if e["data"].get("format") != TRACE_FORMAT or _turn_start(turn):
+                raise TraceError(f"line {e['line']}: not a turn this bob replays (format "
+                                 f"{e['data'].get('format')}, or the last turn never ended)")
+            turns.append(turn)
+        turn.append(e)
+        if e["kind"] == "turn_completed":
+            open_turns.pop(e.get("session_id"))
+    for turn in open_turns.values():
+        if _turn_start(turn):
+            raise TraceError(f"the turn that starts at line {turn[0]['line']} has no "
+                             "turn_completed: the trace is cut short")
+    return turns
+
+
+def _cancel_point(events: list[_Event]) -> int | None:
+    """The index (among compared events) of the event a recorded cancel came right after; None
+    when the turn was not cancelled or a tool was interrupted (ReplayTools cancels then)."""
+    texts = [e["data"]["content"] for e in events if e["kind"] == "tool_call_completed"]
+    if (events[-1]["data"].get("finish_reason") != FinishReason.CANCELLED.value
+            or any("before this call ended" in c for c in texts)):
+        return None
+    states = [i for i, e in enumerate(events) if e["kind"] == "state"]
+    if any("before this call started" in c for c in texts):   # while the model answered
+        return max(i for i in states if events[i]["data"]["to"] == State.CALL_TOOL.value)
+    return states[-1] - 1   # the cancel was seen at the last transition, to done
+
+
+# -- replaying a turn --
+
+class _Recorder:
+    """The replay's event sink: keeps compared events as JSON has them; cancels at `cancel_at`."""
+
+    def __init__(self, cancel: CancelToken, cancel_at: int | None):
+        self.events: list[_Event] = []
+        self.cancel, self.cancel_at = cancel, cancel_at
+
+    def emit(self, event: AgentEvent) -> None:
+        fields = _COMPARED.get(event.kind)
+        if fields is None:
+            return
+        data = event.data if event.kind == "turn_started" else {
+            f: event.data.get(f) for f in (*fields, "where")}
+        e = {"kind": event.kind, "step": event.step, "data": {   # as JSON would have them
+            k: v if isinstance(v, (str, bool, type(None))) else json.loads(_data_json(v))
+            for k, v in data.items()}}
+        if _compared(e):
+            self.events.append(e)
+            if len(self.events) - 1 == self.cancel_at:
+                self.cancel.cancel()
+
+
+def _shown(e: _Event | None) -> _Event | None:
+    return e and {"kind": e["kind"], **{f: e["data"].get(f) for f in _COMPARED[e["kind"]]}}
+
+
+def _first_difference(recorded: list[_Event], new: list[_Event]) -> tuple[Any, ...] | None:
+    """(step, what, recorded, new) of the first compared event that differs, or None."""
+    for a, b in itertools.zip_longest(recorded, new):
+        if a is None or b is None or a["kind"] != b["kind"]:
+            what = ("the new run did more" if a is None else "the new run ended before this"
+                    if b is None else "a different event")
+            return (a or b)["step"], what, _shown(a), _shown(b)
+        for f in _COMPARED[a["kind"]]:
+            if a["data"].get(f) != b["data"].get(f):
+                return a["step"], f"{a['kind']} {f}", a["data"].get(f), b["data"].get(f)
+    return None
+
+
+class _FailedSave:
+    """A store whose save fails, as the recorded one did (the session stays as it was)."""
+
+    def __init__(self, store: SessionStore):
+        self.load = store.load
+
+    def save(self, session_id: str, state: SessionState) -> None:
+        raise StoreError("replay: the recorded save failed")
+
+
+def _approver(events: list[_Event]) -> Callable[[ToolCall], Approval]:
+    """An approver that gives the decisions recorded in a turn, by call id."""
+    decided = {d["call_id"]: Approval(d["allow"], d.get("reason", ""), d.get("arguments"))
+               for d in (e["data"] for e in events if e["kind"] == "approval_decided")}
+    return lambda call: decided.get(call.id, Approval(False, "replay: no recorded decision"))
+
+
+def _replay_turn(events: list[_Event], store: SessionStore, given: dict[str, Any]
+                 ) -> tuple[list[_Event], ReplayLlm]:
+    """Run a recorded turn again with replay()'s settings: the compared events, its ReplayLlm."""
+    start, sid = _turn_start(events) or {}, events[0]["session_id"]
+    for e in events:
+        if e["kind"] == "session_loaded":   # a version past the replayed one, so the save takes
+            version = getattr(store.load(sid), "version", -1) + 1
+            store.save(sid, SessionState([Message.from_dict(m) for m in e["data"]["messages"]],
+                                         paused=e["data"].get("paused"), version=version))
+    if any(e["kind"] == "error" and e["data"].get("where") == "store.save" for e in events):
+        store = _FailedSave(store)   # the recorded save failed: the turn raised, so must this one
+    caller, llm = CancelToken(), ReplayLlm(events)
+    sink = _Recorder(caller, _cancel_point([e for e in events if _compared(e)]))
+    tools = given.get("tools")
+    runtime = AgentRuntime(
+        llm, tools if tools is not None else ReplayTools(events, caller.cancel), store=store,
+        events=sink, policy=given.get("policy") or TurnPolicy(**start["policy"]),
+        system_prompt=given.get("system_prompt") or start["system_prompt"],
+        action_mode=given.get("action_mode") or start["action_mode"],
+        ask_tools=start.get("ask_tools", ()),   # and the recorded denials stay:
+        deny_tools=(*given.get("deny_tools", ()), *start.get("deny_tools", ())),
+        approver=_approver(events) if start.get("approver") else None)
+    approvals = {k: Approval(**a) if isinstance(a, dict) else a   # a bad one fails again
+                 for k, a in start.get("approvals", {}).items()}
+    with contextlib.suppress(BobError):  # an error that ends the turn is an event
+        runtime.run(AgentRequest(start["input"], sid, approvals=approvals or None), caller)
+    llm._released.set()
+    return sink.events, llm
+
+
+def _request_diff(events: list[_Event], before: SessionState | None, llm: ReplayLlm) -> str:
+    """The first message of `llm`'s last request that differs from the recorded one (rebuilt by
+    replaying the turn as recorded, proved by its digest): index, role, unified diff."""
+    store, k = InMemorySessionStore(), len(llm.requests) - 1
+    if before is not None:
+        store.save(events[0]["session_id"], before)
+    ref = _replay_turn(events, store, {})[1].requests
+    digests = [e["data"]["digest"] for e in events if e["kind"] == "llm_call_started"]
+    if len(ref) <= k or k >= len(digests) or request_digest(ref[k]) != digests[k]:
+        return "  (the recorded request cannot be rebuilt from the trace)"
+    for i, (a, b) in enumerate(itertools.zip_longest(ref[k].messages, llm.requests[k].messages)):
+        if a != b:
+            texts = [(m.content if m else "").splitlines() for m in (a, b)]
+            import difflib   # only when a request differs
+            diff = difflib.unified_diff(*texts, "recorded", "new", lineterm="", n=1)
+            return f"  message {i} ({(a or b).role}) differs:\n    " + "\n    ".join(diff)
+    return "  the messages are the same: the tools or the response format differ"
+
+
+def _check_turn(events: list[_Event], store: SessionStore, given: dict[str, Any]
+                ) -> str | ReplayReport:
+    """Replay one turn: "same (...)" or the report of its first divergence."""
+    before = store.load(events[0]["session_id"])
+    new, llm = _replay_turn(events, store, given)
+    found = _first_difference([e for e in events if _compared(e)], new)
+    if found is None:
+        end = events[-1]["data"]
+        return (f"same ({end['steps']} LLM calls, {end['tool_calls']} tool calls, "
+                f"{end['finish_reason'] or 'error'})")
+    step, what, old, value = found
+    if isinstance(value, str) and value.startswith("replay: "):   # what ReplayTools saw
+        what = value.removeprefix("replay: ")
+    detail, tools = "", _tools_changed(_turn_start(events), _turn_start(new))
+    if what == "llm_call_started digest" and tools:
+        what = f"the tools offered differ: {tools}"
+    elif what == "llm_call_started digest":
+        what, detail = llm.divergence or what, _request_diff(events, before, llm)
+    return ReplayReport(False, [], None, step, what, old, value, detail)
+
+
+def _tools_changed(recorded: _Event | None, new: _Event | None) -> str:
+    """How the tools of two turn_started differ, by name: "removed: a; added: b; changed: c
+    (input_schema)", or "" when they are the same."""
+    old, now = ({d["name"]: d for d in (start or {}).get("tools", [])} for start in (recorded, new))
+    parts = {"removed": [n for n in old if n not in now], "added": [n for n in now if n not in old],
+             "changed": [f"{n} ({', '.join(k for k in d if d[k] != now[n].get(k))})"
+                         for n, d in old.items() if n in now and d != now[n]]}
+    return "; ".join(f"{what}: {', '.join(names)}" for what, names in parts.items() if names)
+
+
+def replay(trace: _Trace, *,
+           tools: ToolPort | None = None, policy: TurnPolicy | None = None,
+           system_prompt: str | None = None, action_mode: str | None = None,
+           deny_tools: Sequence[str] = ()) -> ReplayReport:
+    """Re-run every recorded turn offline until the first divergence: `tools` (less `deny_tools`)
+    run for real if given; the overrides replace the recorded settings; TraceError."""
+    given = {"policy": policy, "system_prompt": system_prompt, "action_mode": action_mode,
+             "tools": tools, "deny_tools": deny_tools}
+    store, lines, turns = InMemorySessionStore(), [], _turns(read_trace(trace))
+    if not turns:
+        raise TraceError(f"{trace if isinstance(trace, (str, os.PathLike)) else 'the trace'}"
+                         " has no turn_started: it is not a bob trace, or it is empty")
+    for n, events in enumerate(turns, 1):
+        try:
+            outcome = _check_turn(events, store, given)
+        except (TypeError, KeyError, ValueError, AttributeError, IndexError) as e:
+            raise TraceError(f"the turn that starts at line {events[0].get('line')} cannot "
+                             f"be replayed: {type(e).__name__}: {e}") from None
+        if isinstance(outcome, ReplayReport):
+            return dataclasses.replace(outcome, turns=[*lines, f"turn {n}: DIFFERENT"], turn=n)
+        lines.append(f"turn {n}: {outcome}")
+    return ReplayReport(True, lines)

@@ -4,6 +4,7 @@
     python bob_cli.py                              # REPL on ./agent.toml (/help lists commands)
     python bob_cli.py -p "What is 2 + 40?"         # one turn; only the answer goes to stdout
     printf 'hi\\nand again\\n' | python bob_cli.py   # each line a turn of one session
+    python bob_cli.py replay run.jsonl             # re-run a trace offline; exit 1 if it differs
 
 Sections: 1. Configuration  2. Demo, event printer  3. The turn's view  4. Shell  5. Modes  6. main
 Needs bob.py beside it; bob_mcp.py and the `mcp` package only when agent.toml lists MCP servers.
@@ -931,8 +932,43 @@ def _start(args: argparse.Namespace, opened: list[Shell]) -> int:
                      f"{shell.session_id}{servers}. /help lists commands, Ctrl-D quits.")
 
 
+def _run_replay(argv: list[str]) -> int:
+    """`bob replay TRACE`: one line per turn, the first divergence in full; exit 0 same,
+    1 a divergence, 2 an unreadable or incomplete trace (or a bad config)."""
+    p = argparse.ArgumentParser(prog="bob replay", description="Replay a --trace file offline: "
+                                "the recorded replies answer; stop at the first difference.")
+    p.add_argument("trace", help="the JSONL trace to replay")
+    p.add_argument("--live-tools", action="store_true",
+                   help="run the tools of --config (MCP servers) instead of recorded results")
+    p.add_argument("--config", metavar="PATH", default="agent.toml",
+                   help="the agent.toml whose tools --live-tools runs (default: ./agent.toml)")
+    args = p.parse_args(argv)
+    mcp: Any = None
+    try:
+        tools, deny = None, ()
+        if args.live_tools:
+            cfg = load_config(args.config)
+            if cfg.mcp_servers:
+                import bob_mcp
+                mcp = bob_mcp.McpToolPort(cfg.mcp_servers).start()
+            tools, deny = mcp or bob.FunctionTools(), cfg.deny_tools
+        report = bob.replay(args.trace, tools=tools, deny_tools=deny)
+    except bob.BobError as e:   # TraceError, ConfigError, a server that would not start
+        return _fail(e, 2, False)
+    except KeyboardInterrupt:
+        return 130
+    finally:
+        if mcp is not None:
+            mcp.close()
+    print(report, flush=True)
+    return 0 if report.ok else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the CLI on `argv` (default sys.argv[1:]); returns the exit code."""
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["replay"]:
+        return _run_replay(argv[1:])
     parser = _parser()
     args = parser.parse_args(argv)
     if args.prompt is not None and not args.prompt.strip():

@@ -8,9 +8,15 @@ answer, all from ScriptedLlm, over a history pre-filled with H messages (AgentRe
 a realistic mix of questions, answers and tool-call units). Each step adds two messages, so the
 history during a turn runs from H to H + 2 * STEPS. Printed: microseconds per step (turn time /
 steps), the median of several repeats, with max_history_messages high enough to send everything
-("all sent") and at the default cap of 50 ("cap 50").
+("all sent") and at the default cap of 50 ("cap 50"). Those include what a turn costs once (the
+history copied, checked and saved), spread over its steps; the last column is the cost of one
+more step alone, at the default cap, in CPU time of the loop's thread (so other processes on the
+machine hardly move it): (turn of 4 x steps - turn of steps) / (3 x steps), from the minima of
+the repeats ("step alone").
 
-Target: under 200 us per step at 50 messages, and growth no worse than linear in H.
+Targets: under 200 us per step at 50 messages; with the default cap the cost per step the same at
+20, 100 and 1,000 messages of history (issue 20: a step no longer re-walks the whole history).
+With everything sent a step still builds a request of all H messages, so that column grows.
 
 Sections: 1. Setup  2. Measure  3. Report
 """
@@ -31,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import bob  # noqa: E402  (after the path line, so the bench runs from a plain checkout)
 
-SIZES = (10, 50, 100, 1000)
+SIZES = (20, 50, 100, 1000)
 TARGET_US = 200.0
 
 
@@ -88,6 +94,25 @@ def us_per_step(history_len: int, steps: int, cap: int | None, repeats: int
     return statistics.median(samples), min(samples)
 
 
+def turn_cpu_s(history_len: int, steps: int, repeats: int) -> float:
+    """The least CPU time of the loop's thread over `repeats` turns, default cap, in seconds."""
+    samples = []
+    for _ in range(repeats):
+        runtime, request = make_turn(history_len, steps, 50)
+        gc.collect()
+        t0 = time.thread_time()
+        runtime.run(request)
+        samples.append(time.thread_time() - t0)
+    return min(samples)
+
+
+def marginal_us(history_len: int, steps: int, repeats: int) -> float:
+    """The cost of one more step at the default cap, in microseconds (see the docstring)."""
+    short = turn_cpu_s(history_len, steps, repeats)
+    long = turn_cpu_s(history_len, 4 * steps, repeats)
+    return (long - short) / (3 * steps) * 1e6
+
+
 def profile(history_len: int, steps: int, cap: int | None, top: int = 18) -> str:
     """cProfile of a few turns; the functions with the most cumulative time."""
     prof = cProfile.Profile()
@@ -110,24 +135,23 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=15, help="turns per figure (default 15)")
     ap.add_argument("--profile", type=int, metavar="H", help="also profile the H-message case")
     args = ap.parse_args()
-    us_per_step(10, args.steps, None, 5)  # warm up imports and caches
+    us_per_step(20, args.steps, None, 5)  # warm up imports and caches
     print(f"bob loop overhead: {args.steps} steps per turn, median of {args.repeats} turns, "
           f"Python {sys.version.split()[0]}")
     print("us per step, median (min); the min shows the cost without noise from other processes")
-    print(f"{'history':>8} {'all sent':>18} {'cap 50':>18}")
-    figures = {}
+    print(f"{'history':>8} {'all sent':>18} {'cap 50':>18} {'step alone':>11}")
+    figures, alone = {}, {}
     for h in SIZES:
         (med, low), (cmed, clow) = (us_per_step(h, args.steps, None, args.repeats),
                                     us_per_step(h, args.steps, 50, args.repeats))
-        figures[h] = med
-        print(f"{h:>8} {med:>10.1f} ({low:5.1f}) {cmed:>10.1f} ({clow:5.1f})")
+        figures[h], alone[h] = med, marginal_us(h, args.steps, args.repeats)
+        print(f"{h:>8} {med:>10.1f} ({low:5.1f}) {cmed:>10.1f} ({clow:5.1f}) {alone[h]:>11.1f}")
     at50 = figures[50]
-    slope_low = (figures[100] - figures[10]) / 90 * 100      # us per step per 100 messages
-    slope_high = (figures[1000] - figures[100]) / 900 * 100
     print(f"at 50 messages: {at50:.1f} us/step (target < {TARGET_US:.0f}): "
           f"{'OK' if at50 < TARGET_US else 'OVER'}")
-    print(f"extra cost per 100 history messages: {slope_low:.1f} us/step from 10 to 100, "
-          f"{slope_high:.1f} us/step from 100 to 1000 (linear: about equal)")
+    ratio = alone[1000] / alone[20]
+    print(f"one step alone at 1,000 vs 20 messages of history: {ratio:.2f}x "
+          f"(target: flat, about 1.0x): {'OK' if ratio < 1.2 else 'GROWS'}")
     if args.profile:
         print(profile(args.profile, args.steps, None))
 

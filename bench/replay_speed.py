@@ -1,0 +1,90 @@
+"""Benchmark: how fast bob.replay re-runs a recorded trace, in steps (LLM calls) per second.
+
+    python bench/replay_speed.py            # turns of 100 and of 1,000 steps
+
+Records one turn of N steps into a JSONL trace (ScriptedLlm and a trivial FunctionTools tool, json
+mode: N-1 tool calls, then a final answer, over the default history cap of 50), then replays that
+file with bob.replay several times. Printed per N: the trace's size, the medians of the recording
+and of a replay (each step of a replay re-checks the request digest and the tool call), and steps
+per second. Also shown: the cost of the trace while recording (the same turn with no sink).
+
+Target (issue 20): >= 5,000 steps/s at 100 and at 1,000 steps: a replay step costs about what a
+live step costs, whatever the length of the history.
+
+Sections: 1. Setup  2. Measure
+"""
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import bob  # noqa: E402  (after the path line, so the bench runs from a plain checkout)
+
+SIZES = (100, 1000)   # steps per turn
+REPEATS = 7
+
+
+# ---- 1. Setup -----------------------------------------------------------------------------------
+
+def echo(x: int) -> str:
+    """Echo a number."""
+    return str(x)
+
+
+def run_turn(events: list, steps: int) -> None:
+    """One turn of `steps` steps: steps-1 tool calls with distinct arguments, then a final."""
+    replies = [json.dumps({"type": "tool_call", "name": "echo", "arguments": {"x": i}})
+               for i in range(steps - 1)] + [json.dumps({"type": "final", "content": "done"})]
+    policy = bob.TurnPolicy(max_steps=steps, max_tool_calls=steps)
+    runtime = bob.AgentRuntime(bob.ScriptedLlm(replies), bob.FunctionTools([echo]),
+                               events=events, policy=policy)
+    result = runtime.run(bob.AgentRequest("count"))
+    assert result.steps == steps and result.finish_reason is bob.FinishReason.FINAL
+
+
+def timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+# ---- 2. Measure ---------------------------------------------------------------------------------
+
+def measure(steps: int, tmp: Path) -> None:
+    """Record a turn of `steps` steps, replay it REPEATS times, print the figures."""
+    path = tmp / f"trace{steps}.jsonl"
+    sink = bob.JsonlEventSink(path)
+    run_turn([sink], steps)
+    sink.close()
+    size = path.stat().st_size
+    report = bob.replay(path)
+    assert report.ok, str(report)
+    replays = [timed(lambda: bob.replay(path)) for _ in range(REPEATS)]
+    bare = [timed(lambda: run_turn([], steps)) for _ in range(REPEATS)]
+    traced = []
+    for i in range(REPEATS):
+        sink = bob.JsonlEventSink(tmp / f"t{steps}_{i}.jsonl")
+        traced.append(timed(lambda: run_turn([sink], steps)))
+        sink.close()
+    replay_s = statistics.median(replays)
+    print(f"trace of a {steps}-step turn: {size / 1024:.0f} KiB, {report.turns[0]}")
+    print(f"  turn without a sink:   {statistics.median(bare) * 1000:7.1f} ms")
+    print(f"  turn with the trace:   {statistics.median(traced) * 1000:7.1f} ms")
+    print(f"  replay of the trace:   {replay_s * 1000:7.1f} ms  = {steps / replay_s:,.0f} "
+          f"steps/s (median of {REPEATS}; best {steps / min(replays):,.0f})")
+
+
+def main() -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        for steps in SIZES:
+            measure(steps, Path(tmp))
+
+
+if __name__ == "__main__":
+    main()
