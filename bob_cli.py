@@ -49,6 +49,8 @@ _KINDS: dict[str, Callable[[Any], bool]] = {
     "a list of strings": lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v),
     "an array of tables": lambda v: isinstance(v, list) and all(isinstance(x, dict) for x in v),
     "a table": lambda v: isinstance(v, dict),
+    "a table of strings": lambda v: isinstance(v, dict) and all(isinstance(x, str)
+                                                                for x in v.values()),
 }
 _POLICY_KEYS = [f.name for f in fields(bob.TurnPolicy)]
 _SCHEMA: dict[str, dict[str, str]] = {
@@ -58,7 +60,8 @@ _SCHEMA: dict[str, dict[str, str]] = {
     "llm": {"retry_max": "an integer", "stream_default": "a boolean", "base_url": "a string",
             "api_key_env": "a string", "temperature": "a number", "seed": "an integer",
             "max_tokens": "an integer", "json_response_format": "a boolean",
-            "max_response_bytes": "an integer", "tool_choice": "a string"},
+            "max_response_bytes": "an integer", "tool_choice": "a string",
+            "headers": "a table of strings", "extra_body": "a table"},
     "store": {"path": "a string"},
     "policy": {"deny_tools": "a list of strings", "ask_tools": "a list of strings"},
     "mcp": {"servers": "an array of tables"},
