@@ -60,7 +60,8 @@ __all__ = [
     # ports
     "LlmPort", "ToolPort", "SessionStore", "EventSink",
     # functions and adapters, and the trace's digest
-    "parse_action", "action_schema", "truncate_history", "is_denied", "abandoned_workers", "FunctionTools",
+    "parse_action", "action_schema", "truncate_history", "is_denied", "abandoned_workers",
+    "FunctionTools",
     "CompositeToolPort", "InMemorySessionStore", "JsonFileSessionStore", "LoggingEventSink",
     "JsonlEventSink", "AgentRuntime", "ScriptedLlm", "OpenAICompatLlm", "PROVIDERS",
     "RETRYABLE_STATUSES", "TOOL_NAME", "request_digest",
@@ -571,12 +572,12 @@ def parse_action(text: str, call_id: str = "call_1") -> AgentAction:
 def action_schema(tools: Sequence[ToolDescriptor]) -> dict[str, Any]:
     """The JSON Schema of one action, for servers that constrain decoding to it: final,
     ask_user, and a tool_call per tool, its name as an enum and its input schema."""
-    def form(kind: str, **fields: Any) -> dict[str, Any]:
-        return {"type": "object", "properties": {"type": {"const": kind}, **fields},
-                "required": ["type", *fields], "additionalProperties": False}
     text = {"type": "string"}
-    calls = [form("tool_call", name={"enum": [t.name]}, arguments=t.input_schema) for t in tools]
-    return {"anyOf": [form("final", content=text), form("ask_user", question=text), *calls]}
+    forms = [("final", {"content": text}), ("ask_user", {"question": text})] + [
+        ("tool_call", {"name": {"enum": [t.name]}, "arguments": t.input_schema}) for t in tools]
+    return {"anyOf": [{"type": "object", "properties": {"type": {"const": kind}, **fields},
+                       "required": ["type", *fields], "additionalProperties": False}
+                      for kind, fields in forms]}
 
 
 def build_system_prompt(instructions: str, tools: Sequence[ToolDescriptor], mode: str) -> str:
@@ -1886,11 +1887,7 @@ PROVIDERS: dict[str, tuple[str, str | None]] = {  # (default base_url, API key v
 RETRYABLE_STATUSES = frozenset({408, 409, 429, 500, 502, 503, 504})
 TOOL_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")   # the tool names every provider takes (fullmatch)
 _OPTIONAL_FIELDS = ("response_format", "stream_options")  # dropped if a server rejects them
-# json mode's response_format, best first; a server refusing one (llama-cpp-python: HTTP 500
-# for json_schema) gets the next from then on, and plain text after the last.
-_JSON_FORMS = ("json_schema", "json_object+schema", "json_object")
 _CALL_EXTRAS = ("extra_content",)  # what a server attaches to a tool call and wants back
-_MISTRAL_ID = re.compile(r"[a-zA-Z0-9]{9}")
 _NO_ANSWER = "(no answer: the turn ended here)"  # Mistral takes no user message after a tool
 
 
@@ -1910,74 +1907,33 @@ def _usage(u: Any) -> Usage:
     return Usage(*n) if all(type(i) is int and i >= 0 for i in n) else Usage()
 
 
-def _message_to_wire(m: Message) -> dict[str, Any]:
+def _message_to_wire(m: Message, ids: Callable[[Any], Any] = str) -> dict[str, Any]:
+    """One message on the wire; `ids` renders tool-call ids (Mistral's: _short_id)."""
     d: dict[str, Any] = {"role": m.role, "content": m.content or ""}  # "" not null: some reject
     if m.tool_calls:
-        d["tool_calls"] = [{**(c.extra or {}), "id": c.id, "type": "function", "function": {
+        d["tool_calls"] = [{**(c.extra or {}), "id": ids(c.id), "type": "function", "function": {
             "name": c.name, "arguments": json.dumps(c.arguments, ensure_ascii=False)}}
             for c in m.tool_calls]
     if m.reasoning is not None:
         d["reasoning_content"] = m.reasoning
     if m.role == "tool":
-        d["tool_call_id"] = m.tool_call_id
+        d["tool_call_id"] = ids(m.tool_call_id)
         if m.name:
             d["name"] = m.name
     return d
 
 
 def _short_id(call_id: Any) -> str:
-    """A tool-call id as Mistral takes it: 9 letters or digits (others mapped, stably)."""
-    call_id = str(call_id)
-    if _MISTRAL_ID.fullmatch(call_id):
-        return call_id
-    return hashlib.sha256(call_id.encode()).hexdigest()[:9]
+    """A tool-call id as Mistral takes it: 9 letters or digits, the same for the same id."""
+    return hashlib.sha256(str(call_id).encode()).hexdigest()[:9]
 
 
-def _for_mistral(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Wire messages as Mistral accepts them: ids from another server shortened the same way in
-    a call and its result, and an assistant note between tool results and a user message."""
-    out: list[dict[str, Any]] = []
-    for d in messages:
-        for c in d.get("tool_calls", ()):
-            c["id"] = _short_id(c["id"])
-        if "tool_call_id" in d:
-            d["tool_call_id"] = _short_id(d["tool_call_id"])
-        if d["role"] == "user" and out and out[-1]["role"] == "tool":
-            out.append({"role": "assistant", "content": _NO_ANSWER})
-        out.append(d)
-    return out
-
-
-def _response_format(form: str, tools: Sequence[ToolDescriptor]) -> dict[str, Any]:
-    """json mode's response_format in one of _JSON_FORMS."""
-    if form == "json_object":
-        return {"type": "json_object"}
+def _json_forms(tools: Sequence[ToolDescriptor]) -> list[dict[str, Any]]:
+    """json mode's response_format, best first: OpenAI's json_schema (vLLM, Ollama, LM Studio,
+    OpenAI take it), llama.cpp's own json_object with a schema, plain json_object."""
     schema = action_schema(tools)
-    if form == "json_schema":   # OpenAI's form: vLLM, Ollama, LM Studio, OpenAI take it
-        return {"type": "json_schema", "json_schema": {"name": "action", "schema": schema}}
-    return {"type": "json_object", "schema": schema}   # llama.cpp's own form
-
-
-def _form_of(response_format: dict[str, Any]) -> str:
-    """Which of _JSON_FORMS a response_format we sent is."""
-    if response_format["type"] == "json_schema":
-        return "json_schema"
-    return "json_object+schema" if "schema" in response_format else "json_object"
-
-
-def _extras(headers: Any, extra_body: Any) -> tuple[dict[str, str], dict[str, Any]]:
-    """The headers and body fields a user adds, checked: ConfigError saying what is wrong."""
-    headers, extra_body = headers or {}, extra_body or {}
-    if not isinstance(headers, dict) or not all(
-            isinstance(k, str) and isinstance(v, str) and not re.search("[\r\n]", k + v)
-            for k, v in headers.items()):
-        raise ConfigError("headers must map header names to strings without line breaks, "
-                          "e.g. {'api-key': '...'}")
-    try:
-        json.dumps(_want(extra_body, dict, "extra_body"), allow_nan=False)
-    except (TypeError, ValueError) as e:
-        raise ConfigError(f"extra_body must be a JSON object of body fields ({e})") from None
-    return headers, extra_body
+    return [{"type": "json_schema", "json_schema": {"name": "action", "schema": schema}},
+            {"type": "json_object", "schema": schema}, {"type": "json_object"}]
 
 
 def _function(c: Any) -> dict[str, Any]:
@@ -2214,14 +2170,10 @@ class OpenAICompatLlm:
         self.json_response_format, self.tool_choice = json_response_format, tool_choice
         self.timeout_s, self.backoff_base_s = timeout_s, backoff_base_s
         self.max_response_bytes = max_response_bytes
-        headers, self.extra_body = _extras(headers, extra_body)  # the user's win over bob's
         self._api_key, self._key_source = self._find_key(model, api_key)
+        self._set_extras(headers, extra_body)
         self._url = self.base_url + "/chat/completions"
         self._shown = re.sub(r"//[^/@]*@", "//***@", self._url)   # user:password@ is a secret
-        self._headers = {"Content-Type": "application/json", **(
-            {"Authorization": f"Bearer {self._api_key}"} if self._api_key else {}), **headers}
-        self._secret_headers = [k for k in headers if secret_name(k)]  # masked, named on a 401
-        self._mistral = "mistral" in f"{provider} {self.base_url}".lower()  # see _for_mistral
         self._rejected: set[str] = set()       # optional fields this server refused
         self._inflight: dict[int, Any] = {}    # thread id -> connection it is using
         self._cancels: dict[int, CancelToken] = {}  # thread id -> the token of its call
@@ -2241,6 +2193,21 @@ class OpenAICompatLlm:
             raise ConfigError(f"the API key for {model!r} in {source} contains spaces or "
                               "non-ASCII characters; set it again")
         return key or None, source
+
+    def _set_extras(self, headers: Any, extra_body: Any) -> None:
+        """The request's headers (the user's win over bob's) and extra body fields, checked."""
+        headers, self.extra_body = headers or {}, extra_body or {}
+        if not isinstance(headers, dict) or not all(
+                isinstance(v, str) and v.isprintable() for v in headers.values()):
+            raise ConfigError("headers must map header names to strings without line breaks, "
+                              "e.g. {'api-key': '...'}")
+        try:
+            json.dumps(_want(self.extra_body, dict, "extra_body"), allow_nan=False)
+        except (TypeError, ValueError) as e:
+            raise ConfigError(f"extra_body must be a JSON object of body fields ({e})") from None
+        self._headers = {"Content-Type": "application/json", **(
+            {"Authorization": f"Bearer {self._api_key}"} if self._api_key else {}), **headers}
+        self._secret_headers = [k for k in headers if secret_name(k)]  # masked, named on a 401
 
     def __repr__(self) -> str:
         return (f"OpenAICompatLlm({self.provider + ':' + self.model!r}, "
@@ -2341,10 +2308,10 @@ class OpenAICompatLlm:
             hint = f" (check base_url and the model name {self.model!r})"
         error = self._error(status, f"answered HTTP {status}{hint}", text)
         refused = [f for f in _OPTIONAL_FIELDS if f in body and f in text]
-        if refused and (status in (400, 422) or status == 500 and refused[0] == "response_format"):
-            field_ = refused[0]  # Mistral: 422; llama-cpp-python: 500 for json_schema
+        if refused and status in (400, 422, 500):  # 422: Mistral; 500: llama-cpp-python
+            field_ = refused[0]
             if field_ == "response_format":
-                field_ = _form_of(body[field_])
+                field_ = " ".join(body[field_])   # this form of it
             self._rejected.add(field_)
             log.warning("%s rejected %s; no longer sending it", self._shown, field_)
             return _Retry(error, 0.0, counted=False)
@@ -2367,9 +2334,13 @@ class OpenAICompatLlm:
 
     def _to_wire(self, req: LlmRequest) -> dict[str, Any]:
         """The request body; optional fields only when set (and not refused by the server)."""
-        messages = [_message_to_wire(m) for m in req.messages]
-        body: dict[str, Any] = {"model": self.model,
-                                "messages": _for_mistral(messages) if self._mistral else messages}
+        mistral = "mistral" in self.describe().lower()  # its API, or its models on vLLM
+        messages: list[dict[str, Any]] = []
+        for m in req.messages:  # Mistral takes ids of 9 letters, no user right after a tool
+            if mistral and m.role == "user" and messages and messages[-1]["role"] == "tool":
+                messages.append({"role": "assistant", "content": _NO_ANSWER})
+            messages.append(_message_to_wire(m, _short_id if mistral else str))
+        body: dict[str, Any] = {"model": self.model, "messages": messages}
         if req.tools and req.response_format != "json":
             for t in req.tools:
                 if not TOOL_NAME.fullmatch(t.name):
@@ -2381,11 +2352,13 @@ class OpenAICompatLlm:
                 for t in req.tools]
             body["tool_choice"] = self.tool_choice  # llama.cpp calls no tool without it
         json_mode = req.response_format == "json" and self.json_response_format
-        form = next((f for f in _JSON_FORMS if f not in self._rejected), None)
+        # a server refusing a form (llama-cpp-python: HTTP 500 for json_schema) gets the next
+        # from then on, and plain text after the last; a form is known by its keys
+        forms = [f for f in _json_forms(req.tools) if " ".join(f) not in self._rejected
+                 ] if json_mode else []
         options = {"temperature": self.temperature, "seed": self.seed,
                    "max_tokens": self.max_tokens, "stream": self.stream or None,
-                   "response_format": _response_format(form, req.tools)
-                   if json_mode and form else None,
+                   "response_format": forms[0] if forms else None,
                    "stream_options": ({"include_usage": True}
                                       if self.stream and self.stream_usage else None)}
         body.update((k, v) for k, v in options.items() if v is not None and k not in self._rejected)

@@ -189,6 +189,8 @@ def load_config(path: str | os.PathLike[str], environ: dict[str, str] | None = N
             raise bob.ConfigError(f"{where}: [llm] {key} must be between {low} and {high}")
     if "base_url" in t["llm"]:
         _check_url(t["llm"]["base_url"], f"{where}: [llm] base_url")
+    if "headers" in t["llm"]:   # a key for a header: api-key = "${AZURE_OPENAI_API_KEY}"
+        t["llm"]["headers"] = _expand(t["llm"]["headers"], f"{where}: [llm] headers", env)
     servers = tuple(_mcp_server(s, n, where, path.parent, env)
                     for n, s in enumerate(t["mcp"].get("servers", []), 1))
     rt, store = t["runtime"], t["store"].get("path")

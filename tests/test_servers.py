@@ -16,7 +16,7 @@ from fake_openai import FakeOpenAI, chunk, completion
 from servers import (AZURE_KEY, azure, deepseek, gemini, groq, llama_cpp_python, mistral, ollama,
                      openrouter, serve)
 
-from conftest import KEY, make_llm, run_cli, write_config
+from conftest import KEY, child_env, make_llm, run_cli, write_config
 from bob import (ActionParseError, AgentRequest, AgentRuntime, CallTools, CancelToken,
                  ConfigError, Final, FinishReason, FunctionTools, JsonFileSessionStore,
                  JsonlEventSink, LlmError, LlmRequest, Message, OpenAICompatLlm, ToolCall,
@@ -92,19 +92,21 @@ def test_bad_headers_or_extra_body_are_config_errors(kw, says):
 def test_llm_headers_and_extra_body_from_agent_toml(tmp_path):
     with FakeOpenAI(['{"type":"final","content":"hi"}']) as srv:
         write_config(tmp_path, srv, '[llm.headers]\nX-Title = "bob"\n'
+                                    'api-key = "${AZURE_OPENAI_API_KEY}"\n'
                                     '[llm.extra_body]\nchat_template_kwargs = '
                                     '{ enable_thinking = false }\n')
-        r = run_cli(tmp_path, "-p", "hi")
+        r = run_cli(tmp_path, "-p", "hi", env=child_env(tmp_path, AZURE_OPENAI_API_KEY="az-1"))
         assert r.returncode == 0, r.stderr
         req = srv.requests[0]
-    assert req["headers"]["X-Title"] == "bob"
+    assert req["headers"]["X-Title"] == "bob" and req["headers"]["api-key"] == "az-1"
     assert req["body"]["chat_template_kwargs"] == {"enable_thinking": False}
 
 
 @pytest.mark.parametrize("extra, says", [
     ("headers = 5\n", "[llm] headers must be a table of strings"),
     ("headers = { X-A = 1 }\n", "[llm] headers must be a table of strings"),
-    ('extra_body = "x"\n', "[llm] extra_body must be a table")])
+    ('extra_body = "x"\n', "[llm] extra_body must be a table"),
+    ('headers = { api-key = "${NOT_SET_24}" }\n', "NOT_SET_24 is not set")])
 def test_llm_headers_and_extra_body_of_a_wrong_type_exit_2_naming_key_and_file(
         tmp_path, extra, says):
     path = write_config(tmp_path, None, extra)
