@@ -417,7 +417,8 @@ class AgentEvent:
 @dataclass(frozen=True)
 class LlmRequest:
     """What the runtime asks of an LlmPort: `messages` in the action mode's wire shape (json mode:
-    tool results as user messages), `response_format` "json" or None, `deadline` monotonic."""
+    tool results as user messages), `tools` in both modes (json mode: for the action's schema,
+    not as a `tools` field), `response_format` "json" or None, `deadline` monotonic."""
     messages: list[Message]
     tools: list[ToolDescriptor]
     response_format: str | None
