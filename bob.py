@@ -32,6 +32,7 @@ import enum
 import fnmatch
 import functools
 import hashlib
+import html
 import inspect
 import bisect
 import itertools
@@ -62,7 +63,8 @@ __all__ = [
     # ports
     "LlmPort", "ToolPort", "SessionStore", "EventSink",
     # functions and adapters, and the trace's digest
-    "parse_action", "truncate_history", "is_denied", "abandoned_workers", "FunctionTools",
+    "parse_action", "action_schema", "truncate_history", "is_denied", "abandoned_workers",
+    "FunctionTools",
     "CompositeToolPort", "InMemorySessionStore", "JsonFileSessionStore", "LoggingEventSink",
     "JsonlEventSink", "AgentRuntime", "ScriptedLlm", "OpenAICompatLlm", "PROVIDERS",
     "RETRYABLE_STATUSES", "TOOL_NAME",
@@ -144,6 +146,8 @@ class ToolCall:
     name: str
     arguments: dict[str, Any]
     error: str | None = None  # why the model's arguments are unusable: not run, the model is told
+    extra: dict[str, Any] | None = None  # what the server attached to the call (Gemini's
+    #                                      extra_content, its thought signature): sent back with it
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-ready dict; `error` only when set."""
@@ -177,6 +181,8 @@ class Message:
     tool_call_id: str | None = None
     name: str | None = None
     is_error: bool = False
+    reasoning: str | None = None  # the model's reasoning_content with its tool calls (DeepSeek
+    #                               thinking mode wants it back)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-ready dict; `Message.from_dict` reverses it exactly."""
@@ -189,6 +195,8 @@ class Message:
             d["name"] = self.name
         if self.is_error:
             d["is_error"] = True
+        if self.reasoning is not None:
+            d["reasoning"] = self.reasoning
         return d
 
     @classmethod
@@ -199,10 +207,12 @@ class Message:
             raise ValueError(f"a message has the unknown role {_excerpt(role)!r}")
         text = (str, type(None))
         calls = tuple(ToolCall(_field(c, "id", (str,)), _field(c, "name", (str,)), _field(
-            c, "arguments", (dict,)), _field(c, "error", text)) for c in (
+            c, "arguments", (dict,)), _field(c, "error", text), _field(c, "extra", (
+                dict, type(None)))) for c in (
                 _want(c, dict, "a tool call") for c in _field(d, "tool_calls", (list,), [])))
         return cls(role, _field(d, "content", (str,)), calls, _field(d, "tool_call_id", text),
-                   _field(d, "name", text), _field(d, "is_error", (bool,), False))
+                   _field(d, "name", text), _field(d, "is_error", (bool,), False),
+                   _field(d, "reasoning", text))
 
 
 @dataclass(frozen=True)
@@ -427,7 +437,8 @@ class AgentEvent:
 @dataclass(frozen=True)
 class LlmRequest:
     """What the runtime asks of an LlmPort: `messages` in the action mode's wire shape (json mode:
-    tool results as user messages), `response_format` "json" or None, `deadline` monotonic."""
+    tool results as user messages), `tools` in both modes (json mode: for the action's schema,
+    not as a `tools` field), `response_format` "json" or None, `deadline` monotonic."""
     messages: list[Message]
     tools: list[ToolDescriptor]
     response_format: str | None
@@ -441,6 +452,7 @@ class LlmResponse:
     tool_calls: tuple[ToolCall, ...] = ()
     usage: Usage = field(default_factory=Usage)
     finish_reason: str | None = None
+    reasoning: str | None = None   # the server's reasoning_content, when it sends one
 
 
 # ---- 3. Ports -----------------------------------------------------------------------------------
@@ -499,6 +511,7 @@ DEFAULT_INSTRUCTIONS = "You are a helpful assistant. Use the tools when they hel
 _FENCE = re.compile(r"^```(?:json)?(.*)```$", re.DOTALL | re.IGNORECASE)  # linear: one .*
 _THINK = re.compile(r"^\s*<think>.*?</think>", re.DOTALL)  # reasoning models' (Qwen3, R1) preamble
 _json = functools.partial(json.loads, strict=False)  # raw newlines and tabs in strings pass
+_DECODER = json.JSONDecoder(strict=False)
 _BAD_JSON = (ValueError, RecursionError)  # bad JSON, an int past the digit limit, deep nesting
 _MAX_DEPTH = 100  # of a model's JSON: no tool needs more, and a session holding JSON near
 #                   Python's recursion limit could not be saved and loaded again
@@ -529,15 +542,32 @@ def _required_str(obj: dict[str, Any], key: str, kind: str) -> str:
     return value
 
 
+def _read_json(body: str) -> Any:
+    """The JSON value of `body`; failing that, of `body` with HTML entities for its quotes
+    (&#34;, &quot;: small models write them) and a trailing sentence after it, if that sentence
+    holds no second object: unambiguous, so read rather than re-prompted."""
+    try:
+        return _json(body)
+    except json.JSONDecodeError as e:
+        error = e
+    text = html.unescape(body)
+    with contextlib.suppress(json.JSONDecodeError):
+        value, end = _DECODER.raw_decode(text)
+        if "{" not in text[end:]:
+            return value
+    raise error
+
+
 def parse_action(text: str, call_id: str = "call_1") -> AgentAction:
-    """One JSON action (whitespace, a leading <think> block, a ```json fence tolerated)."""
+    """One JSON action (whitespace, a leading <think> block, a ```json fence tolerated, and
+    the sloppiness _read_json reads)."""
     body = _THINK.sub("", text).strip()
     if fenced := _FENCE.match(body):
         body = fenced.group(1).strip()
     if not body:
         raise ActionParseError("the reply was empty")
     try:
-        obj = _json(body)
+        obj = _read_json(body)
     except json.JSONDecodeError as e:  # some messages end in "at" ("string starting at")
         raise ActionParseError(f"the reply is not valid JSON ({e.msg.removesuffix(' at')} at "
                                f"line {e.lineno} column {e.colno})") from None
@@ -567,6 +597,17 @@ def _parse_problem(text: str) -> ActionParseError | None:
     except ActionParseError as e:
         return e
     return None
+
+
+def action_schema(tools: Sequence[ToolDescriptor]) -> dict[str, Any]:
+    """The JSON Schema of one action, for servers that constrain decoding to it: final,
+    ask_user, and a tool_call per tool, its name as an enum and its input schema."""
+    text = {"type": "string"}
+    forms = [("final", {"content": text}), ("ask_user", {"question": text})] + [
+        ("tool_call", {"name": {"enum": [t.name]}, "arguments": t.input_schema}) for t in tools]
+    return {"anyOf": [{"type": "object", "properties": {"type": {"const": kind}, **fields},
+                       "required": ["type", *fields], "additionalProperties": False}
+                      for kind, fields in forms]}
 
 
 def build_system_prompt(instructions: str, tools: Sequence[ToolDescriptor], mode: str) -> str:
@@ -1563,7 +1604,8 @@ class AgentRuntime:
         if trip := t.guard.check_text(reply.content):  # stagnation never blocks a final answer
             return self._trip(t, trip)
         text = reply.content if self.action_mode == "native" else ""
-        t.session.messages.append(Message("assistant", text, action.calls))
+        t.session.messages.append(Message("assistant", text, action.calls,
+                                          reasoning=reply.reasoning))
         return State.CALL_TOOL
 
     def _call_tool(self, t: _Turn) -> State:
@@ -1631,8 +1673,7 @@ class AgentRuntime:
                 t.wire[i] = render_for_wire(messages[i], self.action_mode)
         json_mode = self.action_mode == "json"
         return LlmRequest([typing.cast(Message, t.system), *(t.wire[i] for i in kept)],
-                          [] if json_mode else t.tools, "json" if json_mode else None,
-                          t.guard.deadline)
+                          t.tools, "json" if json_mode else None, t.guard.deadline)
 
     def _complete(self, t: _Turn, prompt: LlmRequest) -> _Worker:
         return self._call_port(t, lambda: self.llm.complete(
@@ -1972,6 +2013,8 @@ PROVIDERS: dict[str, tuple[str, str | None]] = {  # (default base_url, API key v
 RETRYABLE_STATUSES = frozenset({408, 409, 429, 500, 502, 503, 504})
 TOOL_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")   # the tool names every provider takes (fullmatch)
 _OPTIONAL_FIELDS = ("response_format", "stream_options")  # dropped if a server rejects them
+_CALL_EXTRAS = ("extra_content",)  # what a server attaches to a tool call and wants back
+_NO_ANSWER = "(no answer: the turn ended here)"  # Mistral takes no user message after a tool
 
 
 def _text(content: Any) -> str:
@@ -1990,20 +2033,47 @@ def _usage(u: Any) -> Usage:
     return Usage(*n) if all(type(i) is int and 0 <= i < 1e15 for i in n) else Usage()
 
 
-def _message_to_wire(m: Message) -> dict[str, Any]:
+def _message_to_wire(m: Message, ids: Callable[[Any], Any] = str) -> dict[str, Any]:
+    """One message on the wire; `ids` renders tool-call ids (Mistral's: _short_id)."""
     d: dict[str, Any] = {"role": m.role, "content": m.content or ""}  # "" not null: some reject
     if m.tool_calls:
-        d["tool_calls"] = [{"id": c.id, "type": "function", "function": {
+        d["tool_calls"] = [{**(c.extra or {}), "id": ids(c.id), "type": "function", "function": {
             "name": c.name, "arguments": json.dumps(c.arguments, ensure_ascii=False)}}
             for c in m.tool_calls]
+    if m.reasoning is not None:
+        d["reasoning_content"] = m.reasoning
     if m.role == "tool":
-        d["tool_call_id"] = m.tool_call_id
+        d["tool_call_id"] = ids(m.tool_call_id)
         if m.name:
             d["name"] = m.name
     return d
 
 
-def _call_from_wire(call_id: Any, name: Any, arguments: Any) -> ToolCall:
+def _short_id(call_id: Any) -> str:
+    """A tool-call id as Mistral takes it: 9 letters or digits, the same for the same id."""
+    return hashlib.sha256(str(call_id).encode()).hexdigest()[:9]
+
+
+def _json_forms(tools: Sequence[ToolDescriptor]) -> list[dict[str, Any]]:
+    """json mode's response_format, best first: OpenAI's json_schema (vLLM, Ollama, LM Studio,
+    OpenAI take it), llama.cpp's own json_object with a schema, plain json_object."""
+    schema = action_schema(tools)
+    return [{"type": "json_schema", "json_schema": {"name": "action", "schema": schema}},
+            {"type": "json_object", "schema": schema}, {"type": "json_object"}]
+
+
+def _function(c: Any) -> dict[str, Any]:
+    """The `function` of a wire tool call ({} if absent); ValueError if either is no object."""
+    fn = _want(c, dict, "a tool call").get("function")
+    return {} if fn is None else _want(fn, dict, "its function")
+
+
+def _call_extra(c: dict[str, Any]) -> dict[str, Any]:
+    return {k: c[k] for k in _CALL_EXTRAS if k in c}
+
+
+def _call_from_wire(call_id: Any, name: Any, arguments: Any,
+                    extra: dict[str, Any] | None = None) -> ToolCall:
     """A ToolCall; arguments that are not a JSON object give one with `error` set (not run)."""
     # Why not {}: the model must learn its arguments were lost, not see the tool complain of
     # missing keys. A missing id stays "": the runtime gives it a unique one.
@@ -2017,16 +2087,17 @@ def _call_from_wire(call_id: Any, name: Any, arguments: Any) -> ToolCall:
             with contextlib.suppress(*_BAD_JSON):
                 args = _json(args)
     if isinstance(args, dict):
-        return ToolCall(str(call_id or ""), name, args)
+        return ToolCall(str(call_id or ""), name, args, extra=extra or None)
     shown = _excerpt(arguments if isinstance(arguments, str) else repr(arguments))
     return ToolCall(str(call_id or ""), name, {}, f"the arguments of {name!r} {problem}: "
-                    f"{shown!r}; call it again with one JSON object that fits its schema")
+                    f"{shown!r}; call it again with one JSON object that fits its schema",
+                    extra or None)
 
 
 def _wire_call(c: Any) -> ToolCall:
     """One tool call of a completion's message; ValueError when it is malformed."""
-    fn = _want(_want(c, dict, "a tool call").get("function") or {}, dict, "its function")
-    return _call_from_wire(c.get("id"), fn.get("name"), fn.get("arguments"))
+    fn = _function(c)
+    return _call_from_wire(c.get("id"), fn.get("name"), fn.get("arguments"), _call_extra(c))
 
 
 class _Stream:
@@ -2035,26 +2106,36 @@ class _Stream:
     def __init__(self, on_delta: Callable[[str], None] | None):
         self.on_delta = on_delta
         self.text: list[str] = []
-        self.calls: dict[int, list[str]] = {}  # index -> [id, name, arguments]
+        self.reasoning: list[str] = []
+        self.calls: list[list[Any]] = []  # [id, name, arguments, extra], in order
+        self.at: dict[int, list[Any]] = {}  # index -> the call being streamed there
         self.usage = Usage()
         self.finish_reason: str | None = None
         self.done = False  # [DONE] was seen
 
     def add(self, chunk: dict[str, Any]) -> None:
         """Fold one chat.completion.chunk in; text deltas go to on_delta. Raises if malformed."""
-        if chunk.get("usage"):
-            self.usage = _usage(chunk["usage"])
+        groq = chunk.get("x_groq")  # Groq's usage, when stream_options was refused
+        if usage := chunk.get("usage") or (groq.get("usage") if isinstance(groq, dict) else 0):
+            self.usage = _usage(usage)
         for choice in _want(chunk.get("choices") or [], list, "'choices'"):
             delta = _want(_want(choice, dict, "a choice").get("delta") or {}, dict, "a delta")
             if piece := _text(delta.get("content")):
                 self.text.append(piece)
                 if self.on_delta:
                     self.on_delta(piece)
+            if isinstance(delta.get("reasoning_content"), str):
+                self.reasoning.append(delta["reasoning_content"])
             for i, tc in enumerate(_want(delta.get("tool_calls") or [], list, "tool_calls")):
-                slot = self.calls.setdefault(_want(tc, dict, "a tool call").get("index", i),
-                                             ["", "", ""])
-                fn = _want(tc.get("function") or {}, dict, "its function")
-                slot[0] = tc.get("id") or slot[0]           # ids may repeat: keep one
+                fn, index, call_id = _function(tc), tc.get("index", i), tc.get("id")
+                if type(index) is not int:
+                    raise ValueError(f"a tool call's index is {index!r}, not an integer")
+                slot = self.at.get(index)
+                if slot is None or (call_id and slot[0] and call_id != slot[0]):
+                    slot = self.at[index] = ["", "", "", {}]  # Gemini and Ollama stream
+                    self.calls.append(slot)                  # parallel calls at one index
+                slot[0] = call_id or slot[0]           # ids may repeat: keep one
+                slot[3].update(_call_extra(tc))
                 if fn.get("name") and fn["name"] != slot[1]:  # names may repeat: keep one
                     slot[1] += fn["name"]
                 args = fn.get("arguments") or ""   # an object, whole, from some servers
@@ -2066,13 +2147,16 @@ class _Stream:
         if not (self.done or self.finish_reason):
             raise LlmError(f"the stream from {url} was cut before it finished "
                            f"({sum(map(len, self.text))} chars received)")
-        calls = tuple(_call_from_wire(*self.calls[i]) for i in sorted(self.calls))
-        return LlmResponse("".join(self.text), calls, self.usage, self.finish_reason)
+        calls = tuple(_call_from_wire(*c) for c in self.calls)
+        return LlmResponse("".join(self.text), calls, self.usage, self.finish_reason,
+                           "".join(self.reasoning) or None)
 
 
 def _sse_data(pieces: Iterable[bytes]) -> Iterator[str]:
-    """Yield the data field of each Server-Sent Event, as soon as its line arrives."""
+    """Yield the data of each Server-Sent Event (its `data:` lines joined), as soon as the blank
+    line ending it arrives; an event the body ends in comes too."""
     pending: list[bytes] = []  # a line not ended yet: joined once (bench/hostile_llm.py /stream)
+    data: list[bytes] = []     # the data lines of the event so far
     for piece in pieces:
         pending.append(piece)
         if b"\n" not in piece:
@@ -2081,7 +2165,12 @@ def _sse_data(pieces: Iterable[bytes]) -> Iterator[str]:
         pending = [rest]
         for line in lines:
             if line.startswith(b"data:"):
-                yield line[5:].strip().decode("utf-8", "replace")
+                data.append(line[5:].strip())
+            elif not line.strip() and data:
+                yield b"\n".join(data).decode("utf-8", "replace")
+                data = []
+    if data:
+        yield b"\n".join(data).decode("utf-8", "replace")
 
 
 def _retry_after(value: str | None) -> float | None:
@@ -2197,7 +2286,8 @@ class OpenAICompatLlm:
                  max_tokens: int | None = None, json_response_format: bool = True, *,
                  timeout_s: float = 120.0, backoff_base_s: float = 0.5,
                  stream_usage: bool = True, max_response_bytes: int = 16 * 1024 * 1024,
-                 tool_choice: str = "auto"):
+                 tool_choice: str = "auto", headers: dict[str, str] | None = None,
+                 extra_body: dict[str, Any] | None = None):
         provider, _, name = model.partition(":")
         if not provider or not name:
             raise ConfigError(f"model {model!r} must be 'provider:model', e.g. "
@@ -2223,10 +2313,9 @@ class OpenAICompatLlm:
         self.timeout_s, self.backoff_base_s = _seconds("timeout_s", timeout_s), backoff_base_s
         self.max_response_bytes = max_response_bytes
         self._api_key, self._key_source = self._find_key(model, api_key)
+        self._set_extras(headers, extra_body)
         self._url = self.base_url + "/chat/completions"
         self._shown = _hide_login(self._url)
-        self._headers = {"Content-Type": "application/json", **(
-            {"Authorization": f"Bearer {self._api_key}"} if self._api_key else {})}
         self._rejected: set[str] = set()       # optional fields this server refused
         self._inflight: dict[int, Any] = {}    # thread id -> connection it is using
         self._cancels: dict[int, CancelToken] = {}  # thread id -> the token of its call
@@ -2247,6 +2336,21 @@ class OpenAICompatLlm:
                               "non-ASCII characters; set it again")
         return key or None, source
 
+    def _set_extras(self, headers: Any, extra_body: Any) -> None:
+        """The request's headers (the user's win over bob's) and extra body fields, checked."""
+        headers, self.extra_body = headers or {}, extra_body or {}
+        if not isinstance(headers, dict) or not all(
+                isinstance(v, str) and v.isprintable() for v in headers.values()):
+            raise ConfigError("headers must map header names to strings without line breaks, "
+                              "e.g. {'api-key': '...'}")
+        try:
+            json.dumps(_want(self.extra_body, dict, "extra_body"), allow_nan=False)
+        except (TypeError, ValueError) as e:
+            raise ConfigError(f"extra_body must be a JSON object of body fields ({e})") from None
+        self._headers = {"Content-Type": "application/json", **(
+            {"Authorization": f"Bearer {self._api_key}"} if self._api_key else {}), **headers}
+        self._secret_headers = [k for k in headers if secret_name(k)]  # masked, named on a 401
+
     def __repr__(self) -> str:
         return (f"OpenAICompatLlm({self.provider + ':' + self.model!r}, "
                 f"base_url={self._shown.removesuffix('/chat/completions')!r})")
@@ -2262,7 +2366,6 @@ class OpenAICompatLlm:
     def complete(self, req: LlmRequest, cancel: CancelToken,
                  on_delta: Callable[[str], None] | None = None) -> LlmResponse:
         """One chat completion with retries, by timeout_s or the deadline; LlmError, Cancelled."""
-        body = self._to_wire(req)
         end = min(time.monotonic() + self.timeout_s, req.deadline or math.inf)  # earlier wins
         me = threading.get_ident()
         self._cancels[me] = cancel
@@ -2270,7 +2373,7 @@ class OpenAICompatLlm:
         try:
             tries = 0
             while not cancel.cancelled:
-                outcome = self._attempt(body, end, cancel, on_delta)
+                outcome = self._attempt(self._to_wire(req), end, cancel, on_delta)
                 if isinstance(outcome, LlmResponse):
                     return outcome
                 e = outcome.error
@@ -2348,9 +2451,11 @@ class OpenAICompatLlm:
         text = raw.decode("utf-8", "replace")
         hint = ""
         if status in (401, 403):
-            fix = (f"check the key in {self._key_source}" if self._key_source
+            checks = [f"the key in {self._key_source}"] if self._key_source else []
+            checks += [f"the header {k!r}" for k in self._secret_headers]
+            fix = ("check " + " and ".join(checks) if checks
                    else "this server wants a key: set api_key_env")
-            hint = f" (the API key was refused: {fix})"
+            hint = f" (the credentials were refused: {fix})"
         elif status == 400 and _CONTEXT_TOO_LONG.search(text):
             hint = (" (the conversation is too long for the model's context window: lower "
                     "max_history_messages, or use a model with a longer context)")
@@ -2358,10 +2463,12 @@ class OpenAICompatLlm:
             hint = f" (check base_url and the model name {self.model!r})"
         error = self._error(status, f"answered HTTP {status}{hint}", text)
         refused = [f for f in _OPTIONAL_FIELDS if f in body and f in text]
-        if status == 400 and refused:
-            self._rejected.add(refused[0])
-            body.pop(refused[0])
-            log.warning("%s rejected %s; sending requests without it", self._shown, refused[0])
+        if refused and status in (400, 422, 500):  # 422: Mistral; 500: llama-cpp-python
+            field_ = refused[0]
+            if field_ == "response_format":
+                field_ = " ".join(body[field_])   # this form of it
+            self._rejected.add(field_)
+            log.warning("%s rejected %s; no longer sending it", self._shown, field_)
             return _Retry(error, 0.0, counted=False)
         if status in RETRYABLE_STATUSES:
             return _Retry(error, _retry_after(resp.headers.get("Retry-After")))
@@ -2371,8 +2478,10 @@ class OpenAICompatLlm:
         """LlmError "<endpoint> <what>: '<what the server sent>'", with the API key masked."""
         text = text.decode("utf-8", "replace") if isinstance(text, bytes) else text
         text = " ".join(w.group() for w in itertools.islice(re.finditer(r"\S+", text), 300))
-        for key in {self._api_key, self._api_key.replace("/", "\\/")} if self._api_key else ():
-            text = text.replace(key, "***")   # as sent, and as JSON that escapes "/" echoes it
+        secrets = [self._headers[k] for k in self._secret_headers] + [self._api_key or ""]
+        for key in filter(None, secrets):
+            for shown in key, key.replace("/", "\\/"):  # as sent; as JSON escaping "/" echoes it
+                text = text.replace(shown, "***")
         excerpt = text[:300]
         return LlmError(f"{self.describe()} {what}: {excerpt!r}", status, excerpt)
 
@@ -2380,8 +2489,13 @@ class OpenAICompatLlm:
 
     def _to_wire(self, req: LlmRequest) -> dict[str, Any]:
         """The request body; optional fields only when set (and not refused by the server)."""
-        body: dict[str, Any] = {"model": self.model,
-                                "messages": [_message_to_wire(m) for m in req.messages]}
+        mistral = "mistral" in self.describe().lower()  # its API, or its models on vLLM
+        messages: list[dict[str, Any]] = []
+        for m in req.messages:  # Mistral takes ids of 9 letters, no user right after a tool
+            if mistral and m.role == "user" and messages and messages[-1]["role"] == "tool":
+                messages.append({"role": "assistant", "content": _NO_ANSWER})
+            messages.append(_message_to_wire(m, _short_id if mistral else str))
+        body: dict[str, Any] = {"model": self.model, "messages": messages}
         if req.tools and req.response_format != "json":
             for t in req.tools:
                 if not TOOL_NAME.fullmatch(t.name):
@@ -2393,13 +2507,17 @@ class OpenAICompatLlm:
                 for t in req.tools]
             body["tool_choice"] = self.tool_choice  # llama.cpp calls no tool without it
         json_mode = req.response_format == "json" and self.json_response_format
+        # a server refusing a form (llama-cpp-python: HTTP 500 for json_schema) gets the next
+        # from then on, and plain text after the last; a form is known by its keys
+        forms = [f for f in _json_forms(req.tools) if " ".join(f) not in self._rejected
+                 ] if json_mode else []
         options = {"temperature": self.temperature, "seed": self.seed,
                    "max_tokens": self.max_tokens, "stream": self.stream or None,
-                   "response_format": {"type": "json_object"} if json_mode else None,
+                   "response_format": forms[0] if forms else None,
                    "stream_options": ({"include_usage": True}
                                       if self.stream and self.stream_usage else None)}
         body.update((k, v) for k, v in options.items() if v is not None and k not in self._rejected)
-        return body
+        return {**body, **self.extra_body}
 
     def _from_wire(self, raw: bytes) -> LlmResponse:
         """A non-streamed completion body -> LlmResponse; LlmError saying what is malformed."""
@@ -2412,12 +2530,14 @@ class OpenAICompatLlm:
             msg = _want(choice.get("message"), dict, "the message")
             calls = tuple(map(_wire_call, _want(msg.get("tool_calls") or [], list, "tool_calls")))
             content = _text(msg.get("content"))
+            reasoning = msg.get("reasoning_content")
         except _BAD_JSON as e:  # the decoder's own words say where, not what
             what = "the body is not JSON" if isinstance(e, json.JSONDecodeError) else e
             raise self._error(200, f"answered HTTP 200 but {what}", raw) from None
         finish = choice.get("finish_reason")
         return LlmResponse(content, calls, _usage(data.get("usage")),
-                           finish if isinstance(finish, str) else None)
+                           finish if isinstance(finish, str) else None,
+                           reasoning if isinstance(reasoning, str) else None)
 
     def _body(self, resp: Any, end: float) -> Iterator[bytes]:
         """The inflated body in pieces as they come; LlmError past max_response_bytes or `end`."""

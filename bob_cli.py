@@ -50,6 +50,8 @@ _KINDS: dict[str, Callable[[Any], bool]] = {
     "a list of strings": lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v),
     "an array of tables": lambda v: isinstance(v, list) and all(isinstance(x, dict) for x in v),
     "a table": lambda v: isinstance(v, dict),
+    "a table of strings": lambda v: isinstance(v, dict) and all(isinstance(x, str)
+                                                                for x in v.values()),
 }
 _POLICY_KEYS = [f.name for f in fields(bob.TurnPolicy)]
 _SCHEMA: dict[str, dict[str, str]] = {
@@ -59,7 +61,8 @@ _SCHEMA: dict[str, dict[str, str]] = {
     "llm": {"retry_max": "an integer", "stream_default": "a boolean", "base_url": "a string",
             "api_key_env": "a string", "temperature": "a number", "seed": "an integer",
             "max_tokens": "an integer", "json_response_format": "a boolean",
-            "max_response_bytes": "an integer", "tool_choice": "a string"},
+            "max_response_bytes": "an integer", "tool_choice": "a string",
+            "headers": "a table of strings", "extra_body": "a table"},
     "store": {"path": "a string"},
     "policy": {"deny_tools": "a list of strings", "ask_tools": "a list of strings"},
     "mcp": {"servers": "an array of tables"},
@@ -196,6 +199,8 @@ def load_config(path: str | os.PathLike[str], environ: dict[str, str] | None = N
             raise bob.ConfigError(f"{where}: [llm] {key} must be between {low} and {high}")
     if "base_url" in t["llm"]:
         _check_url(t["llm"]["base_url"], f"{where}: [llm] base_url")
+    if "headers" in t["llm"]:   # a key for a header: api-key = "${AZURE_OPENAI_API_KEY}"
+        t["llm"]["headers"] = _expand(t["llm"]["headers"], f"{where}: [llm] headers", env)
     servers = tuple(_mcp_server(s, n, where, path.parent, env)
                     for n, s in enumerate(t["mcp"].get("servers", []), 1))
     rt, store = t["runtime"], t["store"].get("path")

@@ -21,7 +21,7 @@ import pytest
 from fake_openai import FakeOpenAI, chunk, completion, stream_reply, tool_calls_reply
 
 from conftest import KEY, make_llm
-from bob import (PROVIDERS, AgentRequest, AgentRuntime, CancelToken, Cancelled, ConfigError,
+from bob import (PROVIDERS, action_schema, AgentRequest, AgentRuntime, CancelToken, Cancelled, ConfigError,
                  FinishReason, FunctionTools, JsonlEventSink, LlmError, LlmRequest, Message,
                  OpenAICompatLlm, ToolCall, ToolDescriptor, Usage)
 
@@ -126,7 +126,9 @@ def test_json_mode_request_body_and_headers():
     assert r["headers"]["Content-Type"] == "application/json"
     assert r["body"] == {"model": "gpt-x", "messages": [
         {"role": "system", "content": "Be brief. Reply in JSON."},
-        {"role": "user", "content": "hi"}], "response_format": {"type": "json_object"}}
+        {"role": "user", "content": "hi"}], "response_format": {"type": "json_schema",
+                                                                "json_schema": {
+            "name": "action", "schema": action_schema([ADD])}}}
 
 
 def test_native_mode_request_body_with_tool_calls_and_results():
@@ -168,8 +170,8 @@ def test_a_server_rejecting_response_format_is_asked_again_without_it():
         llm = make_llm(srv, retry_max=0)
         assert llm.complete(ask(), CancelToken()).content == "one"
         assert llm.complete(ask(), CancelToken()).content == "two"
-        sent = ["response_format" in r["body"] for r in srv.requests]
-    assert sent == [True, False, False]
+        sent = [r["body"]["response_format"]["type"] for r in srv.requests]
+    assert sent == ["json_schema", "json_object", "json_object"]  # the next form, no retry
 
 
 def test_a_bad_tool_name_is_a_config_error_naming_it():
@@ -482,7 +484,7 @@ def test_json_mode_turn_with_a_tool_call(tmp_path):
         second = srv.requests[1]["body"]
     assert (result.content, result.finish_reason) == ("42", FinishReason.FINAL)
     assert (result.usage, result.steps, result.tool_calls) == (Usage(20, 10), 2, 1)
-    assert "tools" not in second and second["response_format"] == {"type": "json_object"}
+    assert "tools" not in second and second["response_format"]["type"] == "json_schema"
     assert [m["role"] for m in second["messages"]] == ["system", "user", "assistant", "user"]
     assert "42" in second["messages"][-1]["content"]
     text = trace.read_text()
