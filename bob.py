@@ -1285,6 +1285,10 @@ def _fit(call: ToolCall) -> ToolCall:
 # _MAX_ABANDONED live ones new tool calls are refused rather than leaking threads without bound.
 
 _MAX_ABANDONED = 32
+# A native reply with more tool calls than this (or than max_parallel_tools, if larger) is a
+# malformed reply, not an over-size batch: 20,000 "not run" results would be 20,000 messages in
+# the session for ever and 40,000 events, and a cancel would wait for all of them.
+_MAX_CALLS_PER_REPLY = 1_000
 _IDLE_S = 30.0                 # an idle pool thread exits after this long
 _lock = threading.Lock()       # guards the two below
 _abandoned = 0
@@ -1577,7 +1581,7 @@ class AgentRuntime:
         """Turn the reply into an action; one corrective re-prompt, then AgentError."""
         reply = typing.cast(LlmResponse, t.reply)
         try:
-            t.action = self._to_action(reply, f"call_{len(t.session.messages)}")
+            t.action = self._to_action(reply, f"call_{len(t.session.messages)}", t.policy)
         except ActionParseError as raw:
             t.parse_failures += 1
             seen = redact(reply.content)   # as the trace has it: so a replay finds the same error
@@ -1826,9 +1830,13 @@ class AgentRuntime:
             f"{what} failed: {type(e).__name__}: {e}")
         return State.DONE
 
-    def _to_action(self, reply: LlmResponse, call_id: str) -> AgentAction:
+    def _to_action(self, reply: LlmResponse, call_id: str, policy: TurnPolicy) -> AgentAction:
         if self.action_mode == "json":
             return parse_action(reply.content, call_id)
+        most = max(_MAX_CALLS_PER_REPLY, policy.max_parallel_tools)
+        if len(reply.tool_calls) > most:  # garbage, not a batch: its results would flood history
+            raise ActionParseError(f"the reply has {len(reply.tool_calls)} tool calls; call at "
+                                   f"most {policy.max_parallel_tools} tools at a time")
         if reply.tool_calls:  # native: ids must be unique; some servers omit or repeat them
             calls, seen = [], set()
             for i, c in enumerate(reply.tool_calls):

@@ -2,12 +2,13 @@
 
     python bench/big_reply.py
 
-A ScriptedLlm answers with one reply of N tool calls (distinct ids), which the scheduler must
-refuse as an over-size batch (each call gets a "not run" result), then with a final answer.
-Printed for N = 20,000 and 40,000: the whole turn (no I/O, no event sinks), and the time from a
-cancel fired as the big reply arrives until run() returns (an event sink fires it), each the
-median of a few runs. Work per reply must be linear: 40,000 about twice 20,000, both in
-milliseconds (the quadratic call-id check took 4.6 s and 19 s).
+A ScriptedLlm answers with one reply of N tool calls (distinct ids), then with a final answer.
+N = 1,000 is the most a reply may hold (bob._MAX_CALLS_PER_REPLY): an over-size batch, each call
+gets a "not run" result. N = 20,000 and 40,000 are malformed replies (one corrective re-prompt;
+before, they were over-size batches too: 20,000 results in the session). Printed: the whole turn
+(no I/O, no event sinks), and the time from a cancel fired as the big reply arrives until run()
+returns (an event sink fires it), each the median of a few runs. All in milliseconds (the
+quadratic call-id check took 4.6 s and 19 s; the 20,000 results took 150-250 ms to cancel).
 
 Then issue 21's two texts, in json mode: "```json" and 25,000 / 100,000 spaces with no closing
 fence (the fence pattern was quadratic: 4-8 s, 45 s), and a final answer holding 32,000
@@ -30,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import bob  # noqa: E402  (after the path line, so the bench runs from a plain checkout)
 
-SIZES = (20_000, 40_000)
+SIZES = (1_000, 20_000, 40_000)
 REPEATS = 5
 
 

@@ -83,13 +83,26 @@ def huge_reply(n: int) -> LlmResponse:
     return LlmResponse("", tuple(ToolCall(f"id{i}", "echo", {"x": i}) for i in range(n)))
 
 
-def test_a_reply_with_20000_calls_is_refused_as_an_over_size_batch():
+def test_a_reply_with_20000_calls_is_a_malformed_reply():
+    """More calls than any batch may hold is garbage: one corrective re-prompt naming the limit,
+    and no 20,000 "not run" results in the session (they stayed there for ever)."""
     rt = AgentRuntime(ScriptedLlm([huge_reply(20_000), final("ok")]), FunctionTools([echo]),
                       action_mode="native")
     r = rt.run(AgentRequest("go"))
     assert r.finish_reason is FinishReason.FINAL and r.tool_calls == 0
+    assert not [m for m in r.history if m.role == "tool"] and len(r.history) <= 4
+    fix = rt.llm.requests[1].messages[-1]
+    assert "20000 tool calls" in fix.content and "at most 8 tools at a time" in fix.content
+    assert_well_formed(r.history)
+
+
+def test_a_reply_of_1000_calls_is_still_an_over_size_batch_that_gets_results():
+    rt = AgentRuntime(ScriptedLlm([huge_reply(1_000), final("ok")]), FunctionTools([echo]),
+                      action_mode="native")
+    r = rt.run(AgentRequest("go"))
     results = [m for m in r.history if m.role == "tool"]
-    assert len(results) == 20_000 and all("max_parallel_tools" in m.content for m in results)
+    assert len(results) == 1_000 and all("max_parallel_tools" in m.content for m in results)
+    assert r.finish_reason is FinishReason.FINAL and r.tool_calls == 0
     assert_well_formed(r.history)
     assert len(rt.llm.requests[1].messages) <= 1 + 50            # the cap holds, unit or not
 
