@@ -186,17 +186,10 @@ class Message:
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-ready dict; `Message.from_dict` reverses it exactly."""
-        d: dict[str, Any] = {"role": self.role, "content": self.content}
+        # role and content always; the others when set (not None, False or no calls)
+        d = {k: v for k, v in vars(self).items() if k == "content" or v not in (None, False, ())}
         if self.tool_calls:
             d["tool_calls"] = [c.to_dict() for c in self.tool_calls]
-        if self.tool_call_id is not None:
-            d["tool_call_id"] = self.tool_call_id
-        if self.name is not None:
-            d["name"] = self.name
-        if self.is_error:
-            d["is_error"] = True
-        if self.reasoning is not None:
-            d["reasoning"] = self.reasoning
         return d
 
     @classmethod
@@ -419,9 +412,8 @@ class CancelToken:
         return lambda: None
 
     def _remove(self, callback: Callable[[], None]) -> None:
-        with self._lock:
-            if callback in self._callbacks:
-                self._callbacks.remove(callback)
+        with self._lock, contextlib.suppress(ValueError):   # ValueError: removed already
+            self._callbacks.remove(callback)
 
 
 @dataclass(frozen=True)
@@ -833,11 +825,10 @@ def _matches(value: Any, schema: dict[str, Any]) -> bool:
     if "anyOf" in schema:
         return any(_matches(value, s) for s in schema["anyOf"])
     kind = schema.get("type")
-    if kind == "integer":
-        return isinstance(value, int) and not isinstance(value, bool)
-    if kind == "number":
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
-    want = {"string": str, "boolean": bool, "array": list, "object": dict}.get(kind or "")
+    if isinstance(value, bool) and kind in ("integer", "number"):
+        return False
+    want = {"string": str, "boolean": bool, "array": list, "object": dict, "integer": int,
+            "number": (int, float)}.get(kind or "")
     return want is None or isinstance(value, want)
 
 
@@ -966,18 +957,18 @@ class CompositeToolPort:
 
     def list_tools(self) -> list[ToolDescriptor]:
         """All tools of all ports, in port order; re-listed each call (ports may change)."""
-        owner: dict[str, tuple[int, ToolPort]] = {}
+        owner: dict[str, int] = {}   # tool name -> the index of its port
         tools: list[ToolDescriptor] = []
         for i, port in enumerate(self._ports):
             for t in port.list_tools():
                 if t.name in owner:
-                    j, first = owner[t.name]
-                    raise ConfigError(f"tool {t.name!r} is offered by two ports: "
-                                      f"#{j} {type(first).__name__} and #{i} {type(port).__name__}"
-                                      "; rename one or leave one out")
-                owner[t.name] = (i, port)
+                    j = owner[t.name]
+                    raise ConfigError(f"tool {t.name!r} is offered by two ports: #{j} "
+                                      f"{type(self._ports[j]).__name__} and #{i} "
+                                      f"{type(port).__name__}; rename one or leave one out")
+                owner[t.name] = i
                 tools.append(t)
-        self._owner = {name: port for name, (_, port) in owner.items()}
+        self._owner = {name: self._ports[i] for name, i in owner.items()}
         return tools
 
     def call_tool(self, call: ToolCall, timeout_s: float,
@@ -2302,20 +2293,28 @@ class OpenAICompatLlm:
         if tool_choice not in ("auto", "required", "none"):
             raise ConfigError(f"tool_choice must be auto, required or none, got {tool_choice!r}")
         default_url, default_env = PROVIDERS.get(provider, ("", None))
-        self.provider, self.model = provider, name
+        self.provider = provider
+        self.model = name
         self.base_url = (base_url or default_url).rstrip("/")
         if "?" in self.base_url or "#" in self.base_url:   # not echoed: it may hold a key
             raise ConfigError("base_url must hold no query or fragment (keys go in api_key_env)")
         self.api_key_env = api_key_env or default_env
-        self.retry_max, self.stream, self.stream_usage = retry_max, stream, stream_usage
-        self.temperature, self.seed, self.max_tokens = temperature, seed, max_tokens
-        self.json_response_format, self.tool_choice = json_response_format, tool_choice
-        self.timeout_s, self.backoff_base_s = _seconds("timeout_s", timeout_s), backoff_base_s
+        self.retry_max = retry_max
+        self.stream = stream
+        self.stream_usage = stream_usage
+        self.temperature = temperature
+        self.seed = seed
+        self.max_tokens = max_tokens
+        self.json_response_format = json_response_format
+        self.tool_choice = tool_choice
+        self.timeout_s = _seconds("timeout_s", timeout_s)
+        self.backoff_base_s = backoff_base_s
         self.max_response_bytes = max_response_bytes
         self._api_key, self._key_source = self._find_key(model, api_key)
         self._set_extras(headers, extra_body)
         self._url = self.base_url + "/chat/completions"
-        self._shown = _hide_login(self._url)
+        self._shown_base = _hide_login(self.base_url)   # as errors, repr and describe show it
+        self._shown = self._shown_base + "/chat/completions"
         self._rejected: set[str] = set()       # optional fields this server refused
         self._inflight: dict[int, Any] = {}    # thread id -> connection it is using
         self._cancels: dict[int, CancelToken] = {}  # thread id -> the token of its call
@@ -2353,11 +2352,11 @@ class OpenAICompatLlm:
 
     def __repr__(self) -> str:
         return (f"OpenAICompatLlm({self.provider + ':' + self.model!r}, "
-                f"base_url={self._shown.removesuffix('/chat/completions')!r})")
+                f"base_url={self._shown_base!r})")
 
     def describe(self) -> str:
         """One line for humans, e.g. "openai:gpt-4o-mini at https://api.openai.com/v1"."""
-        return f"{self.provider}:{self.model} at {self._shown.removesuffix('/chat/completions')}"
+        return f"{self.provider}:{self.model} at {self._shown_base}"
 
     def close(self) -> None:
         """Close the pooled connections (the adapter still works: it reconnects)."""
@@ -2735,10 +2734,14 @@ class ReplayReport:
     detail: str = ""
 
     def __str__(self) -> str:
-        values = [f"  {k:<10}{json.dumps(v, default=str)}" for k, v in
-                  (("recorded:", self.recorded), ("new:", self.new))] if not self.ok else []
-        where = [] if self.ok else [f"turn {self.turn}, step {self.step}: {self.what}"]
-        return "\n".join(self.turns + where + values + ([self.detail] if self.detail else []))
+        if self.ok:
+            return "\n".join(self.turns)
+        lines = [*self.turns, f"turn {self.turn}, step {self.step}: {self.what}",
+                 f"  recorded: {json.dumps(self.recorded, default=str)}",
+                 f"  new:      {json.dumps(self.new, default=str)}"]
+        if self.detail:
+            lines.append(self.detail)
+        return "\n".join(lines)
 
 
 # -- reading turns back --
