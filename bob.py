@@ -338,15 +338,22 @@ class AgentRunResult:
 
 
 def _paused(p: dict[str, Any], n: int) -> dict[str, Any]:
-    """A paused turn as AgentRuntime saved it (counts, decisions), checked; else ValueError."""
-    counts, decided = _field(p, "guard", (dict,)), _field(p, "approvals", (dict,)).values()
-    if not (0 <= _field(p, "input_index", (int,)) < n and not {"policy", "deadline"} & set(counts)
-            and all(type(i) is int for v in counts.values() for i in (
-                v.values() if isinstance(v, dict) else [v]))
-            and all(isinstance(a, dict) and set(a) <= {"allow", "reason", "arguments"}
-                    and type(a.get("allow")) is bool and isinstance(a.get("reason", ""), str)
-                    and isinstance(a.get("arguments"), (dict, type(None))) for a in decided)):
-        raise ValueError("the paused turn is not as bob saved it")
+    """A paused turn as AgentRuntime saved it (counts, decisions), checked; else ValueError
+    naming the part that is not as bob saved it."""
+    # the guard's counts: integers, or dicts of integers; never the policy or the deadline
+    counts = _field(p, "guard", (dict,))
+    numbers = [i for v in counts.values() for i in (v.values() if isinstance(v, dict) else [v])]
+    if {"policy", "deadline"} & set(counts) or not all(type(i) is int for i in numbers):
+        raise ValueError("the paused turn's guard counts are not as bob saved them")
+    # each decision: what Approval takes (it checks the types itself: a ConfigError)
+    for decision in _field(p, "approvals", (dict,)).values():
+        try:
+            Approval(**decision)
+        except TypeError:   # not an object, or a field missing or unknown
+            raise ValueError("a decision of the paused turn is not as bob saved it") from None
+    # the input the turn answers: one of the messages
+    if not 0 <= _field(p, "input_index", (int,)) < n:
+        raise ValueError("the paused turn's input_index is past its messages")
     return p
 
 
@@ -379,7 +386,8 @@ class CancelToken:
     """A thread-safe cancel flag around a threading.Event, with callbacks run on cancel."""
 
     def __init__(self) -> None:
-        self._event, self._lock = threading.Event(), threading.Lock()
+        self._event = threading.Event()
+        self._lock = threading.Lock()
         self._callbacks: list[Callable[[], None]] = []
 
     def cancel(self) -> None:
@@ -575,7 +583,8 @@ def parse_action(text: str, call_id: str = "call_1") -> AgentAction:
     if kind == "ask_user":
         return AskUser(_required_str(obj, "question", kind))
     if kind == "tool_call":
-        name, args = _required_str(obj, "name", kind), obj.get("arguments", {})
+        name = _required_str(obj, "name", kind)
+        args = obj.get("arguments", {})
         if not isinstance(args, dict):
             raise ActionParseError('"arguments" of a tool_call must be a JSON object')
         return CallTools((ToolCall(call_id, name, args),))
@@ -651,7 +660,8 @@ class _Units:
         at = bisect.bisect_right(units, -1 if keep is None else keep, key=lambda u: u[0]) - 1
         forced = units[at] if at >= 0 and keep in units[at] else []
         system = self.system[::-1][:max(0, limit - len(forced))]  # a given history's count
-        room, tail = limit - len(forced) - len(system), []   # too: dropped last, newest kept
+        room = limit - len(forced) - len(system)   # too: dropped last, newest kept
+        tail = []
         for u in reversed(units):                 # newest first; the first unit that does not
             if u is not forced:                   # fit ends the walk: only the oldest go
                 if len(u) > room:
@@ -873,7 +883,8 @@ class FunctionTools:
         except (NameError, TypeError, ValueError) as e:
             raise ConfigError(f"FunctionTools: cannot read the signature of {name}: {e}") from e
         props: dict[str, Any] = {}
-        required, nullable = [], set()
+        required = []
+        nullable = set()
         for p in params.values():
             if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
                 raise ConfigError(f"FunctionTools: {name}() takes *args/**kwargs; tools need "
@@ -899,7 +910,8 @@ class FunctionTools:
     def call_tool(self, call: ToolCall, timeout_s: float,
                   cancel: CancelToken | None = None) -> ToolResult:
         """Validate the arguments, call the function, turn its return value into text."""
-        t0, f = time.perf_counter(), self._functions.get(call.name)
+        t0 = time.perf_counter()
+        f = self._functions.get(call.name)
         try:
             if f is None:
                 raise LookupError(f"unknown tool {call.name!r}")
@@ -914,17 +926,18 @@ class FunctionTools:
 
     @staticmethod
     def _check_args(f: _Function, args: dict[str, Any]) -> str | None:
-        schema, unknown = f.descriptor.input_schema, sorted(set(args) - set(f.params))
+        schema = f.descriptor.input_schema
+        unknown = sorted(set(args) - set(f.params))
         missing = [p for p in schema["required"] if p not in args]
         wrong = [f"{k} (expected {_expected(f.params[k])})"
                  for k, v in args.items() if k in f.params
                  and not (v is None and k in f.nullable) and not _matches(v, f.params[k])]
-        if not (unknown or missing or wrong):
+        problems = {"unknown arguments": unknown, "missing arguments": missing,
+                    "wrong types": wrong}
+        parts = [f"{what}: {', '.join(names)}" for what, names in problems.items() if names]
+        if not parts:
             return None
-        parts = [f"unknown arguments: {', '.join(unknown)}" if unknown else "",
-                 f"missing arguments: {', '.join(missing)}" if missing else "",
-                 f"wrong types: {', '.join(wrong)}" if wrong else ""]
-        return (f"invalid arguments for {f.descriptor.name}: " + "; ".join(p for p in parts if p)
+        return (f"invalid arguments for {f.descriptor.name}: " + "; ".join(parts)
                 + f". Input schema: {json.dumps(schema, sort_keys=True)}")
 
 
@@ -1029,7 +1042,8 @@ class InMemorySessionStore:
 def _session_json(state: SessionState) -> str:
     """`state.to_dict()` as ASCII JSON, messages encoded a thousand at a time: their dicts die
     young, so the GC does not walk a big heap again and again (100,000: 125 ms, not 250-350)."""
-    ms, head = state.messages, json.dumps(dataclasses.replace(state, messages=[]).to_dict())
+    ms = state.messages
+    head = json.dumps(dataclasses.replace(state, messages=[]).to_dict())
     parts = (json.dumps([m.to_dict() for m in ms[i:i + 1000]], ensure_ascii=True)[1:-1]
              for i in range(0, len(ms), 1000))
     return head[:-2] + ", ".join(parts) + "]}"  # head ends in "messages": []}
@@ -1053,7 +1067,8 @@ class JsonFileSessionStore:
     for the lock `lock_timeout_s` at most (another process may hold it for ever): StoreError."""
 
     def __init__(self, directory: str | os.PathLike[str], lock_timeout_s: float = 5.0):
-        self.directory, self.lock_timeout_s = Path(directory), lock_timeout_s
+        self.directory = Path(directory)
+        self.lock_timeout_s = lock_timeout_s
 
     def path_for(self, session_id: str) -> Path:
         """The file of a session; StoreError for an id that could escape the directory."""
@@ -1082,7 +1097,8 @@ class JsonFileSessionStore:
     def save(self, session_id: str, state: SessionState) -> None:
         """Write the state; StoreError if another turn saved the session since it was loaded.
         One temp file per session, used under the lock: a killed save leaves at most that one."""
-        path, tmp = self.path_for(session_id), self.directory / f".{session_id}.json.tmp"
+        path = self.path_for(session_id)
+        tmp = self.directory / f".{session_id}.json.tmp"
         data = _session_json(state)
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
@@ -1105,7 +1121,8 @@ class JsonFileSessionStore:
     def _lock(self) -> int:
         """The directory's lock (released at close, or when the process dies), as a descriptor."""
         import fcntl  # POSIX only; imported here so that `import bob` works anywhere
-        lock, since = os.open(self.directory, os.O_RDONLY), time.monotonic()
+        lock = os.open(self.directory, os.O_RDONLY)
+        since = time.monotonic()
         try:   # any failure closes the descriptor: ENOLCK (NFS without lockd), a timeout, Ctrl-C
             while True:
                 with contextlib.suppress(BlockingIOError):
@@ -1141,7 +1158,8 @@ class LoggingEventSink:
     """Events as log lines on the `bob.events` logger (or the one given)."""
 
     def __init__(self, logger: logging.Logger | None = None, level: int = logging.INFO):
-        self.logger, self.level = logger or logging.getLogger("bob.events"), level
+        self.logger = logger or logging.getLogger("bob.events")
+        self.level = level
 
     def emit(self, event: AgentEvent) -> None:
         """One line: kind, session, step, data as JSON (not text_delta: see JsonlEventSink)."""
@@ -1154,7 +1172,8 @@ class JsonlEventSink:
     """Events appended to a file, one JSON object per line, flushed per event."""
 
     def __init__(self, path: str | os.PathLike[str]):
-        self.path, self._lock = Path(path), threading.Lock()
+        self.path = Path(path)
+        self._lock = threading.Lock()
         self._file: Any = None
 
     def emit(self, event: AgentEvent) -> None:
@@ -1203,7 +1222,8 @@ def _mask_text(text: str) -> str:
         return text
     low = text.lower()   # matched case-sensitively ((?i) made it twice as slow); "İ" lowers to 2
     low = low if len(low) == len(text) else text.translate(dict(zip(range(65, 91), range(97, 123))))
-    out, at = [], 0
+    out = []
+    at = 0
     for key in _TEXT_KEY.finditer(low):
         if key.start() >= at and (value := _text_value(key.group(1)).match(text, key.end())):
             out += [text[at:key.end()], f"{key.group(1)}***{key.group(1)}"]
@@ -1317,7 +1337,8 @@ class _Worker:
     """One call on a pool thread; `done` turns True when it returns or raises."""
 
     def __init__(self, fn: Callable[[], Any], wake: queue.SimpleQueue[None]):
-        self.fn, self.wake = fn, wake
+        self.fn = fn
+        self.wake = wake
         self.value: Any = None
         self.error: BaseException | None = None
         self.done = self._given_up = False
@@ -2068,7 +2089,9 @@ def _call_from_wire(call_id: Any, name: Any, arguments: Any,
     """A ToolCall; arguments that are not a JSON object give one with `error` set (not run)."""
     # Why not {}: the model must learn its arguments were lost, not see the tool complain of
     # missing keys. A missing id stays "": the runtime gives it a unique one.
-    name, args, problem = str(name or ""), arguments, "are not a JSON object"
+    name = str(name or "")
+    args = arguments
+    problem = "are not a JSON object"
     if isinstance(args, str):
         try:
             args = _json(args) if args.strip() else {}
@@ -2118,7 +2141,9 @@ class _Stream:
             if isinstance(delta.get("reasoning_content"), str):
                 self.reasoning.append(delta["reasoning_content"])
             for i, tc in enumerate(_want(delta.get("tool_calls") or [], list, "tool_calls")):
-                fn, index, call_id = _function(tc), tc.get("index", i), tc.get("id")
+                fn = _function(tc)
+                index = tc.get("index", i)
+                call_id = tc.get("id")
                 if type(index) is not int:
                     raise ValueError(f"a tool call's index is {index!r}, not an integer")
                 slot = self.at.get(index)
@@ -2187,7 +2212,8 @@ def _cause(e: BaseException) -> str:
 
 def _abort(conn: Any) -> None:
     """Shut the socket of an in-flight connection: a thread blocked on it wakes up."""
-    sock, fd = getattr(conn, "sock", None), getattr(conn, "bob_fd", None)
+    sock = getattr(conn, "sock", None)
+    fd = getattr(conn, "bob_fd", None)
     try:
         if sock is not None and sock.fileno() != -1:
             sock.shutdown(socket.SHUT_RDWR)
@@ -2252,11 +2278,18 @@ def _tracking_session(inflight: dict[int, Any], cancels: dict[int, CancelToken]
     return session, (requests.RequestException, urllib3.exceptions.HTTPError, OSError)
 
 
-def _seconds(what: str, value: Any) -> float:
-    """`value` if it is a number of seconds > 0 (not None, a str, nan or inf), else ConfigError."""
-    if type(value) not in (int, float) or not 0 < value < 1e9:   # nan compares false
-        raise ConfigError(f"{what} must be a number of seconds > 0 (and < 1e9), got {value!r}")
-    return value
+def _check_settings(retry_max: Any, max_response_bytes: Any, tool_choice: Any,
+                    timeout_s: Any) -> None:
+    """ConfigError naming the first of OpenAICompatLlm's settings out of its range; timeout_s
+    is a number of seconds > 0 (not None, a str, nan or inf)."""
+    for k, v, lo in ("retry_max", retry_max, 0), ("max_response_bytes", max_response_bytes, 1):
+        if type(v) is not int or v < lo:
+            raise ConfigError(f"{k} must be an integer >= {lo}, got {v!r}")
+    if tool_choice not in ("auto", "required", "none"):
+        raise ConfigError(f"tool_choice must be auto, required or none, got {tool_choice!r}")
+    if type(timeout_s) not in (int, float) or not 0 < timeout_s < 1e9:   # nan compares false
+        raise ConfigError(f"timeout_s must be a number of seconds > 0 (and < 1e9), "
+                          f"got {timeout_s!r}")
 
 
 @dataclass(frozen=True)
@@ -2287,11 +2320,7 @@ class OpenAICompatLlm:
             raise ConfigError(f"unknown provider {provider!r} in model {model!r}: known "
                               f"providers are {', '.join(PROVIDERS)}; for another "
                               "OpenAI-compatible server give base_url")
-        for k, v, lo in ("retry_max", retry_max, 0), ("max_response_bytes", max_response_bytes, 1):
-            if type(v) is not int or v < lo:
-                raise ConfigError(f"{k} must be an integer >= {lo}, got {v!r}")
-        if tool_choice not in ("auto", "required", "none"):
-            raise ConfigError(f"tool_choice must be auto, required or none, got {tool_choice!r}")
+        _check_settings(retry_max, max_response_bytes, tool_choice, timeout_s)
         default_url, default_env = PROVIDERS.get(provider, ("", None))
         self.provider = provider
         self.model = name
@@ -2300,21 +2329,17 @@ class OpenAICompatLlm:
             raise ConfigError("base_url must hold no query or fragment (keys go in api_key_env)")
         self.api_key_env = api_key_env or default_env
         self.retry_max = retry_max
-        self.stream = stream
-        self.stream_usage = stream_usage
-        self.temperature = temperature
-        self.seed = seed
-        self.max_tokens = max_tokens
+        self.stream, self.stream_usage = stream, stream_usage
+        self.temperature, self.seed, self.max_tokens = temperature, seed, max_tokens  # sampling
         self.json_response_format = json_response_format
         self.tool_choice = tool_choice
-        self.timeout_s = _seconds("timeout_s", timeout_s)
+        self.timeout_s = timeout_s
         self.backoff_base_s = backoff_base_s
         self.max_response_bytes = max_response_bytes
         self._api_key, self._key_source = self._find_key(model, api_key)
         self._set_extras(headers, extra_body)
         self._url = self.base_url + "/chat/completions"
-        self._shown_base = _hide_login(self.base_url)   # as errors, repr and describe show it
-        self._shown = self._shown_base + "/chat/completions"
+        self._shown = _hide_login(self._url)   # as errors show it
         self._rejected: set[str] = set()       # optional fields this server refused
         self._inflight: dict[int, Any] = {}    # thread id -> connection it is using
         self._cancels: dict[int, CancelToken] = {}  # thread id -> the token of its call
@@ -2337,7 +2362,8 @@ class OpenAICompatLlm:
 
     def _set_extras(self, headers: Any, extra_body: Any) -> None:
         """The request's headers (the user's win over bob's) and extra body fields, checked."""
-        headers, self.extra_body = headers or {}, extra_body or {}
+        headers = headers or {}
+        self.extra_body = extra_body or {}
         if not isinstance(headers, dict) or not all(
                 isinstance(v, str) and v.isprintable() for v in headers.values()):
             raise ConfigError("headers must map header names to strings without line breaks, "
@@ -2352,11 +2378,11 @@ class OpenAICompatLlm:
 
     def __repr__(self) -> str:
         return (f"OpenAICompatLlm({self.provider + ':' + self.model!r}, "
-                f"base_url={self._shown_base!r})")
+                f"base_url={self._shown.removesuffix('/chat/completions')!r})")
 
     def describe(self) -> str:
         """One line for humans, e.g. "openai:gpt-4o-mini at https://api.openai.com/v1"."""
-        return f"{self.provider}:{self.model} at {self._shown_base}"
+        return f"{self.provider}:{self.model} at {self._shown.removesuffix('/chat/completions')}"
 
     def close(self) -> None:
         """Close the pooled connections (the adapter still works: it reconnects)."""
@@ -2399,7 +2425,8 @@ class OpenAICompatLlm:
         timeout = end - time.monotonic()
         if timeout <= 0:
             raise LlmError(f"no time left for a request to {self._shown}")
-        data, acc = json.dumps(body, separators=(",", ":")).encode(), _Stream(on_delta)
+        data = json.dumps(body, separators=(",", ":")).encode()
+        acc = _Stream(on_delta)
         me = threading.get_ident()  # a socket timeout bounds one read: headers dripped a byte
         watchdog = threading.Timer(timeout, lambda: _abort(self._inflight.get(me)))  # at a time
         watchdog.start()           # are bounded by this (the body by _body's clock)
@@ -2446,7 +2473,8 @@ class OpenAICompatLlm:
             raise LlmError(f"{self._shown} redirected (HTTP {resp.status_code}) to "
                            f"{_hide_login(_excerpt(resp.headers['Location']))}; set base_url "
                            "to where it points")
-        status, raw = resp.status_code, b"".join(self._body(resp, end))
+        status = resp.status_code
+        raw = b"".join(self._body(resp, end))
         text = raw.decode("utf-8", "replace")
         hint = ""
         if status in (401, 403):
@@ -2590,6 +2618,11 @@ class TraceError(BobError):
     """A trace that cannot be read or was cut short; the message names the line."""
 
 
+def _turn_start(turn: list[_Event]) -> _Event | None:
+    """The data of a turn's turn_started, if it has one yet."""
+    return next((e["data"] for e in turn if e["kind"] == "turn_started"), None)
+
+
 def read_trace(trace: _Trace) -> list[_Event]:
     """The events of a JSONL trace file (or a list of them), each with its `line`."""
     if not isinstance(trace, (str, os.PathLike)):
@@ -2602,7 +2635,8 @@ def read_trace(trace: _Trace) -> list[_Event]:
     try:   # all lines in one parse, 2.5 times as fast as one at a time; an error has the line
         events = _json("[" + ",\n".join(lines) + "]")
     except _BAD_JSON as e:
-        events, bad = [], getattr(e, "lineno", "?")   # a RecursionError has none
+        events = []
+        bad = getattr(e, "lineno", "?")   # a RecursionError has none
     for n, e in enumerate(events, 1):
         if not (isinstance(e, dict) and isinstance(e.get("kind"), str)
                 and isinstance(e.get("data"), dict)):
@@ -2644,7 +2678,8 @@ class ReplayLlm:
         self._released = threading.Event()   # set when the turn is over (see _replay_turn)
         self.requests: list[LlmRequest] = []
         self.divergence: str | None = None
-        self._lock, self._parts = threading.Lock(), {}   # the parts of request_digest
+        self._lock = threading.Lock()
+        self._parts = {}   # the parts of request_digest
 
     @property
     def left_over(self) -> int:
@@ -2679,16 +2714,20 @@ class ReplayTools:
 
     def __init__(self, trace: _Trace, on_interrupt: Callable[[], None] | None = None):
         events = read_trace(trace)
-        starts = [e["data"] for e in events if e["kind"] == "turn_started"]
-        self.tools = [ToolDescriptor(**d) for d in starts[0]["tools"]] if starts else []
-        self.on_interrupt, self.divergence = on_interrupt, None
+        start = _turn_start(events) or {"tools": []}
+        self.tools = [ToolDescriptor(**d) for d in start["tools"]]
+        self.on_interrupt = on_interrupt
+        self.divergence = None
         self._calls: dict[str, list[_Event]] = {}  # call id -> recorded, oldest first
         self._running: collections.Counter[int] = collections.Counter()  # batch -> unanswered
-        self._cond, started, batch = threading.Condition(), {}, 0
+        self._cond = threading.Condition()
+        started = {}   # call id -> its tool_call_started
+        batch = 0      # the LLM replies so far: a batch is the calls of one
         for e in events:
             kind, d = e["kind"], e["data"]
             batch += kind == "llm_call_completed"
-            started.update({d["call_id"]: d} if kind == "tool_call_started" else {})
+            if kind == "tool_call_started":
+                started[d["call_id"]] = d
             if kind == "tool_call_completed" and started.get(d["call_id"], {}).get("runs"):
                 rec = {**started[d["call_id"]], **d, "batch": batch,
                        "cut": "before this call ended" in d["content"]}
@@ -2759,11 +2798,6 @@ def _compared(e: dict[str, Any]) -> bool:
     return e["kind"] in _COMPARED and e["data"].get("where") != "store.save"
 
 
-def _turn_start(turn: list[_Event]) -> _Event | None:
-    """The data of a turn's turn_started, if it has one yet."""
-    return next((e["data"] for e in turn if e["kind"] == "turn_started"), None)
-
-
 def _turns(events: list[_Event]) -> list[list[_Event]]:
     """The events grouped by turn (session_loaded included); TraceError for a turn cut short."""
     turns: list[list[_Event]] = []
@@ -2805,7 +2839,8 @@ class _Recorder:
 
     def __init__(self, cancel: CancelToken, cancel_at: int | None):
         self.events: list[_Event] = []
-        self.cancel, self.cancel_at = cancel, cancel_at
+        self.cancel = cancel
+        self.cancel_at = cancel_at
 
     def emit(self, event: AgentEvent) -> None:
         fields = _COMPARED.get(event.kind)
@@ -2859,7 +2894,8 @@ def _approver(events: list[_Event]) -> Callable[[ToolCall], Approval]:
 def _replay_turn(events: list[_Event], store: SessionStore, given: dict[str, Any]
                  ) -> tuple[list[_Event], ReplayLlm]:
     """Run a recorded turn again with replay()'s settings: the compared events, its ReplayLlm."""
-    start, sid = _turn_start(events) or {}, events[0]["session_id"]
+    start = _turn_start(events) or {}
+    sid = events[0]["session_id"]
     for e in events:
         if e["kind"] == "session_loaded":   # a version past the replayed one, so the save takes
             version = getattr(store.load(sid), "version", -1) + 1
@@ -2867,7 +2903,8 @@ def _replay_turn(events: list[_Event], store: SessionStore, given: dict[str, Any
                                          paused=e["data"].get("paused"), version=version))
     if any(e["kind"] == "error" and e["data"].get("where") == "store.save" for e in events):
         store = _FailedSave(store)   # the recorded save failed: the turn raised, so must this one
-    caller, llm = CancelToken(), ReplayLlm(events)
+    caller = CancelToken()
+    llm = ReplayLlm(events)
     sink = _Recorder(caller, _cancel_point([e for e in events if _compared(e)]))
     tools = given.get("tools")
     runtime = AgentRuntime(
@@ -2889,7 +2926,8 @@ def _replay_turn(events: list[_Event], store: SessionStore, given: dict[str, Any
 def _request_diff(events: list[_Event], before: SessionState | None, llm: ReplayLlm) -> str:
     """The first message of `llm`'s last request that differs from the recorded one (rebuilt by
     replaying the turn as recorded, proved by its digest): index, role, unified diff."""
-    store, k = InMemorySessionStore(), len(llm.requests) - 1
+    store = InMemorySessionStore()
+    k = len(llm.requests) - 1
     if before is not None:
         store.save(events[0]["session_id"], before)
     ref = _replay_turn(events, store, {})[1].requests
@@ -2918,11 +2956,13 @@ def _check_turn(events: list[_Event], store: SessionStore, given: dict[str, Any]
     step, what, old, value = found
     if isinstance(value, str) and value.startswith("replay: "):   # what ReplayTools saw
         what = value.removeprefix("replay: ")
-    detail, tools = "", _tools_changed(_turn_start(events), _turn_start(new))
+    detail = ""
+    tools = _tools_changed(_turn_start(events), _turn_start(new))
     if what == "llm_call_started digest" and tools:
         what = f"the tools offered differ: {tools}"
     elif what == "llm_call_started digest":
-        what, detail = llm.divergence or what, _request_diff(events, before, llm)
+        what = llm.divergence or what
+        detail = _request_diff(events, before, llm)
     return ReplayReport(False, [], None, step, what, old, value, detail)
 
 
@@ -2944,7 +2984,9 @@ def replay(trace: _Trace, *,
     run for real if given; the overrides replace the recorded settings; TraceError."""
     given = {"policy": policy, "system_prompt": system_prompt, "action_mode": action_mode,
              "tools": tools, "deny_tools": deny_tools}
-    store, lines, turns = InMemorySessionStore(), [], _turns(read_trace(trace))
+    store = InMemorySessionStore()
+    lines = []
+    turns = _turns(read_trace(trace))
     if not turns:
         raise TraceError(f"{trace if isinstance(trace, (str, os.PathLike)) else 'the trace'}"
                          " has no turn_started: it is not a bob trace, or it is empty")
