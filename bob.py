@@ -199,13 +199,15 @@ class Message:
         if role not in ("system", "user", "assistant", "tool"):
             raise ValueError(f"a message has the unknown role {_excerpt(role)!r}")
         text = (str, type(None))
-        calls = tuple(ToolCall(_field(c, "id", (str,)), _field(c, "name", (str,)), _field(
-            c, "arguments", (dict,)), _field(c, "error", text), _field(c, "extra", (
-                dict, type(None)))) for c in (
-                _want(c, dict, "a tool call") for c in _field(d, "tool_calls", (list,), [])))
-        return cls(role, _field(d, "content", (str,)), calls, _field(d, "tool_call_id", text),
-                   _field(d, "name", text), _field(d, "is_error", (bool,), False),
-                   _field(d, "reasoning", text))
+        calls = []
+        for c in _field(d, "tool_calls", (list,), []):
+            c = _want(c, dict, "a tool call")
+            calls.append(ToolCall(_field(c, "id", (str,)), _field(c, "name", (str,)),
+                                  _field(c, "arguments", (dict,)), _field(c, "error", text),
+                                  _field(c, "extra", (dict, type(None)))))
+        return cls(role, _field(d, "content", (str,)), tuple(calls),
+                   _field(d, "tool_call_id", text), _field(d, "name", text),
+                   _field(d, "is_error", (bool,), False), _field(d, "reasoning", text))
 
 
 @dataclass(frozen=True)
@@ -915,13 +917,15 @@ class FunctionTools:
         try:
             if f is None:
                 raise LookupError(f"unknown tool {call.name!r}")
-            if problem := self._check_args(f, call.arguments):
-                return ToolResult(call.id, call.name, problem, True, _ms_since(t0))
-            value = f.fn(**call.arguments)
-            text = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False,
-                                                                   default=str)
+            problem = self._check_args(f, call.arguments)
+            if problem is None:
+                value = f.fn(**call.arguments)
+                text = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False,
+                                                                       default=str)
         except Exception as e:
-            return ToolResult(call.id, call.name, f"{type(e).__name__}: {e}", True, _ms_since(t0))
+            problem = f"{type(e).__name__}: {e}"
+        if problem is not None:   # bad arguments, or the function raised: an error result
+            return ToolResult(call.id, call.name, problem, True, _ms_since(t0))
         return ToolResult(call.id, call.name, text, False, _ms_since(t0))
 
     @staticmethod
