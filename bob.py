@@ -2462,11 +2462,14 @@ class OpenAICompatLlm:
     def _transport_error(self, e: BaseException, late: bool) -> LlmError:
         """What failed on the wire, in words; `late`: the watchdog shut the socket."""
         import requests  # already loaded by _tracking_session
-        what = ("timed out connecting to" if isinstance(e, requests.ConnectTimeout) else
-                "no answer in time from" if isinstance(e, requests.Timeout) or late
-                or _cause(e) == "Read timed out" else  # urllib3's, reading the body
-                "cannot reach" if isinstance(e, requests.ConnectionError) else
-                "transport error on")
+        if isinstance(e, requests.ConnectTimeout):
+            what = "timed out connecting to"
+        elif isinstance(e, requests.Timeout) or late or _cause(e) == "Read timed out":
+            what = "no answer in time from"   # the last: urllib3's, reading the body
+        elif isinstance(e, requests.ConnectionError):
+            what = "cannot reach"
+        else:
+            what = "transport error on"
         hint = (" (is the server running? check base_url)"
                 if isinstance(e, requests.ConnectionError) and not late else "")
         return LlmError(f"{what} {self._shown}: {_cause(e)}{hint}")
@@ -2861,17 +2864,20 @@ class _Recorder:
                 self.cancel.cancel()
 
 
-def _shown(e: _Event | None) -> _Event | None:
-    return e and {"kind": e["kind"], **{f: e["data"].get(f) for f in _COMPARED[e["kind"]]}}
+def _shown(e: _Event) -> _Event:
+    """An event as a report shows it: its kind and compared fields."""
+    return {"kind": e["kind"], **{f: e["data"].get(f) for f in _COMPARED[e["kind"]]}}
 
 
 def _first_difference(recorded: list[_Event], new: list[_Event]) -> tuple[Any, ...] | None:
     """(step, what, recorded, new) of the first compared event that differs, or None."""
     for a, b in itertools.zip_longest(recorded, new):
-        if a is None or b is None or a["kind"] != b["kind"]:
-            what = ("the new run did more" if a is None else "the new run ended before this"
-                    if b is None else "a different event")
-            return (a or b)["step"], what, _shown(a), _shown(b)
+        if a is None:
+            return b["step"], "the new run did more", None, _shown(b)
+        if b is None:
+            return a["step"], "the new run ended before this", _shown(a), None
+        if a["kind"] != b["kind"]:
+            return a["step"], "a different event", _shown(a), _shown(b)
         for f in _COMPARED[a["kind"]]:
             if a["data"].get(f) != b["data"].get(f):
                 return a["step"], f"{a['kind']} {f}", a["data"].get(f), b["data"].get(f)
