@@ -2675,7 +2675,7 @@ class ReplayLlm:
             elif kind == "llm_call_completed" and self._script:
                 self._script[-1][1] = LlmResponse(d["content"], tuple(
                     ToolCall(**c) for c in d["tool_calls"]), Usage(**d["usage"]),
-                    d["finish_reason"])
+                    d["finish_reason"], d.get("reasoning"))   # (none in older traces)
                 asked = None
             elif kind == "error" and d.get("where") == "turn" and self._script:
                 self._script[-1][2] = d["error"].partition(": ")[2]
