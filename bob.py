@@ -187,7 +187,8 @@ class Message:
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-ready dict; `Message.from_dict` reverses it exactly."""
         # role and content always; the others when set (not None, False or no calls)
-        d = {k: v for k, v in vars(self).items() if k == "content" or v not in (None, False, ())}
+        d = {k: v for k, v in vars(self).items()
+             if k in ("role", "content") or v not in (None, False, ())}
         if self.tool_calls:
             d["tool_calls"] = [c.to_dict() for c in self.tool_calls]
         return d
@@ -2352,9 +2353,12 @@ class OpenAICompatLlm:
     def _find_key(self, model: str, api_key: str | None) -> tuple[str | None, str]:
         """The API key and where it came from; ConfigError naming the variable if it is bad."""
         env = self.api_key_env
-        key = api_key or (os.environ.get(env) if env else None)
-        source = ("the api_key given" if api_key else
-                  f"the environment variable {env}" if env else "")
+        if api_key:
+            key, source = api_key, "the api_key given"
+        elif env:
+            key, source = os.environ.get(env), f"the environment variable {env}"
+        else:   # a local server: no key
+            key, source = None, ""
         if not key and env:
             raise ConfigError(f"no API key for {model!r}: set the environment variable {env} "
                               "(or name another one with api_key_env, in agent.toml under "
