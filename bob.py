@@ -2134,8 +2134,11 @@ class _Stream:
 
     def add(self, chunk: dict[str, Any]) -> None:
         """Fold one chat.completion.chunk in; text deltas go to on_delta. Raises if malformed."""
+        usage = chunk.get("usage")
         groq = chunk.get("x_groq")  # Groq's usage, when stream_options was refused
-        if usage := chunk.get("usage") or (groq.get("usage") if isinstance(groq, dict) else 0):
+        if not usage and isinstance(groq, dict):
+            usage = groq.get("usage")
+        if usage:
             self.usage = _usage(usage)
         for choice in _want(chunk.get("choices") or [], list, "'choices'"):
             delta = _want(_want(choice, dict, "a choice").get("delta") or {}, dict, "a delta")
