@@ -186,17 +186,11 @@ class Message:
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-ready dict; `Message.from_dict` reverses it exactly."""
-        d: dict[str, Any] = {"role": self.role, "content": self.content}
+        # role and content always; the others when set (not None, False or no calls)
+        d = {k: v for k, v in vars(self).items()
+             if k in ("role", "content") or v not in (None, False, ())}
         if self.tool_calls:
             d["tool_calls"] = [c.to_dict() for c in self.tool_calls]
-        if self.tool_call_id is not None:
-            d["tool_call_id"] = self.tool_call_id
-        if self.name is not None:
-            d["name"] = self.name
-        if self.is_error:
-            d["is_error"] = True
-        if self.reasoning is not None:
-            d["reasoning"] = self.reasoning
         return d
 
     @classmethod
@@ -206,13 +200,15 @@ class Message:
         if role not in ("system", "user", "assistant", "tool"):
             raise ValueError(f"a message has the unknown role {_excerpt(role)!r}")
         text = (str, type(None))
-        calls = tuple(ToolCall(_field(c, "id", (str,)), _field(c, "name", (str,)), _field(
-            c, "arguments", (dict,)), _field(c, "error", text), _field(c, "extra", (
-                dict, type(None)))) for c in (
-                _want(c, dict, "a tool call") for c in _field(d, "tool_calls", (list,), [])))
-        return cls(role, _field(d, "content", (str,)), calls, _field(d, "tool_call_id", text),
-                   _field(d, "name", text), _field(d, "is_error", (bool,), False),
-                   _field(d, "reasoning", text))
+        calls = []
+        for c in _field(d, "tool_calls", (list,), []):
+            c = _want(c, dict, "a tool call")
+            calls.append(ToolCall(_field(c, "id", (str,)), _field(c, "name", (str,)),
+                                  _field(c, "arguments", (dict,)), _field(c, "error", text),
+                                  _field(c, "extra", (dict, type(None)))))
+        return cls(role, _field(d, "content", (str,)), tuple(calls),
+                   _field(d, "tool_call_id", text), _field(d, "name", text),
+                   _field(d, "is_error", (bool,), False), _field(d, "reasoning", text))
 
 
 @dataclass(frozen=True)
@@ -345,15 +341,22 @@ class AgentRunResult:
 
 
 def _paused(p: dict[str, Any], n: int) -> dict[str, Any]:
-    """A paused turn as AgentRuntime saved it (counts, decisions), checked; else ValueError."""
-    counts, decided = _field(p, "guard", (dict,)), _field(p, "approvals", (dict,)).values()
-    if not (0 <= _field(p, "input_index", (int,)) < n and not {"policy", "deadline"} & set(counts)
-            and all(type(i) is int for v in counts.values() for i in (
-                v.values() if isinstance(v, dict) else [v]))
-            and all(isinstance(a, dict) and set(a) <= {"allow", "reason", "arguments"}
-                    and type(a.get("allow")) is bool and isinstance(a.get("reason", ""), str)
-                    and isinstance(a.get("arguments"), (dict, type(None))) for a in decided)):
-        raise ValueError("the paused turn is not as bob saved it")
+    """A paused turn as AgentRuntime saved it (counts, decisions), checked; else ValueError
+    naming the part that is not as bob saved it."""
+    # the guard's counts: integers, or dicts of integers; never the policy or the deadline
+    counts = _field(p, "guard", (dict,))
+    numbers = [i for v in counts.values() for i in (v.values() if isinstance(v, dict) else [v])]
+    if {"policy", "deadline"} & set(counts) or not all(type(i) is int for i in numbers):
+        raise ValueError("the paused turn's guard counts are not as bob saved them")
+    # each decision: what Approval takes (it checks the types itself: a ConfigError)
+    for decision in _field(p, "approvals", (dict,)).values():
+        try:
+            Approval(**decision)
+        except TypeError:   # not an object, or a field missing or unknown
+            raise ValueError("a decision of the paused turn is not as bob saved it") from None
+    # the input the turn answers: one of the messages
+    if not 0 <= _field(p, "input_index", (int,)) < n:
+        raise ValueError("the paused turn's input_index is past its messages")
     return p
 
 
@@ -386,7 +389,8 @@ class CancelToken:
     """A thread-safe cancel flag around a threading.Event, with callbacks run on cancel."""
 
     def __init__(self) -> None:
-        self._event, self._lock = threading.Event(), threading.Lock()
+        self._event = threading.Event()
+        self._lock = threading.Lock()
         self._callbacks: list[Callable[[], None]] = []
 
     def cancel(self) -> None:
@@ -419,9 +423,8 @@ class CancelToken:
         return lambda: None
 
     def _remove(self, callback: Callable[[], None]) -> None:
-        with self._lock:
-            if callback in self._callbacks:
-                self._callbacks.remove(callback)
+        with self._lock, contextlib.suppress(ValueError):   # ValueError: removed already
+            self._callbacks.remove(callback)
 
 
 @dataclass(frozen=True)
@@ -583,7 +586,8 @@ def parse_action(text: str, call_id: str = "call_1") -> AgentAction:
     if kind == "ask_user":
         return AskUser(_required_str(obj, "question", kind))
     if kind == "tool_call":
-        name, args = _required_str(obj, "name", kind), obj.get("arguments", {})
+        name = _required_str(obj, "name", kind)
+        args = obj.get("arguments", {})
         if not isinstance(args, dict):
             raise ActionParseError('"arguments" of a tool_call must be a JSON object')
         return CallTools((ToolCall(call_id, name, args),))
@@ -659,7 +663,8 @@ class _Units:
         at = bisect.bisect_right(units, -1 if keep is None else keep, key=lambda u: u[0]) - 1
         forced = units[at] if at >= 0 and keep in units[at] else []
         system = self.system[::-1][:max(0, limit - len(forced))]  # a given history's count
-        room, tail = limit - len(forced) - len(system), []   # too: dropped last, newest kept
+        room = limit - len(forced) - len(system)   # too: dropped last, newest kept
+        tail = []
         for u in reversed(units):                 # newest first; the first unit that does not
             if u is not forced:                   # fit ends the walk: only the oldest go
                 if len(u) > room:
@@ -833,11 +838,10 @@ def _matches(value: Any, schema: dict[str, Any]) -> bool:
     if "anyOf" in schema:
         return any(_matches(value, s) for s in schema["anyOf"])
     kind = schema.get("type")
-    if kind == "integer":
-        return isinstance(value, int) and not isinstance(value, bool)
-    if kind == "number":
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
-    want = {"string": str, "boolean": bool, "array": list, "object": dict}.get(kind or "")
+    if isinstance(value, bool) and kind in ("integer", "number"):
+        return False
+    want = {"string": str, "boolean": bool, "array": list, "object": dict, "integer": int,
+            "number": (int, float)}.get(kind or "")
     return want is None or isinstance(value, want)
 
 
@@ -882,7 +886,8 @@ class FunctionTools:
         except (NameError, TypeError, ValueError) as e:
             raise ConfigError(f"FunctionTools: cannot read the signature of {name}: {e}") from e
         props: dict[str, Any] = {}
-        required, nullable = [], set()
+        required = []
+        nullable = set()
         for p in params.values():
             if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
                 raise ConfigError(f"FunctionTools: {name}() takes *args/**kwargs; tools need "
@@ -908,32 +913,36 @@ class FunctionTools:
     def call_tool(self, call: ToolCall, timeout_s: float,
                   cancel: CancelToken | None = None) -> ToolResult:
         """Validate the arguments, call the function, turn its return value into text."""
-        t0, f = time.perf_counter(), self._functions.get(call.name)
+        t0 = time.perf_counter()
+        f = self._functions.get(call.name)
         try:
             if f is None:
                 raise LookupError(f"unknown tool {call.name!r}")
-            if problem := self._check_args(f, call.arguments):
-                return ToolResult(call.id, call.name, problem, True, _ms_since(t0))
-            value = f.fn(**call.arguments)
-            text = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False,
-                                                                   default=str)
+            problem = self._check_args(f, call.arguments)
+            if problem is None:
+                value = f.fn(**call.arguments)
+                text = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False,
+                                                                       default=str)
         except Exception as e:
-            return ToolResult(call.id, call.name, f"{type(e).__name__}: {e}", True, _ms_since(t0))
+            problem = f"{type(e).__name__}: {e}"
+        if problem is not None:   # bad arguments, or the function raised: an error result
+            return ToolResult(call.id, call.name, problem, True, _ms_since(t0))
         return ToolResult(call.id, call.name, text, False, _ms_since(t0))
 
     @staticmethod
     def _check_args(f: _Function, args: dict[str, Any]) -> str | None:
-        schema, unknown = f.descriptor.input_schema, sorted(set(args) - set(f.params))
+        schema = f.descriptor.input_schema
+        unknown = sorted(set(args) - set(f.params))
         missing = [p for p in schema["required"] if p not in args]
         wrong = [f"{k} (expected {_expected(f.params[k])})"
                  for k, v in args.items() if k in f.params
                  and not (v is None and k in f.nullable) and not _matches(v, f.params[k])]
-        if not (unknown or missing or wrong):
+        problems = {"unknown arguments": unknown, "missing arguments": missing,
+                    "wrong types": wrong}
+        parts = [f"{what}: {', '.join(names)}" for what, names in problems.items() if names]
+        if not parts:
             return None
-        parts = [f"unknown arguments: {', '.join(unknown)}" if unknown else "",
-                 f"missing arguments: {', '.join(missing)}" if missing else "",
-                 f"wrong types: {', '.join(wrong)}" if wrong else ""]
-        return (f"invalid arguments for {f.descriptor.name}: " + "; ".join(p for p in parts if p)
+        return (f"invalid arguments for {f.descriptor.name}: " + "; ".join(parts)
                 + f". Input schema: {json.dumps(schema, sort_keys=True)}")
 
 
@@ -966,18 +975,18 @@ class CompositeToolPort:
 
     def list_tools(self) -> list[ToolDescriptor]:
         """All tools of all ports, in port order; re-listed each call (ports may change)."""
-        owner: dict[str, tuple[int, ToolPort]] = {}
+        owner: dict[str, int] = {}   # tool name -> the index of its port
         tools: list[ToolDescriptor] = []
         for i, port in enumerate(self._ports):
             for t in port.list_tools():
                 if t.name in owner:
-                    j, first = owner[t.name]
-                    raise ConfigError(f"tool {t.name!r} is offered by two ports: "
-                                      f"#{j} {type(first).__name__} and #{i} {type(port).__name__}"
-                                      "; rename one or leave one out")
-                owner[t.name] = (i, port)
+                    j = owner[t.name]
+                    raise ConfigError(f"tool {t.name!r} is offered by two ports: #{j} "
+                                      f"{type(self._ports[j]).__name__} and #{i} "
+                                      f"{type(port).__name__}; rename one or leave one out")
+                owner[t.name] = i
                 tools.append(t)
-        self._owner = {name: port for name, (_, port) in owner.items()}
+        self._owner = {name: self._ports[i] for name, i in owner.items()}
         return tools
 
     def call_tool(self, call: ToolCall, timeout_s: float,
@@ -1038,7 +1047,8 @@ class InMemorySessionStore:
 def _session_json(state: SessionState) -> str:
     """`state.to_dict()` as ASCII JSON, messages encoded a thousand at a time: their dicts die
     young, so the GC does not walk a big heap again and again (100,000: 125 ms, not 250-350)."""
-    ms, head = state.messages, json.dumps(dataclasses.replace(state, messages=[]).to_dict())
+    ms = state.messages
+    head = json.dumps(dataclasses.replace(state, messages=[]).to_dict())
     parts = (json.dumps([m.to_dict() for m in ms[i:i + 1000]], ensure_ascii=True)[1:-1]
              for i in range(0, len(ms), 1000))
     return head[:-2] + ", ".join(parts) + "]}"  # head ends in "messages": []}
@@ -1062,7 +1072,8 @@ class JsonFileSessionStore:
     for the lock `lock_timeout_s` at most (another process may hold it for ever): StoreError."""
 
     def __init__(self, directory: str | os.PathLike[str], lock_timeout_s: float = 5.0):
-        self.directory, self.lock_timeout_s = Path(directory), lock_timeout_s
+        self.directory = Path(directory)
+        self.lock_timeout_s = lock_timeout_s
 
     def path_for(self, session_id: str) -> Path:
         """The file of a session; StoreError for an id that could escape the directory."""
@@ -1091,7 +1102,8 @@ class JsonFileSessionStore:
     def save(self, session_id: str, state: SessionState) -> None:
         """Write the state; StoreError if another turn saved the session since it was loaded.
         One temp file per session, used under the lock: a killed save leaves at most that one."""
-        path, tmp = self.path_for(session_id), self.directory / f".{session_id}.json.tmp"
+        path = self.path_for(session_id)
+        tmp = self.directory / f".{session_id}.json.tmp"
         data = _session_json(state)
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
@@ -1114,7 +1126,8 @@ class JsonFileSessionStore:
     def _lock(self) -> int:
         """The directory's lock (released at close, or when the process dies), as a descriptor."""
         import fcntl  # POSIX only; imported here so that `import bob` works anywhere
-        lock, since = os.open(self.directory, os.O_RDONLY), time.monotonic()
+        lock = os.open(self.directory, os.O_RDONLY)
+        since = time.monotonic()
         try:   # any failure closes the descriptor: ENOLCK (NFS without lockd), a timeout, Ctrl-C
             while True:
                 with contextlib.suppress(BlockingIOError):
@@ -1150,7 +1163,8 @@ class LoggingEventSink:
     """Events as log lines on the `bob.events` logger (or the one given)."""
 
     def __init__(self, logger: logging.Logger | None = None, level: int = logging.INFO):
-        self.logger, self.level = logger or logging.getLogger("bob.events"), level
+        self.logger = logger or logging.getLogger("bob.events")
+        self.level = level
 
     def emit(self, event: AgentEvent) -> None:
         """One line: kind, session, step, data as JSON (not text_delta: see JsonlEventSink)."""
@@ -1163,7 +1177,8 @@ class JsonlEventSink:
     """Events appended to a file, one JSON object per line, flushed per event."""
 
     def __init__(self, path: str | os.PathLike[str]):
-        self.path, self._lock = Path(path), threading.Lock()
+        self.path = Path(path)
+        self._lock = threading.Lock()
         self._file: Any = None
 
     def emit(self, event: AgentEvent) -> None:
@@ -1212,7 +1227,8 @@ def _mask_text(text: str) -> str:
         return text
     low = text.lower()   # matched case-sensitively ((?i) made it twice as slow); "İ" lowers to 2
     low = low if len(low) == len(text) else text.translate(dict(zip(range(65, 91), range(97, 123))))
-    out, at = [], 0
+    out = []
+    at = 0
     for key in _TEXT_KEY.finditer(low):
         if key.start() >= at and (value := _text_value(key.group(1)).match(text, key.end())):
             out += [text[at:key.end()], f"{key.group(1)}***{key.group(1)}"]
@@ -1330,7 +1346,8 @@ class _Worker:
     """One call on a pool thread; `done` turns True when it returns or raises."""
 
     def __init__(self, fn: Callable[[], Any], wake: queue.SimpleQueue[None]):
-        self.fn, self.wake = fn, wake
+        self.fn = fn
+        self.wake = wake
         self.value: Any = None
         self.error: BaseException | None = None
         self.done = self._given_up = False
@@ -2085,7 +2102,9 @@ def _call_from_wire(call_id: Any, name: Any, arguments: Any,
     """A ToolCall; arguments that are not a JSON object give one with `error` set (not run)."""
     # Why not {}: the model must learn its arguments were lost, not see the tool complain of
     # missing keys. A missing id stays "": the runtime gives it a unique one.
-    name, args, problem = str(name or ""), arguments, "are not a JSON object"
+    name = str(name or "")
+    args = arguments
+    problem = "are not a JSON object"
     if isinstance(args, str):
         try:
             args = _json(args) if args.strip() else {}
@@ -2123,8 +2142,11 @@ class _Stream:
 
     def add(self, chunk: dict[str, Any]) -> None:
         """Fold one chat.completion.chunk in; text deltas go to on_delta. Raises if malformed."""
+        usage = chunk.get("usage")
         groq = chunk.get("x_groq")  # Groq's usage, when stream_options was refused
-        if usage := chunk.get("usage") or (groq.get("usage") if isinstance(groq, dict) else 0):
+        if not usage and isinstance(groq, dict):
+            usage = groq.get("usage")
+        if usage:
             self.usage = _usage(usage)
         for choice in _want(chunk.get("choices") or [], list, "'choices'"):
             delta = _want(_want(choice, dict, "a choice").get("delta") or {}, dict, "a delta")
@@ -2135,7 +2157,9 @@ class _Stream:
             if isinstance(delta.get("reasoning_content"), str):
                 self.reasoning.append(delta["reasoning_content"])
             for i, tc in enumerate(_want(delta.get("tool_calls") or [], list, "tool_calls")):
-                fn, index, call_id = _function(tc), tc.get("index", i), tc.get("id")
+                fn = _function(tc)
+                index = tc.get("index", i)
+                call_id = tc.get("id")
                 if type(index) is not int:
                     raise ValueError(f"a tool call's index is {index!r}, not an integer")
                 slot = self.at.get(index)
@@ -2204,7 +2228,8 @@ def _cause(e: BaseException) -> str:
 
 def _abort(conn: Any) -> None:
     """Shut the socket of an in-flight connection: a thread blocked on it wakes up."""
-    sock, fd = getattr(conn, "sock", None), getattr(conn, "bob_fd", None)
+    sock = getattr(conn, "sock", None)
+    fd = getattr(conn, "bob_fd", None)
     try:
         if sock is not None and sock.fileno() != -1:
             sock.shutdown(socket.SHUT_RDWR)
@@ -2269,11 +2294,18 @@ def _tracking_session(inflight: dict[int, Any], cancels: dict[int, CancelToken]
     return session, (requests.RequestException, urllib3.exceptions.HTTPError, OSError)
 
 
-def _seconds(what: str, value: Any) -> float:
-    """`value` if it is a number of seconds > 0 (not None, a str, nan or inf), else ConfigError."""
-    if type(value) not in (int, float) or not 0 < value < 1e9:   # nan compares false
-        raise ConfigError(f"{what} must be a number of seconds > 0 (and < 1e9), got {value!r}")
-    return value
+def _check_settings(retry_max: Any, max_response_bytes: Any, tool_choice: Any,
+                    timeout_s: Any) -> None:
+    """ConfigError naming the first of OpenAICompatLlm's settings out of its range; timeout_s
+    is a number of seconds > 0 (not None, a str, nan or inf)."""
+    for k, v, lo in ("retry_max", retry_max, 0), ("max_response_bytes", max_response_bytes, 1):
+        if type(v) is not int or v < lo:
+            raise ConfigError(f"{k} must be an integer >= {lo}, got {v!r}")
+    if tool_choice not in ("auto", "required", "none"):
+        raise ConfigError(f"tool_choice must be auto, required or none, got {tool_choice!r}")
+    if type(timeout_s) not in (int, float) or not 0 < timeout_s < 1e9:   # nan compares false
+        raise ConfigError(f"timeout_s must be a number of seconds > 0 (and < 1e9), "
+                          f"got {timeout_s!r}")
 
 
 @dataclass(frozen=True)
@@ -2304,26 +2336,26 @@ class OpenAICompatLlm:
             raise ConfigError(f"unknown provider {provider!r} in model {model!r}: known "
                               f"providers are {', '.join(PROVIDERS)}; for another "
                               "OpenAI-compatible server give base_url")
-        for k, v, lo in ("retry_max", retry_max, 0), ("max_response_bytes", max_response_bytes, 1):
-            if type(v) is not int or v < lo:
-                raise ConfigError(f"{k} must be an integer >= {lo}, got {v!r}")
-        if tool_choice not in ("auto", "required", "none"):
-            raise ConfigError(f"tool_choice must be auto, required or none, got {tool_choice!r}")
+        _check_settings(retry_max, max_response_bytes, tool_choice, timeout_s)
         default_url, default_env = PROVIDERS.get(provider, ("", None))
-        self.provider, self.model = provider, name
+        self.provider = provider
+        self.model = name
         self.base_url = (base_url or default_url).rstrip("/")
         if "?" in self.base_url or "#" in self.base_url:   # not echoed: it may hold a key
             raise ConfigError("base_url must hold no query or fragment (keys go in api_key_env)")
         self.api_key_env = api_key_env or default_env
-        self.retry_max, self.stream, self.stream_usage = retry_max, stream, stream_usage
-        self.temperature, self.seed, self.max_tokens = temperature, seed, max_tokens
-        self.json_response_format, self.tool_choice = json_response_format, tool_choice
-        self.timeout_s, self.backoff_base_s = _seconds("timeout_s", timeout_s), backoff_base_s
+        self.retry_max = retry_max
+        self.stream, self.stream_usage = stream, stream_usage
+        self.temperature, self.seed, self.max_tokens = temperature, seed, max_tokens  # sampling
+        self.json_response_format = json_response_format
+        self.tool_choice = tool_choice
+        self.timeout_s = timeout_s
+        self.backoff_base_s = backoff_base_s
         self.max_response_bytes = max_response_bytes
         self._api_key, self._key_source = self._find_key(model, api_key)
         self._set_extras(headers, extra_body)
         self._url = self.base_url + "/chat/completions"
-        self._shown = _hide_login(self._url)
+        self._shown = _hide_login(self._url)   # as errors show it
         self._rejected: set[str] = set()       # optional fields this server refused
         self._inflight: dict[int, Any] = {}    # thread id -> connection it is using
         self._cancels: dict[int, CancelToken] = {}  # thread id -> the token of its call
@@ -2332,9 +2364,12 @@ class OpenAICompatLlm:
     def _find_key(self, model: str, api_key: str | None) -> tuple[str | None, str]:
         """The API key and where it came from; ConfigError naming the variable if it is bad."""
         env = self.api_key_env
-        key = api_key or (os.environ.get(env) if env else None)
-        source = ("the api_key given" if api_key else
-                  f"the environment variable {env}" if env else "")
+        if api_key:
+            key, source = api_key, "the api_key given"
+        elif env:
+            key, source = os.environ.get(env), f"the environment variable {env}"
+        else:   # a local server: no key
+            key, source = None, ""
         if not key and env:
             raise ConfigError(f"no API key for {model!r}: set the environment variable {env} "
                               "(or name another one with api_key_env, in agent.toml under "
@@ -2346,7 +2381,8 @@ class OpenAICompatLlm:
 
     def _set_extras(self, headers: Any, extra_body: Any) -> None:
         """The request's headers (the user's win over bob's) and extra body fields, checked."""
-        headers, self.extra_body = headers or {}, extra_body or {}
+        headers = headers or {}
+        self.extra_body = extra_body or {}
         if not isinstance(headers, dict) or not all(
                 isinstance(v, str) and v.isprintable() for v in headers.values()):
             raise ConfigError("headers must map header names to strings without line breaks, "
@@ -2408,7 +2444,8 @@ class OpenAICompatLlm:
         timeout = end - time.monotonic()
         if timeout <= 0:
             raise LlmError(f"no time left for a request to {self._shown}")
-        data, acc = json.dumps(body, separators=(",", ":")).encode(), _Stream(on_delta)
+        data = json.dumps(body, separators=(",", ":")).encode()
+        acc = _Stream(on_delta)
         me = threading.get_ident()  # a socket timeout bounds one read: headers dripped a byte
         watchdog = threading.Timer(timeout, lambda: _abort(self._inflight.get(me)))  # at a time
         watchdog.start()           # are bounded by this (the body by _body's clock)
@@ -2440,11 +2477,14 @@ class OpenAICompatLlm:
     def _transport_error(self, e: BaseException, late: bool) -> LlmError:
         """What failed on the wire, in words; `late`: the watchdog shut the socket."""
         import requests  # already loaded by _tracking_session
-        what = ("timed out connecting to" if isinstance(e, requests.ConnectTimeout) else
-                "no answer in time from" if isinstance(e, requests.Timeout) or late
-                or _cause(e) == "Read timed out" else  # urllib3's, reading the body
-                "cannot reach" if isinstance(e, requests.ConnectionError) else
-                "transport error on")
+        if isinstance(e, requests.ConnectTimeout):
+            what = "timed out connecting to"
+        elif isinstance(e, requests.Timeout) or late or _cause(e) == "Read timed out":
+            what = "no answer in time from"   # the last: urllib3's, reading the body
+        elif isinstance(e, requests.ConnectionError):
+            what = "cannot reach"
+        else:
+            what = "transport error on"
         hint = (" (is the server running? check base_url)"
                 if isinstance(e, requests.ConnectionError) and not late else "")
         return LlmError(f"{what} {self._shown}: {_cause(e)}{hint}")
@@ -2455,7 +2495,8 @@ class OpenAICompatLlm:
             raise LlmError(f"{self._shown} redirected (HTTP {resp.status_code}) to "
                            f"{_hide_login(_excerpt(resp.headers['Location']))}; set base_url "
                            "to where it points")
-        status, raw = resp.status_code, b"".join(self._body(resp, end))
+        status = resp.status_code
+        raw = b"".join(self._body(resp, end))
         text = raw.decode("utf-8", "replace")
         hint = ""
         if status in (401, 403):
@@ -2599,6 +2640,11 @@ class TraceError(BobError):
     """A trace that cannot be read or was cut short; the message names the line."""
 
 
+def _turn_start(turn: list[_Event]) -> _Event | None:
+    """The data of a turn's turn_started, if it has one yet."""
+    return next((e["data"] for e in turn if e["kind"] == "turn_started"), None)
+
+
 def read_trace(trace: _Trace) -> list[_Event]:
     """The events of a JSONL trace file (or a list of them), each with its `line`."""
     if not isinstance(trace, (str, os.PathLike)):
@@ -2611,7 +2657,8 @@ def read_trace(trace: _Trace) -> list[_Event]:
     try:   # all lines in one parse, 2.5 times as fast as one at a time; an error has the line
         events = _json("[" + ",\n".join(lines) + "]")
     except _BAD_JSON as e:
-        events, bad = [], getattr(e, "lineno", "?")   # a RecursionError has none
+        events = []
+        bad = getattr(e, "lineno", "?")   # a RecursionError has none
     for n, e in enumerate(events, 1):
         if not (isinstance(e, dict) and isinstance(e.get("kind"), str)
                 and isinstance(e.get("data"), dict)):
@@ -2643,7 +2690,7 @@ class ReplayLlm:
             elif kind == "llm_call_completed" and self._script:
                 self._script[-1][1] = LlmResponse(d["content"], tuple(
                     ToolCall(**c) for c in d["tool_calls"]), Usage(**d["usage"]),
-                    d["finish_reason"])
+                    d["finish_reason"], d.get("reasoning"))   # (none in older traces)
                 asked = None
             elif kind == "error" and d.get("where") == "turn" and self._script:
                 self._script[-1][2] = d["error"].partition(": ")[2]
@@ -2653,7 +2700,8 @@ class ReplayLlm:
         self._released = threading.Event()   # set when the turn is over (see _replay_turn)
         self.requests: list[LlmRequest] = []
         self.divergence: str | None = None
-        self._lock, self._parts = threading.Lock(), {}   # the parts of request_digest
+        self._lock = threading.Lock()
+        self._parts = {}   # the parts of request_digest
 
     @property
     def left_over(self) -> int:
@@ -2688,16 +2736,20 @@ class ReplayTools:
 
     def __init__(self, trace: _Trace, on_interrupt: Callable[[], None] | None = None):
         events = read_trace(trace)
-        starts = [e["data"] for e in events if e["kind"] == "turn_started"]
-        self.tools = [ToolDescriptor(**d) for d in starts[0]["tools"]] if starts else []
-        self.on_interrupt, self.divergence = on_interrupt, None
+        start = _turn_start(events) or {"tools": []}
+        self.tools = [ToolDescriptor(**d) for d in start["tools"]]
+        self.on_interrupt = on_interrupt
+        self.divergence = None
         self._calls: dict[str, list[_Event]] = {}  # call id -> recorded, oldest first
         self._running: collections.Counter[int] = collections.Counter()  # batch -> unanswered
-        self._cond, started, batch = threading.Condition(), {}, 0
+        self._cond = threading.Condition()
+        started = {}   # call id -> its tool_call_started
+        batch = 0      # the LLM replies so far: a batch is the calls of one
         for e in events:
             kind, d = e["kind"], e["data"]
             batch += kind == "llm_call_completed"
-            started.update({d["call_id"]: d} if kind == "tool_call_started" else {})
+            if kind == "tool_call_started":
+                started[d["call_id"]] = d
             if kind == "tool_call_completed" and started.get(d["call_id"], {}).get("runs"):
                 rec = {**started[d["call_id"]], **d, "batch": batch,
                        "cut": "before this call ended" in d["content"]}
@@ -2743,10 +2795,14 @@ class ReplayReport:
     detail: str = ""
 
     def __str__(self) -> str:
-        values = [f"  {k:<10}{json.dumps(v, default=str)}" for k, v in
-                  (("recorded:", self.recorded), ("new:", self.new))] if not self.ok else []
-        where = [] if self.ok else [f"turn {self.turn}, step {self.step}: {self.what}"]
-        return "\n".join(self.turns + where + values + ([self.detail] if self.detail else []))
+        if self.ok:
+            return "\n".join(self.turns)
+        lines = [*self.turns, f"turn {self.turn}, step {self.step}: {self.what}",
+                 f"  recorded: {json.dumps(self.recorded, default=str)}",
+                 f"  new:      {json.dumps(self.new, default=str)}"]
+        if self.detail:
+            lines.append(self.detail)
+        return "\n".join(lines)
 
 
 # -- reading turns back --
@@ -2762,11 +2818,6 @@ _COMPARED = {"turn_started": (), "state": ("from", "to"), "llm_call_started": ("
 def _compared(e: dict[str, Any]) -> bool:
     """Compared events: a failing store.save is about the machine, not the run."""
     return e["kind"] in _COMPARED and e["data"].get("where") != "store.save"
-
-
-def _turn_start(turn: list[_Event]) -> _Event | None:
-    """The data of a turn's turn_started, if it has one yet."""
-    return next((e["data"] for e in turn if e["kind"] == "turn_started"), None)
 
 
 def _turns(events: list[_Event]) -> list[list[_Event]]:
@@ -2810,7 +2861,8 @@ class _Recorder:
 
     def __init__(self, cancel: CancelToken, cancel_at: int | None):
         self.events: list[_Event] = []
-        self.cancel, self.cancel_at = cancel, cancel_at
+        self.cancel = cancel
+        self.cancel_at = cancel_at
 
     def emit(self, event: AgentEvent) -> None:
         fields = _COMPARED.get(event.kind)
@@ -2827,17 +2879,20 @@ class _Recorder:
                 self.cancel.cancel()
 
 
-def _shown(e: _Event | None) -> _Event | None:
-    return e and {"kind": e["kind"], **{f: e["data"].get(f) for f in _COMPARED[e["kind"]]}}
+def _shown(e: _Event) -> _Event:
+    """An event as a report shows it: its kind and compared fields."""
+    return {"kind": e["kind"], **{f: e["data"].get(f) for f in _COMPARED[e["kind"]]}}
 
 
 def _first_difference(recorded: list[_Event], new: list[_Event]) -> tuple[Any, ...] | None:
     """(step, what, recorded, new) of the first compared event that differs, or None."""
     for a, b in itertools.zip_longest(recorded, new):
-        if a is None or b is None or a["kind"] != b["kind"]:
-            what = ("the new run did more" if a is None else "the new run ended before this"
-                    if b is None else "a different event")
-            return (a or b)["step"], what, _shown(a), _shown(b)
+        if a is None:
+            return b["step"], "the new run did more", None, _shown(b)
+        if b is None:
+            return a["step"], "the new run ended before this", _shown(a), None
+        if a["kind"] != b["kind"]:
+            return a["step"], "a different event", _shown(a), _shown(b)
         for f in _COMPARED[a["kind"]]:
             if a["data"].get(f) != b["data"].get(f):
                 return a["step"], f"{a['kind']} {f}", a["data"].get(f), b["data"].get(f)
@@ -2864,7 +2919,8 @@ def _approver(events: list[_Event]) -> Callable[[ToolCall], Approval]:
 def _replay_turn(events: list[_Event], store: SessionStore, given: dict[str, Any]
                  ) -> tuple[list[_Event], ReplayLlm]:
     """Run a recorded turn again with replay()'s settings: the compared events, its ReplayLlm."""
-    start, sid = _turn_start(events) or {}, events[0]["session_id"]
+    start = _turn_start(events) or {}
+    sid = events[0]["session_id"]
     for e in events:
         if e["kind"] == "session_loaded":   # a version past the replayed one, so the save takes
             version = getattr(store.load(sid), "version", -1) + 1
@@ -2872,7 +2928,8 @@ def _replay_turn(events: list[_Event], store: SessionStore, given: dict[str, Any
                                          paused=e["data"].get("paused"), version=version))
     if any(e["kind"] == "error" and e["data"].get("where") == "store.save" for e in events):
         store = _FailedSave(store)   # the recorded save failed: the turn raised, so must this one
-    caller, llm = CancelToken(), ReplayLlm(events)
+    caller = CancelToken()
+    llm = ReplayLlm(events)
     sink = _Recorder(caller, _cancel_point([e for e in events if _compared(e)]))
     tools = given.get("tools")
     runtime = AgentRuntime(
@@ -2894,7 +2951,8 @@ def _replay_turn(events: list[_Event], store: SessionStore, given: dict[str, Any
 def _request_diff(events: list[_Event], before: SessionState | None, llm: ReplayLlm) -> str:
     """The first message of `llm`'s last request that differs from the recorded one (rebuilt by
     replaying the turn as recorded, proved by its digest): index, role, unified diff."""
-    store, k = InMemorySessionStore(), len(llm.requests) - 1
+    store = InMemorySessionStore()
+    k = len(llm.requests) - 1
     if before is not None:
         store.save(events[0]["session_id"], before)
     ref = _replay_turn(events, store, {})[1].requests
@@ -2923,11 +2981,13 @@ def _check_turn(events: list[_Event], store: SessionStore, given: dict[str, Any]
     step, what, old, value = found
     if isinstance(value, str) and value.startswith("replay: "):   # what ReplayTools saw
         what = value.removeprefix("replay: ")
-    detail, tools = "", _tools_changed(_turn_start(events), _turn_start(new))
+    detail = ""
+    tools = _tools_changed(_turn_start(events), _turn_start(new))
     if what == "llm_call_started digest" and tools:
         what = f"the tools offered differ: {tools}"
     elif what == "llm_call_started digest":
-        what, detail = llm.divergence or what, _request_diff(events, before, llm)
+        what = llm.divergence or what
+        detail = _request_diff(events, before, llm)
     return ReplayReport(False, [], None, step, what, old, value, detail)
 
 
@@ -2949,7 +3009,9 @@ def replay(trace: _Trace, *,
     run for real if given; the overrides replace the recorded settings; TraceError."""
     given = {"policy": policy, "system_prompt": system_prompt, "action_mode": action_mode,
              "tools": tools, "deny_tools": deny_tools}
-    store, lines, turns = InMemorySessionStore(), [], _turns(read_trace(trace))
+    store = InMemorySessionStore()
+    lines = []
+    turns = _turns(read_trace(trace))
     if not turns:
         raise TraceError(f"{trace if isinstance(trace, (str, os.PathLike)) else 'the trace'}"
                          " has no turn_started: it is not a bob trace, or it is empty")

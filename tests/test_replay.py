@@ -205,6 +205,15 @@ def test_a_turn_that_raised_replays_the_same(tmp_path):
     assert bob.replay(path).ok
 
 
+def test_a_reply_with_reasoning_replays_the_same(tmp_path):
+    """DeepSeek's thinking mode: the reasoning goes back with the tool calls, so the next
+    request holds it; the replayed reply must carry it too, or that request differs."""
+    path = tmp_path / "t.jsonl"
+    thought = LlmResponse("", (ToolCall("c1", "add", {"a": 1, "b": 2}),), reasoning="1 + 2")
+    record(path, [thought, "3"], ["sum"])
+    assert bob.replay(path).ok
+
+
 def test_replay_llm_and_tools_in_a_hand_wired_runtime(tmp_path):
     """The pytest recipe of the README: record once, then replay in CI."""
     path = tmp_path / "t.jsonl"
