@@ -519,13 +519,13 @@ class Shell:
         only sets the cancel token, and the runtime returns within 100 ms of it."""
         cancel = self.cancel = self.approvals.cancel = bob.CancelToken()
         self.approvals.session = self.session_id
-        outcome: list[Any] = []
+        outcome: queue.SimpleQueue[Any] = queue.SimpleQueue()
 
         def work() -> None:
             try:
-                outcome.append(self.runtime.run(bob.AgentRequest(text, self.session_id), cancel))
+                outcome.put(self.runtime.run(bob.AgentRequest(text, self.session_id), cancel))
             except BaseException as e:  # re-raised on the main thread below
-                outcome.append(e)
+                outcome.put(e)
         worker = threading.Thread(target=work, name="bob-turn", daemon=True)
         previous = signal.signal(signal.SIGINT, lambda signum, frame: cancel.cancel())
         try:
@@ -535,12 +535,16 @@ class Shell:
                 worker.join(0.1)
                 self._answer()
                 self.view.tick()
+        except SystemExit:   # SIGTERM or SIGHUP (see main): the turn is cancelled and saved first
+            cancel.cancel()
+            outcome.get()   # not worker.join(): a join an exception cut short breaks the thread
+            raise
         finally:
             signal.signal(signal.SIGINT, previous)
             self.view.tick(stop=True)
-        if isinstance(outcome[0], BaseException):
-            raise outcome[0]
-        return outcome[0]
+        if isinstance(result := outcome.get(), BaseException):
+            raise result
+        return result
 
     def _answer(self) -> None:   # ask the person about a call waiting for approval, if one is
         with contextlib.suppress(queue.Empty):
