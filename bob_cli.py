@@ -466,6 +466,22 @@ def _resumed(store: bob.JsonFileSessionStore, session_id: str) -> bool:
     return state is not None
 
 
+_STICKY = ("model", "base_url", "api_key_env")   # the flags a session remembers
+
+
+def _flags_file(store: bob.JsonFileSessionStore, session_id: str) -> Path:
+    """Where the session's _STICKY flags are kept (JSON), beside its file."""
+    return store.path_for(session_id).with_suffix(".flags")
+
+
+def _forget(store: bob.JsonFileSessionStore, session_id: str) -> bool:
+    """Delete the session's files; whether there were any."""
+    found = [p for p in (store.path_for(session_id), _flags_file(store, session_id)) if p.exists()]
+    for path in found:
+        path.unlink(missing_ok=True)
+    return bool(found)
+
+
 def _new_session_id() -> str:
     return f"cli-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
 
@@ -481,9 +497,13 @@ class Shell:
     cancel: bob.CancelToken = field(default_factory=bob.CancelToken)
     approvals: _Approvals = field(default_factory=lambda: _Approvals(False, False))
     llm_for: Callable[[str], Any] | None = None   # a model name -> its adapter (/model)
+    flags: dict[str, str] = field(default_factory=dict)   # _STICKY's, kept beside the session
 
     def turn(self, text: str) -> bob.AgentRunResult:
-        """Run a turn, print its answer and notices; a failed save raises StoreError after."""
+        """Run a turn, print its answer and notices; a failed save raises StoreError after.
+        A new session whose first turn failed (a wrong model name, a refused key) is not kept."""
+        store = typing.cast(bob.JsonFileSessionStore, self.runtime.store)
+        new = not store.path_for(self.session_id).exists()
         try:
             result = self._run(text)
         except bob.StoreError as e:   # the save failed: show the answer, then say so
@@ -491,6 +511,10 @@ class Shell:
             if e.result is None:
                 raise self._unsaved() from None
             result = e.result
+        except bob.BobError:
+            if new:
+                _forget(store, self.session_id)
+            raise
         shown, content = self.view.shown, result.content
         if result.finish_reason is bob.FinishReason.CANCELLED:   # one line says it all
             if shown:
@@ -509,6 +533,9 @@ class Shell:
             print(stats if _plain() else f"\x1b[2m{stats}\x1b[0m", file=sys.stderr, flush=True)
         if self.view.error is not None:
             raise self._unsaved()
+        if self.flags:   # `bob -c` runs with them again
+            with contextlib.suppress(OSError):
+                _flags_file(store, self.session_id).write_text(json.dumps(self.flags))
         return result
 
     def _unsaved(self) -> bob.StoreError:
@@ -772,6 +799,7 @@ def _parser() -> argparse.ArgumentParser:
     add("--session", metavar="ID", help="the session to resume or start (kept across runs)")
     add("-c", "--continue", dest="resume", action="store_true", help="resume the last session")
     add("--sessions", action="store_true", help="list the stored sessions and exit")
+    add("--forget", metavar="ID", help="delete a stored session and exit")
     add("--model", help="provider:model (default: $BOB_MODEL, else [runtime] default_model)")
     add("--base-url", metavar="URL", help="an OpenAI-compatible endpoint ($OPENAI_BASE_URL)")
     add("--api-key-env", metavar="NAME", help="the environment variable holding the API key")
@@ -870,14 +898,19 @@ def _store(cfg: Config, args: argparse.Namespace) -> tuple[bob.JsonFileSessionSt
         store.path_for("x" if session_id is None else session_id)   # "": refused
     except bob.StoreError as e:
         raise bob.ConfigError(f"--session: {e}") from None
-    if session_id:
-        _resumed(store, session_id)
+    if session_id and _resumed(store, session_id):
+        with contextlib.suppress(OSError, ValueError, AttributeError):   # none kept, or not ours
+            kept = json.loads(_flags_file(store, session_id).read_text())
+            for key in _STICKY:   # a flag given again wins
+                if getattr(args, key) is None and isinstance(kept.get(key), str):
+                    setattr(args, key, kept[key])
     return store, session_id or _new_session_id()
 
 
 def _build_shell(cfg: Config, args: argparse.Namespace) -> Shell:
     """Wire what the config names: the LLM (its key checked now), store, sinks, MCP servers."""
-    llm, (store, session_id) = _llm(cfg, args), _store(cfg, args)
+    store, session_id = _store(cfg, args)   # first: a resumed session's flags fill args
+    llm = _llm(cfg, args)
     policy = cfg.policy
     if args.max_steps is not None:
         try:
@@ -901,7 +934,8 @@ def _build_shell(cfg: Config, args: argparse.Namespace) -> Shell:
                                ask_tools=cfg.ask_tools, approver=approvals)
     return Shell(runtime, session_id, Path(cfg.path or "agent.toml").name, mcp, view,
                  approvals=approvals, llm_for=lambda model: _llm(cfg, argparse.Namespace(
-                     **{**vars(args), "model": model})))
+                     **{**vars(args), "model": model})),
+                 flags={key: getattr(args, key) for key in _STICKY if getattr(args, key)})
 
 
 def _fail(e: BaseException, code: int, verbose: bool) -> int:
@@ -922,8 +956,15 @@ def _start(args: argparse.Namespace, opened: list[Shell]) -> int:
         return _init() if args.init else _run_demo(_sinks(args))
     found = _find_config(args.config, args.verbose)
     cfg = load_config(found) if found else Config()
-    if args.sessions:   # needs no key
-        return _list_sessions(_store(cfg, args)[0])
+    if args.sessions or args.forget:   # need no key
+        store = _store(cfg, args)[0]
+        if args.sessions:
+            return _list_sessions(store)
+        if not _forget(store, args.forget):
+            raise bob.ConfigError(f"--forget: no session {args.forget} in {store.directory}; "
+                                  "--sessions lists them")
+        _note(f"forgot session {args.forget}")
+        return 0
     shell = _build_shell(cfg, args)
     opened.append(shell)
     if args.prompt is not None:
