@@ -376,8 +376,8 @@ class _TurnView:
         u = r.usage
         tokens = (f"{u.prompt_tokens} in / {u.completion_tokens} out" if u.total_tokens
                   else "? in / ? out")
-        return (f"{r.steps} LLM calls, {r.tool_calls} tool calls, {tokens} tokens, "
-                f"{time.monotonic() - self.t0:.1f} s")
+        return (f"{_count(r.steps, 'LLM call')}, {_count(r.tool_calls, 'tool call')}, "
+                f"{tokens} tokens, {time.monotonic() - self.t0:.1f} s")
 
 
 # ---- 4. Shell: turns, approvals, commands -------------------------------------------------------
@@ -392,6 +392,11 @@ _HELP = """  /tools         the tools the model may call: name, server, descript
   /save FILE     write this session as Markdown
   /exit          quit (or Ctrl-D). Ctrl-C cancels a running turn, or clears the line.
 A line ending in \\ goes on; lines between two \"\"\" lines are one message; so is a paste."""
+
+
+def _count(n: int, what: str) -> str:
+    """`1 turn`, `2 turns`."""
+    return f"{n} {what}" if n == 1 else f"{n} {what}s"
 
 
 def _one_line(e: BaseException | str) -> str:
@@ -604,6 +609,8 @@ class Shell:
                 else:
                     print(f"no session {arg} in {store.directory}; /sessions lists them")
             case "/history", _:   # one line a message
+                if not self._state().messages:
+                    print(f"session {self.session_id} is empty: no messages yet")
                 for m in self._state().messages:
                     print(_cut(f"{m.role}: {_flat(m)}", shutil.get_terminal_size().columns))
             case "/model", True:
@@ -627,8 +634,11 @@ class Shell:
         parts = [f"# bob session {self.session_id}"] + [f"## {m.role}\n\n{m.content}" + "".join(
             f"\n\n-> `{c.name}` `{json.dumps(bob.redact(c.arguments), ensure_ascii=False)}`"
             for c in m.tool_calls) for m in self._state().messages]
-        with path.open("x", encoding="utf-8", errors="bob") as f:   # never over a file, as vim's :w
-            f.write("\n\n".join(parts) + "\n")   # an OSError (FileExistsError): the REPL says why
+        try:   # never over a file, as vim's :w; another OSError: the REPL says why
+            with path.open("x", encoding="utf-8", errors="bob") as f:
+                f.write("\n\n".join(parts) + "\n")
+        except FileExistsError:
+            raise bob.BobError(f"{path} exists already; /save to another file") from None
         print(f"saved {len(parts) - 1} messages to {path}")
 
     def _print_tools(self) -> None:
@@ -688,7 +698,7 @@ def _list_sessions(store: bob.JsonFileSessionStore) -> int:
             users = [m.content for m in (state.messages if state else []) if m.role == "user"]
             first = _cut(" ".join((users or [""])[0].split()), 60)
             used = time.strftime("%Y-%m-%d %H:%M", time.localtime(mtime))
-            print(f"{path.stem}  {used}  {len(users):>3} turns  {first}")
+            print(f"{path.stem}  {used}  {_count(len(users), 'turn'):>9}  {first}")
     return 0
 
 
@@ -725,9 +735,10 @@ def _read_message(prompt: str) -> str:
         with contextlib.suppress(EOFError):   # Ctrl-D sends what was typed; the next one quits
             block.extend(iter(lambda: input("... "), '"""'))
         return "\n".join(block)
-    while lines[-1].endswith("\\"):
-        lines[-1] = lines[-1][:-1]
-        lines.append(input("... "))
+    with contextlib.suppress(EOFError):   # Ctrl-D sends what was typed, as in a block
+        while lines[-1].endswith("\\"):
+            lines[-1] = lines[-1][:-1]
+            lines.append(input("... "))
     return "\n".join(lines)
 
 
@@ -753,6 +764,8 @@ def _run_repl(shell: Shell, banner: str) -> int:
                 line = _read_message(prompt)
             finally:
                 _Above.prompt = ""
+            if line in ("help", "exit", "quit"):   # a newcomer's words, not a message
+                line = f"/{line}"
             if line.startswith("/"):
                 if not shell.command(line):
                     return 0
@@ -882,6 +895,26 @@ def _llm(cfg: Config, args: argparse.Namespace) -> bob.OpenAICompatLlm:
         raise bob.ConfigError(f"{where}{e}{hint}") from None
 
 
+def _llm_or_ask(cfg: Config, args: argparse.Namespace) -> bob.OpenAICompatLlm:
+    """_llm; with no API key, the REPL asks for a local server instead (-p and pipes: exit 2)."""
+    while True:
+        try:
+            return _llm(cfg, args)
+        except bob.ConfigError as e:
+            if "no API key" not in str(e) or args.prompt is not None or not sys.stdin.isatty():
+                raise
+            _note(str(e))
+            try:
+                url = input("bob: a local server's URL, e.g. http://127.0.0.1:8080/v1 "
+                            "(Enter quits)> ").strip()
+                model = url and input("bob: the model's name on that server> ").strip()
+            except EOFError:
+                url = ""
+            if not url:
+                raise
+            args.base_url, args.model = url, f"local:{model or 'default'}"
+
+
 def _store(cfg: Config, args: argparse.Namespace) -> tuple[bob.JsonFileSessionStore, str]:
     """The session store ([store] path, else $XDG_DATA_HOME/bob/sessions) and the session id."""
     store = bob.JsonFileSessionStore(cfg.store_path or _xdg("XDG_DATA_HOME", ".local/share")
@@ -910,7 +943,7 @@ def _store(cfg: Config, args: argparse.Namespace) -> tuple[bob.JsonFileSessionSt
 def _build_shell(cfg: Config, args: argparse.Namespace) -> Shell:
     """Wire what the config names: the LLM (its key checked now), store, sinks, MCP servers."""
     store, session_id = _store(cfg, args)   # first: a resumed session's flags fill args
-    llm = _llm(cfg, args)
+    llm = _llm_or_ask(cfg, args)
     policy = cfg.policy
     if args.max_steps is not None:
         try:
