@@ -376,8 +376,8 @@ class _TurnView:
         u = r.usage
         tokens = (f"{u.prompt_tokens} in / {u.completion_tokens} out" if u.total_tokens
                   else "? in / ? out")
-        return (f"{_count(r.steps, 'LLM call')}, {_count(r.tool_calls, 'tool call')}, "
-                f"{tokens} tokens, {time.monotonic() - self.t0:.1f} s")
+        return (f"LLM calls {r.steps}, tool calls {r.tool_calls}, tokens {tokens}, "
+                f"{time.monotonic() - self.t0:.1f} s")
 
 
 # ---- 4. Shell: turns, approvals, commands -------------------------------------------------------
@@ -392,11 +392,6 @@ _HELP = """  /tools         the tools the model may call: name, server, descript
   /save FILE     write this session as Markdown
   /exit          quit (or Ctrl-D). Ctrl-C cancels a running turn, or clears the line.
 A line ending in \\ goes on; lines between two \"\"\" lines are one message; so is a paste."""
-
-
-def _count(n: int, what: str) -> str:
-    """`1 turn`, `2 turns`."""
-    return f"{n} {what}" if n == 1 else f"{n} {what}s"
 
 
 def _one_line(e: BaseException | str) -> str:
@@ -480,11 +475,11 @@ def _flags_file(store: bob.JsonFileSessionStore, session_id: str) -> Path:
 
 
 def _forget(store: bob.JsonFileSessionStore, session_id: str) -> bool:
-    """Delete the session's files; whether there were any."""
-    found = [p for p in (store.path_for(session_id), _flags_file(store, session_id)) if p.exists()]
-    for path in found:
+    """Delete the session's files; whether it was stored."""
+    stored = store.path_for(session_id).exists()
+    for path in (store.path_for(session_id), _flags_file(store, session_id)):
         path.unlink(missing_ok=True)
-    return bool(found)
+    return stored
 
 
 def _new_session_id() -> str:
@@ -634,11 +629,10 @@ class Shell:
         parts = [f"# bob session {self.session_id}"] + [f"## {m.role}\n\n{m.content}" + "".join(
             f"\n\n-> `{c.name}` `{json.dumps(bob.redact(c.arguments), ensure_ascii=False)}`"
             for c in m.tool_calls) for m in self._state().messages]
-        try:   # never over a file, as vim's :w; another OSError: the REPL says why
-            with path.open("x", encoding="utf-8", errors="bob") as f:
-                f.write("\n\n".join(parts) + "\n")
-        except FileExistsError:
-            raise bob.BobError(f"{path} exists already; /save to another file") from None
+        if path.exists():
+            raise bob.BobError(f"{path} exists already; /save to another file")
+        with path.open("x", encoding="utf-8", errors="bob") as f:   # never over a file, as vim's :w
+            f.write("\n\n".join(parts) + "\n")   # an OSError: the REPL says why
         print(f"saved {len(parts) - 1} messages to {path}")
 
     def _print_tools(self) -> None:
@@ -698,7 +692,7 @@ def _list_sessions(store: bob.JsonFileSessionStore) -> int:
             users = [m.content for m in (state.messages if state else []) if m.role == "user"]
             first = _cut(" ".join((users or [""])[0].split()), 60)
             used = time.strftime("%Y-%m-%d %H:%M", time.localtime(mtime))
-            print(f"{path.stem}  {used}  {_count(len(users), 'turn'):>9}  {first}")
+            print(f"{path.stem}  {used}  turns {len(users):>3}  {first}")
     return 0
 
 
@@ -904,15 +898,11 @@ def _llm_or_ask(cfg: Config, args: argparse.Namespace) -> bob.OpenAICompatLlm:
             if "no API key" not in str(e) or args.prompt is not None or not sys.stdin.isatty():
                 raise
             _note(str(e))
-            try:
-                url = input("bob: a local server's URL, e.g. http://127.0.0.1:8080/v1 "
-                            "(Enter quits)> ").strip()
-                model = url and input("bob: the model's name on that server> ").strip()
-            except EOFError:
-                url = ""
-            if not url:
+            url, _, name = input("bob: or type a local server's URL and its model's name, e.g. "
+                                 "http://127.0.0.1:8080/v1 qwen2.5 (Enter quits)> ").partition(" ")
+            if not url.strip():
                 raise
-            args.base_url, args.model = url, f"local:{model or 'default'}"
+            args.base_url, args.model = url.strip(), f"local:{name.strip() or 'default'}"
 
 
 def _store(cfg: Config, args: argparse.Namespace) -> tuple[bob.JsonFileSessionStore, str]:
@@ -1033,7 +1023,7 @@ def main(argv: list[str] | None = None) -> int:
         return 141
     except Exception as e:  # BobError (LlmError, AgentError, StoreError...) or a bug
         return _fail(e, 1, args.verbose)
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, EOFError):   # EOFError: Ctrl-D at a question before the REPL
         return 130
     finally:   # stop MCP servers; bounded, so a second Ctrl-C may not cut it short
         held = {n: signal.signal(n, signal.SIG_IGN)

@@ -93,7 +93,7 @@ def test_no_color_and_dumb_terminals_get_no_escape_sequences(tmp_path, srv):
         try:
             term.send(b"hi\r")
             shown = term.expect(b"bob> ", timeout=5)
-            assert b"plain" in shown and b"1 LLM call," in shown, shown
+            assert b"plain" in shown and b"LLM calls 1," in shown, shown
             assert b"\x1b[K" not in shown and b"\x1b[2m" not in shown, (env, shown)
             if env["TERM"] == "dumb":
                 assert b"\x1b" not in shown, shown
@@ -209,9 +209,7 @@ def test_without_a_key_the_repl_offers_a_local_server_and_the_demo(tmp_path, srv
     try:
         said = term.expect(b"(Enter quits)> ")
         assert b"--demo" in said and b"local:NAME" in said and b"URL" in said, said
-        term.send(srv.url.encode() + b"\r")
-        term.expect(b"> ")
-        term.send(b"qwen\r")
+        term.send(srv.url.encode() + b" qwen\r")
         term.expect(b"bob> ")
         term.send(b"hi\r")
         assert b"local answer" in term.expect(b"bob> ", timeout=5)
@@ -268,7 +266,7 @@ def test_counts_save_twice_and_an_empty_history_read_well(tmp_path, srv):
         assert b"empty" in term.expect(b"bob> ")
         term.send(b"hi\r")
         said = term.expect(b"bob> ", timeout=5)
-        assert b"1 LLM call, 0 tool calls" in said, said
+        assert b"LLM calls 1, tool calls 0" in said, said
         term.send(b"/save notes.md\r")
         assert b"saved 2 messages" in term.expect(b"bob> ")
         term.send(b"/save notes.md\r")
@@ -277,7 +275,7 @@ def test_counts_save_twice_and_an_empty_history_read_well(tmp_path, srv):
     finally:
         term.close()
     listed = bob(tmp_path, "--sessions").stdout
-    assert "1 turn " in listed, listed
+    assert "turns   1 " in listed, listed
 
 
 def test_ctrl_d_after_a_trailing_backslash_sends_what_was_typed(tmp_path, srv):
