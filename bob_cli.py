@@ -27,7 +27,6 @@ import sys
 import threading
 import time
 import tomllib
-import typing
 import uuid
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
@@ -452,11 +451,15 @@ class _Approvals:
             signal.signal(signal.SIGINT, previous)
 
 
+def _calls(m: bob.Message) -> list[str]:
+    """A message's tool calls, each `-> name {arguments}`, secrets masked."""
+    return [f"-> {c.name} {json.dumps(bob.redact(c.arguments), ensure_ascii=False)}"
+            for c in m.tool_calls]
+
+
 def _flat(m: bob.Message) -> str:
-    """A message's text and its tool calls (`-> name {arguments}`), on one line."""
-    calls = [f"-> {c.name} {json.dumps(bob.redact(c.arguments), ensure_ascii=False)}"
-             for c in m.tool_calls]
-    return " ".join(" ".join([m.content, *calls]).split())
+    """A message's text and its tool calls, on one line."""
+    return " ".join(" ".join([m.content, *_calls(m)]).split())
 
 
 def _resumed(store: bob.JsonFileSessionStore, session_id: str) -> bool:
@@ -502,7 +505,7 @@ class Shell:
     def turn(self, text: str) -> bob.AgentRunResult:
         """Run a turn, print its answer and notices; a failed save raises StoreError after.
         A new session whose first turn failed (a wrong model name, a refused key) is not kept."""
-        store = typing.cast(bob.JsonFileSessionStore, self.runtime.store)
+        store = self.runtime.store   # a JsonFileSessionStore
         new = not store.path_for(self.session_id).exists()
         try:
             result = self._run(text)
@@ -583,7 +586,7 @@ class Shell:
     def command(self, line: str) -> bool:
         """Run a /command; returns False when the user wants to quit."""
         name, _, arg = line.strip().partition(" ")
-        store, arg = typing.cast(bob.JsonFileSessionStore, self.runtime.store), arg.strip()
+        store, arg = self.runtime.store, arg.strip()
         match name, bool(arg):
             case "/help", _:
                 print(_HELP)
@@ -609,7 +612,7 @@ class Shell:
                 for m in self._state().messages:
                     print(_cut(f"{m.role}: {_flat(m)}", shutil.get_terminal_size().columns))
             case "/model", True:
-                self.runtime.llm = typing.cast(Callable[[str], Any], self.llm_for)(arg)
+                self.runtime.llm = self.llm_for(arg)
                 print(f"model: {self.runtime.llm.describe()}")
             case "/save", True:
                 self._save(_path(arg, "/save", Path()))   # ~nosuchuser: a ConfigError
@@ -622,13 +625,12 @@ class Shell:
         return True
 
     def _state(self) -> bob.SessionState:
-        return self.runtime.store.load(self.session_id) or bob.SessionState([], bob.Usage(), 0)
+        return self.runtime.store.load(self.session_id) or bob.SessionState()
 
     def _save(self, path: Path) -> None:
         """The transcript as Markdown: a heading a message, its text, its tool calls as code."""
         parts = [f"# bob session {self.session_id}"] + [f"## {m.role}\n\n{m.content}" + "".join(
-            f"\n\n-> `{c.name}` `{json.dumps(bob.redact(c.arguments), ensure_ascii=False)}`"
-            for c in m.tool_calls) for m in self._state().messages]
+            f"\n\n`{call}`" for call in _calls(m)) for m in self._state().messages]
         if path.exists():
             raise bob.BobError(f"{path} exists already; /save to another file")
         with path.open("x", encoding="utf-8", errors="bob") as f:   # never over a file, as vim's :w
@@ -806,7 +808,7 @@ def _parser() -> argparse.ArgumentParser:
     add("--session", metavar="ID", help="the session to resume or start (kept across runs)")
     add("-c", "--continue", dest="resume", action="store_true", help="resume the last session")
     add("--sessions", action="store_true", help="list the stored sessions and exit")
-    add("--forget", metavar="ID", help="delete a stored session and exit")
+    add("--forget", metavar="ID", help="delete a stored session, list those left and exit")
     add("--model", help="provider:model (default: $BOB_MODEL, else [runtime] default_model)")
     add("--base-url", metavar="URL", help="an OpenAI-compatible endpoint ($OPENAI_BASE_URL)")
     add("--api-key-env", metavar="NAME", help="the environment variable holding the API key")
@@ -981,13 +983,10 @@ def _start(args: argparse.Namespace, opened: list[Shell]) -> int:
     cfg = load_config(found) if found else Config()
     if args.sessions or args.forget:   # need no key
         store = _store(cfg, args)[0]
-        if args.sessions:
-            return _list_sessions(store)
-        if not _forget(store, args.forget):
+        if args.forget and not _forget(store, args.forget):
             raise bob.ConfigError(f"--forget: no session {args.forget} in {store.directory}; "
                                   "--sessions lists them")
-        _note(f"forgot session {args.forget}")
-        return 0
+        return _list_sessions(store)   # --forget: the sessions left
     shell = _build_shell(cfg, args)
     opened.append(shell)
     if args.prompt is not None:
@@ -995,7 +994,7 @@ def _start(args: argparse.Namespace, opened: list[Shell]) -> int:
     if not sys.stdin.isatty():
         return _run_piped(shell, iter(lambda: _bounded(sys.stdin.readline, "a stdin line"), ""))
     servers = f"; {len(cfg.mcp_servers)} MCP server(s) starting" if cfg.mcp_servers else ""
-    return _run_repl(shell, f"bob: {typing.cast(Any, shell.runtime.llm).describe()}, session "
+    return _run_repl(shell, f"bob: {shell.runtime.llm.describe()}, session "
                      f"{shell.session_id}{servers}. /help lists commands, Ctrl-D quits.")
 
 

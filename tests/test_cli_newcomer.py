@@ -195,7 +195,7 @@ def test_a_failed_first_turn_keeps_no_session_and_forget_prunes(tmp_path, srv):
     assert bob(tmp_path, "--base-url", srv.url, "--model", "local:x", "-p", "x").returncode == 0
     one, two = sessions_in(tmp_path)
     forget = bob(tmp_path, "--forget", two)
-    assert forget.returncode == 0 and two in forget.stderr, forget.stderr
+    assert forget.returncode == 0 and one in forget.stdout and two not in forget.stdout
     assert sessions_in(tmp_path) == [one]
     assert list((tmp_path / "xd" / "bob" / "sessions").iterdir())[0].name == f"{one}.json"
     unknown = bob(tmp_path, "--forget", two)
