@@ -397,6 +397,15 @@ def _one_line(e):
     return " ".join(str(e).split()).translate(_CONTROLS) or type(e).__name__   # a server's text
 
 
+def _input(prompt):
+    """input(); with stdout not a terminal (`bob > file`), the prompt goes to stderr, as notes do
+    (input() would write it into the file, with the answers)."""
+    if sys.stdout.isatty():
+        return input(prompt)
+    print(prompt, end="", file=sys.stderr, flush=True)
+    return input()
+
+
 def _note(text):
     """A line for the human on stderr (stdout carries only answers)."""
     print(f"bob: {text}", file=sys.stderr, flush=True)
@@ -435,11 +444,11 @@ class _Approvals:
         termios.tcflush(sys.stdin, termios.TCIFLUSH)   # text typed ahead must not answer it
         previous = signal.signal(signal.SIGINT, signal.default_int_handler)
         try:
-            while (reply := input("[y]es / [n]o / [a]lways for this tool this session? ")
+            while (reply := _input("[y]es / [n]o / [a]lways for this tool this session? ")
                    .strip().lower()) not in ("y", "yes", "n", "no", "a", "always"):
                 pass
             if reply.startswith("n"):
-                reason = input("why not? (optional, told to the model) ").strip()
+                reason = _input("why not? (optional, told to the model) ").strip()
                 return bob.Approval(False, reason or "declined by the user")
             if reply.startswith("a"):
                 self.always.add((self.session, call.name))   # a session's own (/reset, /resume)
@@ -725,16 +734,16 @@ def _save_history(readline, path):
 
 def _read_message(prompt):
     """One message: a line ending in `\\` goes on; `\"\"\"` opens a block; a paste comes whole."""
-    lines = [input(prompt).strip()]
+    lines = [_input(prompt).strip()]
     if lines[0] == '"""':   # up to the next line that is just """, kept as typed
         block = []
         with contextlib.suppress(EOFError):   # Ctrl-D sends what was typed; the next one quits
-            block.extend(iter(lambda: input("... "), '"""'))
+            block.extend(iter(lambda: _input("... "), '"""'))
         return "\n".join(block)
     with contextlib.suppress(EOFError):   # Ctrl-D sends what was typed, as in a block
         while lines[-1].endswith("\\"):
             lines[-1] = lines[-1][:-1]
-            lines.append(input("... "))
+            lines.append(_input("... "))
     return "\n".join(lines)
 
 
@@ -770,7 +779,7 @@ def _run_repl(shell, banner):
                 asked = shell.turn(line).finish_reason is bob.FinishReason.ASK_USER
                 prompt = "your answer to bob's question> " if asked else "bob> "
         except (KeyboardInterrupt, EOFError) as e:   # Ctrl-C drops the line, Ctrl-D quits
-            print()
+            print(file=sys.stderr)
             if isinstance(e, EOFError):
                 return 0
         except (bob.BobError, OSError) as e:   # OSError: e.g. /save to a directory not there
@@ -900,7 +909,7 @@ def _llm_or_ask(cfg, args):
             if "no API key" not in str(e) or args.prompt is not None or not sys.stdin.isatty():
                 raise
             _note(str(e))
-            url, _, name = input("bob: or type a local server's URL and its model's name, e.g. "
+            url, _, name = _input("bob: or type a local server's URL and its model's name, e.g. "
                                  "http://127.0.0.1:8080/v1 qwen2.5 (Enter quits)> ").partition(" ")
             if not url.strip():
                 raise

@@ -4,6 +4,7 @@ run is a real subprocess (or a pty) against fake_openai, HOME and XDG_* in a tem
 from __future__ import annotations
 
 import os
+import pty
 import signal
 import stat
 import subprocess
@@ -290,3 +291,22 @@ def test_ctrl_d_after_a_trailing_backslash_sends_what_was_typed(tmp_path, srv):
     finally:
         term.close()
     assert "first line" in messages_of(srv.requests[0])
+
+
+def test_a_redirected_stdout_gets_answers_but_no_prompts(tmp_path, srv):
+    srv.push(final("the answer"))
+    write_config(tmp_path, srv)
+    master, slave = pty.openpty()
+    out = tmp_path / "out.txt"
+    with open(out, "w") as stdout:
+        proc = subprocess.Popen([sys.executable, str(CLI)], cwd=tmp_path, env=xdg_env(tmp_path),
+                                stdin=slave, stdout=stdout, stderr=slave, start_new_session=True)
+    os.close(slave)
+    try:
+        os.write(master, b"hi\n")
+        os.write(master, b"\x04")
+        assert proc.wait(10) == 0
+    finally:
+        proc.kill()
+        os.close(master)
+    assert out.read_text() == "the answer\n"
