@@ -488,10 +488,12 @@ def _flags_file(store, session_id):
 
 def _forget(store, session_id):
     """Delete the session's files; whether it was stored."""
-    stored = store.path_for(session_id).exists()
-    for path in (store.path_for(session_id), _flags_file(store, session_id)):
-        path.unlink(missing_ok=True)
-    return stored
+    _flags_file(store, session_id).unlink(missing_ok=True)
+    try:
+        store.path_for(session_id).unlink()
+    except FileNotFoundError:
+        return False
+    return True
 
 
 def _new_session_id():
@@ -514,8 +516,9 @@ class Shell:
     def turn(self, text: str) -> bob.AgentRunResult:
         """Run a turn, print its answer and notices; a failed save raises StoreError after.
         A new session whose first turn failed (a wrong model name, a refused key) is not kept."""
-        store = self.runtime.store   # a JsonFileSessionStore
-        new = not store.path_for(self.session_id).exists()
+        store = self.runtime.store   # the CLI's: a JsonFileSessionStore; the public Shell: any
+        new = isinstance(store, bob.JsonFileSessionStore) and not store.path_for(
+            self.session_id).exists()
         try:
             result = self._run(text)
         except bob.StoreError as e:   # the save failed: show the answer, then say so

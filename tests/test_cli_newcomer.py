@@ -194,11 +194,13 @@ def test_a_failed_first_turn_keeps_no_session_and_forget_prunes(tmp_path, srv):
     srv.push(final("kept"), final("kept too"))
     assert bob(tmp_path, "-p", "hi").returncode == 0
     assert bob(tmp_path, "--base-url", srv.url, "--model", "local:x", "-p", "x").returncode == 0
-    one, two = sessions_in(tmp_path)
+    sessions = tmp_path / "xd" / "bob" / "sessions"
+    (two,) = [p.stem for p in sessions.glob("*.flags")]   # the run with flags
+    (one,) = set(sessions_in(tmp_path)) - {two}
     forget = bob(tmp_path, "--forget", two)
     assert forget.returncode == 0 and one in forget.stdout and two not in forget.stdout
     assert sessions_in(tmp_path) == [one]
-    assert list((tmp_path / "xd" / "bob" / "sessions").iterdir())[0].name == f"{one}.json"
+    assert [p.name for p in sessions.iterdir()] == [f"{one}.json"]   # the flags went too
     unknown = bob(tmp_path, "--forget", two)
     assert unknown.returncode == 2 and "--sessions" in unknown.stderr, unknown.stderr
     assert "--forget" in bob(tmp_path, "--help").stdout
@@ -310,3 +312,11 @@ def test_a_redirected_stdout_gets_answers_but_no_prompts(tmp_path, srv):
         proc.kill()
         os.close(master)
     assert out.read_text() == "the answer\n"
+
+
+def test_a_shell_on_any_session_store_still_runs_turns(capsys):
+    import bob
+    import bob_cli
+    runtime = bob.AgentRuntime(bob.ScriptedLlm(['{"type": "final", "content": "in memory"}']))
+    assert bob_cli.Shell(runtime, "s1").turn("hi").content == "in memory"   # the public Shell
+    assert capsys.readouterr().out == "in memory\n"
