@@ -478,6 +478,11 @@ def _resumed(store, session_id):
     return state is not None
 
 
+def _owner_only(path):
+    """Create the file owner-only (0600) if it is not there; an existing one keeps its mode."""
+    os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600))
+
+
 _STICKY = ("model", "base_url", "api_key_env")   # the flags a session remembers
 
 
@@ -550,7 +555,9 @@ class Shell:
             raise self._unsaved()
         if self.flags:   # `bob -c` runs with them again
             with contextlib.suppress(OSError):
-                _flags_file(store, self.session_id).write_text(json.dumps(self.flags))
+                path = _flags_file(store, self.session_id)
+                _owner_only(path)   # as the session's file
+                path.write_text(json.dumps(self.flags))
         return result
 
     def _unsaved(self):
@@ -619,9 +626,10 @@ class Shell:
                 else:
                     print(f"no session {arg} in {store.directory}; /sessions lists them")
             case "/history", _:   # one line a message
-                if not self._state().messages:
+                messages = self._state().messages   # loaded once: a session may be 20 MB
+                if not messages:
                     print(f"session {self.session_id} is empty: no messages yet")
-                for m in self._state().messages:
+                for m in messages:
                     print(_cut(f"{m.role}: {_flat(m)}", shutil.get_terminal_size().columns))
             case "/model", True:
                 self.runtime.llm = self.llm_for(arg)
@@ -723,11 +731,6 @@ class _Above(logging.StreamHandler):  # type: ignore[type-arg]
         super().emit(record)
         self.stream.write(self.prompt + (readline.get_line_buffer() if readline else ""))
         self.flush()
-
-
-def _owner_only(path):
-    """Create the file owner-only (0600) if it is not there; an existing one keeps its mode."""
-    os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600))
 
 
 def _save_history(readline, path):

@@ -183,6 +183,8 @@ def test_a_session_remembers_its_model_and_endpoint_and_flags_given_again_win(tm
     assert other.returncode == 0, other.stderr
     assert srv.requests[2]["body"]["model"] == "second"
     assert len(sessions_in(tmp_path)) == 1
+    (flags,) = (tmp_path / "xd" / "bob" / "sessions").glob("*.flags")
+    assert stat.S_IMODE(flags.stat().st_mode) == 0o600   # owner-only, as the session
 
 
 def test_a_failed_first_turn_keeps_no_session_and_forget_prunes(tmp_path, srv):
