@@ -28,11 +28,10 @@ import sys
 import threading
 import time
 import tomllib
-import typing
 import uuid
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
-from typing import Any, Callable, Iterable, Literal, TextIO
+from typing import Any, Callable, Literal, TextIO
 
 import bob
 
@@ -42,7 +41,7 @@ __all__ = ["Config", "Shell", "load_config", "main"]
 # ---- 1. Configuration: agent.toml -> Config ----------------------------------------------------
 # Each table has a schema, key -> kind. Errors name file, table and key, never a value (secrets).
 
-_KINDS: dict[str, Callable[[Any], bool]] = {
+_KINDS = {   # a kind's name -> its check
     "a string": lambda v: isinstance(v, str),
     "a boolean": lambda v: isinstance(v, bool),
     "an integer": lambda v: isinstance(v, int) and not isinstance(v, bool),
@@ -54,7 +53,7 @@ _KINDS: dict[str, Callable[[Any], bool]] = {
                                                                 for x in v.values()),
 }
 _POLICY_KEYS = [f.name for f in fields(bob.TurnPolicy)]
-_SCHEMA: dict[str, dict[str, str]] = {
+_SCHEMA = {   # a table -> its keys -> their kinds
     "top level": dict.fromkeys(("runtime", "llm", "store", "policy", "mcp"), "a table"),
     "runtime": {"default_model": "a string", "action_mode": "a string",
                 "system_prompt": "a string", **dict.fromkeys(_POLICY_KEYS, "an integer")},
@@ -87,7 +86,7 @@ class Config:
     mcp_servers: tuple[Any, ...] = field(default=(), repr=False)  # bob_mcp.McpServerConfig
 
 
-def _checked(values: Any, label: str, where: str, kinds: dict[str, Any]) -> dict[str, Any]:
+def _checked(values, label, where, kinds):
     """The table, unknown keys refused (naming the nearest) and wrong kinds (None: unchecked)."""
     if not isinstance(values, dict):
         raise bob.ConfigError(f"{where}: {label} must be a table")
@@ -103,7 +102,7 @@ def _checked(values: Any, label: str, where: str, kinds: dict[str, Any]) -> dict
     return values
 
 
-def _expand(value: Any, where: str, environ: dict[str, str]) -> Any:
+def _expand(value, where, environ):
     """${VAR} and ${VAR:-default} replaced from `environ` in a string, list or table; a
     variable unset without a default is a ConfigError."""
     if isinstance(value, dict):
@@ -120,7 +119,7 @@ def _expand(value: Any, where: str, environ: dict[str, str]) -> Any:
     return _VAR.sub(lambda m: environ.get(m[1]) or m[2] or "", value)
 
 
-def _path(value: str, what: str, base: Path) -> Path:
+def _path(value, what, base):
     """`value` (~ expanded) relative to `base`; a NUL or an unknown ~user is a ConfigError."""
     if "\0" in value:
         raise bob.ConfigError(f"{what} holds a NUL character; fix the path")
@@ -130,7 +129,7 @@ def _path(value: str, what: str, base: Path) -> Path:
         raise bob.ConfigError(f"{what}: {e} ({value.split('/')[0]}); fix the path") from None
 
 
-def _mcp_server(raw: Any, n: int, where: str, base: Path, environ: dict[str, str]) -> Any:
+def _mcp_server(raw, n, where, base, environ):
     """One [[mcp.servers]] entry: ${VAR}s expanded, checked by McpServerConfig, paths absolute."""
     import bob_mcp   # cheap: the mcp SDK itself loads only when a server starts
     label = f"[[mcp.servers]] #{n}"
@@ -158,20 +157,20 @@ def _mcp_server(raw: Any, n: int, where: str, base: Path, environ: dict[str, str
     return replace(cfg, cwd=cwd, roots=[str(_path(r, f"{here} roots", base)) for r in cfg.roots])
 
 
-def _check_url(url: str, what: str) -> None:
+def _check_url(url, what):
     import bob_mcp   # the rule lives there (for MCP urls too); the mcp SDK is not loaded
     if problem := bob_mcp.url_problem(url):
         raise bob.ConfigError(f"{what} {problem}")
 
 
-def _bounded(read: Callable[[int], Any], what: str, mib: int = 16) -> Any:
+def _bounded(read, what, mib=16):
     """read(), up to `mib` MiB (16: no model reads more): `bob < /dev/zero` took all memory."""
     if len(data := read((mib << 20) + 1)) > mib << 20:
         raise bob.ConfigError(f"{what} holds over {mib} MiB; is it the right input?")
     return data
 
 
-def _read_toml(path: Path) -> dict[str, Any]:
+def _read_toml(path):
     """The parsed file; a missing file, bad TOML (line, column), over 1 MiB: a ConfigError."""
     try:
         with open(path, "rb") as f:
@@ -236,7 +235,7 @@ _TEMPLATE = """\
 """
 
 
-def _init() -> int:
+def _init():
     """--init: a commented agent.toml in the current directory, never over an existing one."""
     try:
         with open("agent.toml", "x", encoding="utf-8") as f:
@@ -275,12 +274,12 @@ _DEMO_REPLIES = (
 _CONTROLS = dict.fromkeys([*range(32), *range(127, 160)], "\ufffd")
 
 
-def _plain() -> bool:
+def _plain():
     """TERM=dumb or NO_COLOR: no status line, no dim text (no escape sequences at all)."""
     return os.environ.get("TERM", "dumb") == "dumb" or "NO_COLOR" in os.environ
 
 
-def _cut(text: str, room: int) -> str:   # text from the model or a server must not drive
+def _cut(text, room):   # text from the model or a server must not drive
     text = text.translate(_CONTROLS)   # the terminal: escape sequences are made harmless
     return text if len(text) <= room else text[:room - 3] + "..."
 
@@ -290,7 +289,7 @@ class _EventPrinter:
     """An EventSink printing each event as one line, `[step] kind  summary` (--demo, and -v)."""
     out: TextIO
 
-    def emit(self, event: bob.AgentEvent) -> None:
+    def emit(self, event):
         """State transitions as `from -> to`, other data as JSON, cut to the terminal's width."""
         d, room = event.data, max(40, shutil.get_terminal_size().columns - 29)
         text = (f"{d['from']} -> {d['to']}" if event.kind == "state"
@@ -304,7 +303,7 @@ _FINAL_HEAD = re.compile(r'\s*(```(json)?\s*)?\{\s*"type"\s*:\s*"final"\s*,\s*"c
 _WHOLE_CHARS = re.compile(r'(?:[^"\\]|\\["\\/bfnrt]|\\u[0-9a-fA-F]{4})*')  # no half escape
 
 
-def _final_so_far(raw: str) -> str:
+def _final_so_far(raw):
     """The content of a json-mode `final` action that is still streaming in, decoded so far.
     It only grows as `raw` does: a half escape or half a surrogate pair waits for the rest."""
     head = _FINAL_HEAD.match(raw)
@@ -320,20 +319,20 @@ class _TurnView:
     content; `shown`: what the last LLM call printed); on a terminal (`out`) a status line and
     tool calls above it; the notes said after a turn (a failed save, a reply cut short)."""
 
-    def __init__(self, out: TextIO | None, max_steps: int, calls: bool = True,
-                 stream: TextIO | None = None, json_mode: bool = True):
+    def __init__(self, out, max_steps, calls=True,
+                 stream=None, json_mode=True):
         self.out, self.max_steps, self.calls, self._lock = out, max_steps, calls, threading.Lock()
         self.stream, self.json_mode = stream, json_mode
         self.begin(draw=False)
 
-    def begin(self, draw: bool = True) -> None:
+    def begin(self, draw=True):
         """A turn starts (loading the session and, at first, waiting for MCP servers)."""
         self.t0, self.state, self.step, self.raw, self.shown = time.monotonic(), "start", 0, "", ""
         self.drawing = draw and self.out is not None
-        self.error: str | None = None   # why the session could not be saved
+        self.error = None   # why the session could not be saved (a str)
         self.cut = False                # a reply was cut by the token limit
 
-    def emit(self, event: bob.AgentEvent) -> None:
+    def emit(self, event):
         """Note what the event changes (the next tick() draws it); print streamed text."""
         kind, d = event.kind, event.data
         self.step = event.step
@@ -363,26 +362,26 @@ class _TurnView:
         elif kind == "llm_call_completed" and d.get("finish_reason") == "length":
             self.cut = True
 
-    def tick(self, stop: bool = False) -> None:
+    def tick(self, stop=False):
         """Redraw the status line, as the time moves on; stop: erase it until the next begin().
         A plain terminal (TERM=dumb, NO_COLOR) gets no status line, only the tool calls."""
         status = "" if stop or _plain() else (f"  {self.state}  step {self.step}/"
                                              f"{self.max_steps}  {time.monotonic() - self.t0:.1f}s")
         self._write(f"\r\x1b[K{status}", stop)
 
-    def _write(self, text: str, stop: bool = False) -> None:
+    def _write(self, text, stop=False):
         with self._lock:   # the worker's events and the main thread's ticks
             if self.drawing:   # "\x1b[K" erases the line, from where "\r" took the cursor
                 print(text.replace("\x1b[K", "") if _plain() else text, end="", file=self.out,
                       flush=True)
             self.drawing = self.drawing and not stop
 
-    def stats(self, r: bob.AgentRunResult) -> str:
+    def stats(self, r):
         """steps, tool calls, tokens in/out (? when the server said nothing), elapsed."""
         u = r.usage
         tokens = (f"{u.prompt_tokens} in / {u.completion_tokens} out" if u.total_tokens
                   else "? in / ? out")
-        return (f"{r.steps} LLM calls, {r.tool_calls} tool calls, {tokens} tokens, "
+        return (f"LLM calls {r.steps}, tool calls {r.tool_calls}, tokens {tokens}, "
                 f"{time.monotonic() - self.t0:.1f} s")
 
 
@@ -400,11 +399,20 @@ _HELP = """  /tools         the tools the model may call: name, server, descript
 A line ending in \\ goes on; lines between two \"\"\" lines are one message; so is a paste."""
 
 
-def _one_line(e: BaseException | str) -> str:
+def _one_line(e):
     return " ".join(str(e).split()).translate(_CONTROLS) or type(e).__name__   # a server's text
 
 
-def _note(text: str) -> None:
+def _input(prompt):
+    """input(); with stdout not a terminal (`bob > file`), the prompt goes to stderr, as notes do
+    (input() would write it into the file, with the answers)."""
+    if sys.stdout.isatty():
+        return input(prompt)
+    print(prompt, end="", file=sys.stderr, flush=True)
+    return input()
+
+
+def _note(text):
     """A line for the human on stderr (stdout carries only answers)."""
     print(f"bob: {text}", file=sys.stderr, flush=True)
 
@@ -413,12 +421,12 @@ class _Approvals:
     """The approver for [policy] ask_tools: in the REPL a person decides on the main thread
     (Shell._run hands the call over); -p and piped runs allow all with --yes, else decline."""
 
-    def __init__(self, interactive: bool, yes: bool):
+    def __init__(self, interactive, yes):
         self.interactive, self.yes, self.always, self.session = interactive, yes, set[Any](), ""
-        self.asks: queue.SimpleQueue[tuple[bob.ToolCall, Any]] = queue.SimpleQueue()
+        self.asks = queue.SimpleQueue()   # (call, a queue for its bob.Approval)
         self.cancel = bob.CancelToken()   # the running turn's
 
-    def __call__(self, call: bob.ToolCall) -> bob.Approval:
+    def __call__(self, call):
         """On the runtime's worker: decide now, or wait for the person's answer."""
         if self.yes or (self.session, call.name) in self.always:
             return bob.Approval(True)
@@ -426,14 +434,14 @@ class _Approvals:
             _note(f"warning: {call.name} not run: [policy] ask_tools needs a person's approval; "
                   "pass --yes to allow such calls")
             return bob.Approval(False, "declined: no one can approve tool calls in this run")
-        answer: queue.SimpleQueue[bob.Approval] = queue.SimpleQueue()
+        answer = queue.SimpleQueue()
         self.asks.put((call, answer))
         while not self.cancel.cancelled:
             with contextlib.suppress(queue.Empty):
                 return answer.get(timeout=0.1)
         raise bob.Cancelled("cancelled at the approval prompt")
 
-    def ask(self, call: bob.ToolCall) -> bob.Approval:
+    def ask(self, call):
         """On the main thread: show the call, read y / n (and a reason) / a; Ctrl-C cancels."""
         lines = json.dumps(call.arguments, indent=2, ensure_ascii=False).splitlines()
         shown = "\n    ".join([_cut(x, 96) for x in lines[:6]] + ["..."] * (len(lines) > 6))
@@ -442,11 +450,11 @@ class _Approvals:
         termios.tcflush(sys.stdin, termios.TCIFLUSH)   # text typed ahead must not answer it
         previous = signal.signal(signal.SIGINT, signal.default_int_handler)
         try:
-            while (reply := input("[y]es / [n]o / [a]lways for this tool this session? ")
+            while (reply := _input("[y]es / [n]o / [a]lways for this tool this session? ")
                    .strip().lower()) not in ("y", "yes", "n", "no", "a", "always"):
                 pass
             if reply.startswith("n"):
-                reason = input("why not? (optional, told to the model) ").strip()
+                reason = _input("why not? (optional, told to the model) ").strip()
                 return bob.Approval(False, reason or "declined by the user")
             if reply.startswith("a"):
                 self.always.add((self.session, call.name))   # a session's own (/reset, /resume)
@@ -458,21 +466,48 @@ class _Approvals:
             signal.signal(signal.SIGINT, previous)
 
 
-def _flat(m: bob.Message) -> str:
-    """A message's text and its tool calls (`-> name {arguments}`), on one line."""
-    calls = [f"-> {c.name} {json.dumps(bob.redact(c.arguments), ensure_ascii=False)}"
-             for c in m.tool_calls]
-    return " ".join(" ".join([m.content, *calls]).split())
+def _calls(m):
+    """A message's tool calls, each `-> name {arguments}`, secrets masked."""
+    return [f"-> {c.name} {json.dumps(bob.redact(c.arguments), ensure_ascii=False)}"
+            for c in m.tool_calls]
 
 
-def _resumed(store: bob.JsonFileSessionStore, session_id: str) -> bool:
+def _flat(m):
+    """A message's text and its tool calls, on one line."""
+    return " ".join(" ".join([m.content, *_calls(m)]).split())
+
+
+def _resumed(store, session_id):
     """Whether the session is stored; if so, say `resumed session ID (N messages)`."""
     if (state := store.load(session_id)) is not None:   # a bad id is a StoreError
         _note(f"resumed session {session_id} ({len(state.messages)} messages)")
     return state is not None
 
 
-def _new_session_id() -> str:
+def _owner_only(path):
+    """Create the file owner-only (0600) if it is not there; an existing one keeps its mode."""
+    os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600))
+
+
+_STICKY = ("model", "base_url", "api_key_env")   # the flags a session remembers
+
+
+def _flags_file(store, session_id):
+    """Where the session's _STICKY flags are kept (JSON), beside its file."""
+    return store.path_for(session_id).with_suffix(".flags")
+
+
+def _forget(store, session_id):
+    """Delete the session's files; whether it was stored."""
+    _flags_file(store, session_id).unlink(missing_ok=True)
+    try:
+        store.path_for(session_id).unlink()
+    except FileNotFoundError:
+        return False
+    return True
+
+
+def _new_session_id():
     return f"cli-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
 
 
@@ -487,9 +522,14 @@ class Shell:
     cancel: bob.CancelToken = field(default_factory=bob.CancelToken)
     approvals: _Approvals = field(default_factory=lambda: _Approvals(False, False))
     llm_for: Callable[[str], Any] | None = None   # a model name -> its adapter (/model)
+    flags: dict[str, str] = field(default_factory=dict)   # _STICKY's, kept beside the session
 
     def turn(self, text: str) -> bob.AgentRunResult:
-        """Run a turn, print its answer and notices; a failed save raises StoreError after."""
+        """Run a turn, print its answer and notices; a failed save raises StoreError after.
+        A new session whose first turn failed (a wrong model name, a refused key) is not kept."""
+        store = self.runtime.store   # the CLI's: a JsonFileSessionStore; the public Shell: any
+        new = isinstance(store, bob.JsonFileSessionStore) and not store.path_for(
+            self.session_id).exists()
         try:
             result = self._run(text)
         except bob.StoreError as e:   # the save failed: show the answer, then say so
@@ -497,6 +537,10 @@ class Shell:
             if e.result is None:
                 raise self._unsaved() from None
             result = e.result
+        except bob.BobError:
+            if new:
+                _forget(store, self.session_id)
+            raise
         shown, content = self.view.shown, result.content
         if result.finish_reason is bob.FinishReason.CANCELLED:   # one line says it all
             if shown:
@@ -515,23 +559,28 @@ class Shell:
             print(stats if _plain() else f"\x1b[2m{stats}\x1b[0m", file=sys.stderr, flush=True)
         if self.view.error is not None:
             raise self._unsaved()
+        if self.flags:   # `bob -c` runs with them again
+            with contextlib.suppress(OSError):
+                path = _flags_file(store, self.session_id)
+                _owner_only(path)   # as the session's file
+                path.write_text(json.dumps(self.flags))
         return result
 
-    def _unsaved(self) -> bob.StoreError:
+    def _unsaved(self):
         return bob.StoreError(f"could not save session {self.session_id}: {self.view.error}")
 
-    def _run(self, text: str) -> bob.AgentRunResult:
+    def _run(self, text):
         """runtime.run on a worker thread: SIGINT, which Python handles on the main thread, then
         only sets the cancel token, and the runtime returns within 100 ms of it."""
         cancel = self.cancel = self.approvals.cancel = bob.CancelToken()
         self.approvals.session = self.session_id
-        outcome: list[Any] = []
+        outcome = queue.SimpleQueue()   # the turn's result, or what it raised
 
-        def work() -> None:
+        def work():
             try:
-                outcome.append(self.runtime.run(bob.AgentRequest(text, self.session_id), cancel))
+                outcome.put(self.runtime.run(bob.AgentRequest(text, self.session_id), cancel))
             except BaseException as e:  # re-raised on the main thread below
-                outcome.append(e)
+                outcome.put(e)
         worker = threading.Thread(target=work, name="bob-turn", daemon=True)
         previous = signal.signal(signal.SIGINT, lambda signum, frame: cancel.cancel())
         try:
@@ -541,14 +590,18 @@ class Shell:
                 worker.join(0.1)
                 self._answer()
                 self.view.tick()
+        except SystemExit:   # SIGTERM or SIGHUP (see main): the turn is cancelled and saved first
+            cancel.cancel()
+            outcome.get()   # not worker.join(): a join an exception cut short breaks the thread
+            raise
         finally:
             signal.signal(signal.SIGINT, previous)
             self.view.tick(stop=True)
-        if isinstance(outcome[0], BaseException):
-            raise outcome[0]
-        return outcome[0]
+        if isinstance(result := outcome.get(), BaseException):
+            raise result
+        return result
 
-    def _answer(self) -> None:   # ask the person about a call waiting for approval, if one is
+    def _answer(self):   # ask the person about a call waiting for approval, if one is
         with contextlib.suppress(queue.Empty):
             call, answer = self.approvals.asks.get_nowait()
             if self.view.drawing:   # the prompt goes where the status line was (the worker waits)
@@ -558,7 +611,7 @@ class Shell:
     def command(self, line: str) -> bool:
         """Run a /command; returns False when the user wants to quit."""
         name, _, arg = line.strip().partition(" ")
-        store, arg = typing.cast(bob.JsonFileSessionStore, self.runtime.store), arg.strip()
+        store, arg = self.runtime.store, arg.strip()
         match name, bool(arg):
             case "/help", _:
                 print(_HELP)
@@ -579,10 +632,13 @@ class Shell:
                 else:
                     print(f"no session {arg} in {store.directory}; /sessions lists them")
             case "/history", _:   # one line a message
-                for m in self._state().messages:
+                messages = self._state().messages   # loaded once: a session may be 20 MB
+                if not messages:
+                    print(f"session {self.session_id} is empty: no messages yet")
+                for m in messages:
                     print(_cut(f"{m.role}: {_flat(m)}", shutil.get_terminal_size().columns))
             case "/model", True:
-                self.runtime.llm = typing.cast(Callable[[str], Any], self.llm_for)(arg)
+                self.runtime.llm = self.llm_for(arg)
                 print(f"model: {self.runtime.llm.describe()}")
             case "/save", True:
                 self._save(_path(arg, "/save", Path()))   # ~nosuchuser: a ConfigError
@@ -594,19 +650,20 @@ class Shell:
                 print(f"unknown command {line.strip()!r}; /help lists the commands")
         return True
 
-    def _state(self) -> bob.SessionState:
-        return self.runtime.store.load(self.session_id) or bob.SessionState([], bob.Usage(), 0)
+    def _state(self):
+        return self.runtime.store.load(self.session_id) or bob.SessionState()
 
-    def _save(self, path: Path) -> None:
+    def _save(self, path):
         """The transcript as Markdown: a heading a message, its text, its tool calls as code."""
         parts = [f"# bob session {self.session_id}"] + [f"## {m.role}\n\n{m.content}" + "".join(
-            f"\n\n-> `{c.name}` `{json.dumps(bob.redact(c.arguments), ensure_ascii=False)}`"
-            for c in m.tool_calls) for m in self._state().messages]
+            f"\n\n`{call}`" for call in _calls(m)) for m in self._state().messages]
+        if path.exists():
+            raise bob.BobError(f"{path} exists already; /save to another file")
         with path.open("x", encoding="utf-8", errors="bob") as f:   # never over a file, as vim's :w
-            f.write("\n\n".join(parts) + "\n")   # an OSError (FileExistsError): the REPL says why
+            f.write("\n\n".join(parts) + "\n")   # an OSError: the REPL says why
         print(f"saved {len(parts) - 1} messages to {path}")
 
-    def _print_tools(self) -> None:
+    def _print_tools(self):
         tools, sources = (self.mcp.list_tools(), self.mcp.tool_sources()) if self.mcp else ([], {})
         width, deny = max((len(t.name) for t in tools), default=0), self.runtime.deny_tools
         for t in tools:
@@ -626,12 +683,12 @@ class Shell:
 
 # ---- 5. Modes: piped, REPL, demo ----------------------------------------------------------------
 
-def _exit_code(result: bob.AgentRunResult) -> int:
+def _exit_code(result):
     return 3 if result.finish_reason in (bob.FinishReason.GUARD_EXCEEDED,
                                          bob.FinishReason.CANCELLED) else 0
 
 
-def _run_piped(shell: Shell, lines: Iterable[str]) -> int:
+def _run_piped(shell, lines):
     """Each non-empty line is a turn of one session (`/` lines too); a cancel stops reading."""
     code = 0
     for line in filter(str.strip, lines):
@@ -642,7 +699,7 @@ def _run_piped(shell: Shell, lines: Iterable[str]) -> int:
     return code
 
 
-def _prompt(prompt: str, stdin: TextIO) -> str:
+def _prompt(prompt, stdin):
     """-p's text: `-` is all of stdin; piped text follows the prompt after a blank line."""
     piped = "" if stdin.isatty() and prompt != "-" else _bounded(stdin.read, "stdin")
     if prompt == "-" and not piped.strip():
@@ -650,12 +707,12 @@ def _prompt(prompt: str, stdin: TextIO) -> str:
     return piped if prompt == "-" else f"{prompt}\n\n{piped}" if piped.strip() else prompt
 
 
-def _by_use(store: bob.JsonFileSessionStore) -> list[tuple[float, Path]]:
+def _by_use(store):
     """(mtime, file) of the sessions, least recently used first; a FIFO or dangling link is none."""
     return sorted((p.stat().st_mtime, p) for p in store.directory.glob("*.json") if p.is_file())
 
 
-def _list_sessions(store: bob.JsonFileSessionStore) -> int:
+def _list_sessions(store):
     """--sessions: id, last used, turns, the first user line; newest last."""
     for mtime, path in _by_use(store):
         with contextlib.suppress(bob.StoreError):
@@ -663,7 +720,7 @@ def _list_sessions(store: bob.JsonFileSessionStore) -> int:
             users = [m.content for m in (state.messages if state else []) if m.role == "user"]
             first = _cut(" ".join((users or [""])[0].split()), 60)
             used = time.strftime("%Y-%m-%d %H:%M", time.localtime(mtime))
-            print(f"{path.stem}  {used}  {len(users):>3} turns  {first}")
+            print(f"{path.stem}  {used}  turns {len(users):>3}  {first}")
     return 0
 
 
@@ -672,7 +729,7 @@ class _Above(logging.StreamHandler):  # type: ignore[type-arg]
     record goes on a new line, and the prompt and what was typed so far are drawn again."""
     prompt = ""   # the REPL's, while it waits for a line
 
-    def emit(self, record: logging.LogRecord) -> None:
+    def emit(self, record):
         if not self.prompt:
             return super().emit(record)
         readline = sys.modules.get("readline")
@@ -682,31 +739,27 @@ class _Above(logging.StreamHandler):  # type: ignore[type-arg]
         self.flush()
 
 
-def _owner_only(path: str) -> None:
-    """Create the file owner-only (0600) if it is not there; an existing one keeps its mode."""
-    os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600))
-
-
-def _save_history(readline: Any, path: str) -> None:
+def _save_history(readline, path):
     with contextlib.suppress(OSError):  # e.g. a read-only HOME: not worth a traceback at exit
         readline.write_history_file(path)
 
 
-def _read_message(prompt: str) -> str:
+def _read_message(prompt):
     """One message: a line ending in `\\` goes on; `\"\"\"` opens a block; a paste comes whole."""
-    lines = [input(prompt).strip()]
+    lines = [_input(prompt).strip()]
     if lines[0] == '"""':   # up to the next line that is just """, kept as typed
-        block: list[str] = []
+        block = []
         with contextlib.suppress(EOFError):   # Ctrl-D sends what was typed; the next one quits
-            block.extend(iter(lambda: input("... "), '"""'))
+            block.extend(iter(lambda: _input("... "), '"""'))
         return "\n".join(block)
-    while lines[-1].endswith("\\"):
-        lines[-1] = lines[-1][:-1]
-        lines.append(input("... "))
+    with contextlib.suppress(EOFError):   # Ctrl-D sends what was typed, as in a block
+        while lines[-1].endswith("\\"):
+            lines[-1] = lines[-1][:-1]
+            lines.append(_input("... "))
     return "\n".join(lines)
 
 
-def _run_repl(shell: Shell, banner: str) -> int:
+def _run_repl(shell, banner):
     """Read-eval-print until /exit or Ctrl-D; a failed turn is reported and the REPL goes on."""
     with contextlib.suppress(ImportError):  # without readline, plain input() still works
         import readline
@@ -728,6 +781,8 @@ def _run_repl(shell: Shell, banner: str) -> int:
                 line = _read_message(prompt)
             finally:
                 _Above.prompt = ""
+            if line in ("help", "exit", "quit"):   # a newcomer's words, not a message
+                line = f"/{line}"
             if line.startswith("/"):
                 if not shell.command(line):
                     return 0
@@ -736,7 +791,7 @@ def _run_repl(shell: Shell, banner: str) -> int:
                 asked = shell.turn(line).finish_reason is bob.FinishReason.ASK_USER
                 prompt = "your answer to bob's question> " if asked else "bob> "
         except (KeyboardInterrupt, EOFError) as e:   # Ctrl-C drops the line, Ctrl-D quits
-            print()
+            print(file=sys.stderr)
             if isinstance(e, EOFError):
                 return 0
         except (bob.BobError, OSError) as e:   # OSError: e.g. /save to a directory not there
@@ -746,7 +801,7 @@ def _run_repl(shell: Shell, banner: str) -> int:
                 return 1    # e.g. a required MCP server did not start: stop, as -p does
 
 
-def _run_demo(sinks: list[Any]) -> int:
+def _run_demo(sinks):
     """A scripted model (bob.ScriptedLlm) drives real tools through the real loop, shown live."""
     runtime = bob.AgentRuntime(bob.ScriptedLlm(_DEMO_REPLIES), bob.FunctionTools([word_count, add]),
                                events=[_EventPrinter(sys.stdout), *sinks])
@@ -774,6 +829,7 @@ def _parser() -> argparse.ArgumentParser:
     add("--session", metavar="ID", help="the session to resume or start (kept across runs)")
     add("-c", "--continue", dest="resume", action="store_true", help="resume the last session")
     add("--sessions", action="store_true", help="list the stored sessions and exit")
+    add("--forget", metavar="ID", help="delete a stored session, list those left and exit")
     add("--model", help="provider:model (default: $BOB_MODEL, else [runtime] default_model)")
     add("--base-url", metavar="URL", help="an OpenAI-compatible endpoint ($OPENAI_BASE_URL)")
     add("--api-key-env", metavar="NAME", help="the environment variable holding the API key")
@@ -793,18 +849,18 @@ def _parser() -> argparse.ArgumentParser:
 class _Voice(logging.Formatter):
     """Without -v, log warnings read like bob's own: `bob: warning: ...`, no traceback."""
 
-    def format(self, record: logging.LogRecord) -> str:
+    def format(self, record):
         return f"bob: {record.levelname.lower()}: {_one_line(record.getMessage())}"
 
 
-def _sinks(args: argparse.Namespace) -> list[Any]:
+def _sinks(args):
     """-v: each event as a line, and INFO logs (MCP servers' stderr); --trace: events as JSONL."""
     handler = _Above(sys.stderr)
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
                          if args.verbose else _Voice())
     logging.basicConfig(level=logging.WARNING, handlers=[handler])   # httpx's INFO: URLs, tokens
     logging.getLogger("bob").setLevel(logging.INFO if args.verbose else logging.WARNING)
-    sinks: list[Any] = [_EventPrinter(sys.stderr)] if args.verbose and not args.demo else []
+    sinks = [_EventPrinter(sys.stderr)] if args.verbose and not args.demo else []
     if args.trace:
         try:  # the sink opens it at the first event: find a bad path now, not once per event
             _owner_only(args.trace)
@@ -814,13 +870,13 @@ def _sinks(args: argparse.Namespace) -> list[Any]:
     return sinks
 
 
-def _xdg(name: str, default: str) -> Path:
+def _xdg(name, default):
     """$name if it is an absolute path (the XDG spec ignores relative ones), else ~/default."""
     value = os.getenv(name, "")
     return Path(value) if os.path.isabs(value) else Path.home() / default
 
 
-def _find_config(arg: str | None, verbose: bool) -> Path | None:
+def _find_config(arg, verbose):
     """--config PATH, else ./agent.toml, else $XDG_CONFIG_HOME/bob/agent.toml; None: defaults."""
     if arg is not None:
         return Path(arg)
@@ -856,7 +912,23 @@ def _llm(cfg: Config, args: argparse.Namespace) -> bob.OpenAICompatLlm:
         raise bob.ConfigError(f"{where}{e}{hint}") from None
 
 
-def _store(cfg: Config, args: argparse.Namespace) -> tuple[bob.JsonFileSessionStore, str]:
+def _llm_or_ask(cfg, args):
+    """_llm; with no API key, the REPL asks for a local server instead (-p and pipes: exit 2)."""
+    while True:
+        try:
+            return _llm(cfg, args)
+        except bob.ConfigError as e:
+            if "no API key" not in str(e) or args.prompt is not None or not sys.stdin.isatty():
+                raise
+            _note(str(e))
+            url, _, name = _input("bob: or type a local server's URL and its model's name, e.g. "
+                                 "http://127.0.0.1:8080/v1 qwen2.5 (Enter quits)> ").partition(" ")
+            if not url.strip():
+                raise
+            args.base_url, args.model = url.strip(), f"local:{name.strip() or 'default'}"
+
+
+def _store(cfg, args):
     """The session store ([store] path, else $XDG_DATA_HOME/bob/sessions) and the session id."""
     store = bob.JsonFileSessionStore(cfg.store_path or _xdg("XDG_DATA_HOME", ".local/share")
                                      / "bob" / "sessions")
@@ -872,14 +944,19 @@ def _store(cfg: Config, args: argparse.Namespace) -> tuple[bob.JsonFileSessionSt
         store.path_for("x" if session_id is None else session_id)   # "": refused
     except bob.StoreError as e:
         raise bob.ConfigError(f"--session: {e}") from None
-    if session_id:
-        _resumed(store, session_id)
+    if session_id and _resumed(store, session_id):
+        with contextlib.suppress(OSError, ValueError, AttributeError):   # none kept, or not ours
+            kept = json.loads(_flags_file(store, session_id).read_text())
+            for key in _STICKY:   # a flag given again wins
+                if getattr(args, key) is None and isinstance(kept.get(key), str):
+                    setattr(args, key, kept[key])
     return store, session_id or _new_session_id()
 
 
-def _build_shell(cfg: Config, args: argparse.Namespace) -> Shell:
+def _build_shell(cfg, args):
     """Wire what the config names: the LLM (its key checked now), store, sinks, MCP servers."""
-    llm, (store, session_id) = _llm(cfg, args), _store(cfg, args)
+    store, session_id = _store(cfg, args)   # first: a resumed session's flags fill args
+    llm = _llm_or_ask(cfg, args)
     policy = cfg.policy
     if args.max_steps is not None:
         try:
@@ -903,10 +980,11 @@ def _build_shell(cfg: Config, args: argparse.Namespace) -> Shell:
                                ask_tools=cfg.ask_tools, approver=approvals)
     return Shell(runtime, session_id, Path(cfg.path or "agent.toml").name, mcp, view,
                  approvals=approvals, llm_for=lambda model: _llm(cfg, argparse.Namespace(
-                     **{**vars(args), "model": model})))
+                     **{**vars(args), "model": model})),
+                 flags={key: getattr(args, key) for key in _STICKY if getattr(args, key)})
 
 
-def _fail(e: BaseException, code: int, verbose: bool) -> int:
+def _fail(e, code, verbose):
     """Report an error on stderr in one line (and its traceback with -v); return `code`."""
     if verbose:
         logging.getLogger("bob").error("the traceback:", exc_info=e)
@@ -924,8 +1002,12 @@ def _start(args: argparse.Namespace, opened: list[Shell]) -> int:
         return _init() if args.init else _run_demo(_sinks(args))
     found = _find_config(args.config, args.verbose)
     cfg = load_config(found) if found else Config()
-    if args.sessions:   # needs no key
-        return _list_sessions(_store(cfg, args)[0])
+    if args.sessions or args.forget:   # need no key
+        store = _store(cfg, args)[0]
+        if args.forget and not _forget(store, args.forget):
+            raise bob.ConfigError(f"--forget: no session {args.forget} in {store.directory}; "
+                                  "--sessions lists them")
+        return _list_sessions(store)   # --forget: the sessions left
     shell = _build_shell(cfg, args)
     opened.append(shell)
     if args.prompt is not None:
@@ -933,7 +1015,7 @@ def _start(args: argparse.Namespace, opened: list[Shell]) -> int:
     if not sys.stdin.isatty():
         return _run_piped(shell, iter(lambda: _bounded(sys.stdin.readline, "a stdin line"), ""))
     servers = f"; {len(cfg.mcp_servers)} MCP server(s) starting" if cfg.mcp_servers else ""
-    return _run_repl(shell, f"bob: {typing.cast(Any, shell.runtime.llm).describe()}, session "
+    return _run_repl(shell, f"bob: {shell.runtime.llm.describe()}, session "
                      f"{shell.session_id}{servers}. /help lists commands, Ctrl-D quits.")
 
 
@@ -996,7 +1078,7 @@ def main(argv: list[str] | None = None) -> int:
         return 141
     except Exception as e:  # BobError (LlmError, AgentError, StoreError...) or a bug
         return _fail(e, 1, args.verbose)
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, EOFError):   # EOFError: Ctrl-D at a question before the REPL
         return 130
     finally:   # stop MCP servers; bounded, so a second Ctrl-C may not cut it short
         held = {n: signal.signal(n, signal.SIG_IGN)

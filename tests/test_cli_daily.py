@@ -122,7 +122,7 @@ def test_sessions_persist_under_xdg_data_and_continue_resumes(tmp_path, srv):
     assert r.returncode == 0 and "resumed session s1 (4 messages)" in r.stderr
     assert "second" in messages_of(srv.requests[2])
     r = bob(tmp_path, "--sessions")
-    assert r.returncode == 0 and re.fullmatch(r"s1  \S+ \S+    3 turns  first words\n", r.stdout)
+    assert r.returncode == 0 and re.fullmatch(r"s1  \S+ \S+  turns   3  first words\n", r.stdout)
 
 
 def test_continue_without_sessions_starts_a_new_one(tmp_path, srv):
@@ -140,7 +140,7 @@ def test_a_dangling_link_or_a_fifo_among_the_sessions_is_left_out(tmp_path, srv)
     (sessions / "gone.json").symlink_to(tmp_path / "nowhere")   # --sessions crashed on it
     os.mkfifo(sessions / "pipe.json")
     r = bob(tmp_path, "--sessions")
-    assert r.returncode == 0 and re.fullmatch(r"s1  \S+ \S+    1 turns  first words\n", r.stdout)
+    assert r.returncode == 0 and re.fullmatch(r"s1  \S+ \S+  turns   1  first words\n", r.stdout)
     r = bob(tmp_path, "-c", "-p", "again")
     assert r.returncode == 0 and "resumed session s1 (2 messages)" in r.stderr, r.stderr
 
@@ -163,9 +163,9 @@ def test_the_repl_shows_a_stats_line_with_unknown_tokens_as_a_question_mark(tmp_
     try:
         term.expect(b"bob> ")
         term.send(b"hi\r")
-        assert b"1 LLM calls, 0 tool calls, 7 in / 3 out tokens" in term.expect(b"bob> ")
+        assert b"LLM calls 1, tool calls 0, tokens 7 in / 3 out" in term.expect(b"bob> ")
         term.send(b"again\r")
-        assert b"? in / ? out tokens" in term.expect(b"bob> ")
+        assert b"tokens ? in / ? out" in term.expect(b"bob> ")
     finally:
         term.close()
 
@@ -291,7 +291,7 @@ def test_session_commands_in_the_repl(tmp_path, srv):
     try:
         term.expect(b"bob> ")
         term.send(b"/sessions\r")
-        assert re.search(rb"s1  \S+ \S+ +1 turns  first words", term.expect(b"bob> "))
+        assert re.search(rb"s1  \S+ \S+ +turns +1  first words", term.expect(b"bob> "))
         term.send(b"/resume nope\r")
         assert b"no session nope" in term.expect(b"bob> ")
         term.send(b"/resume s1\r")

@@ -4,13 +4,17 @@ run is a real subprocess (or a pty) against fake_openai, HOME and XDG_* in a tem
 from __future__ import annotations
 
 import os
+import pty
+import signal
 import stat
 import subprocess
 import sys
 from pathlib import Path
 
-from conftest import CLI, KEY, Terminal, final, run_cli, write_config, xdg_env
-from fake_openai import completion
+import pytest
+
+from conftest import CLI, KEY, Terminal, final, messages_of, run_cli, write_config, xdg_env
+from fake_openai import FakeOpenAI, completion
 
 
 def bob(tmp_path: Path, *args: str, stdin: str | None = "", **env: str
@@ -90,7 +94,7 @@ def test_no_color_and_dumb_terminals_get_no_escape_sequences(tmp_path, srv):
         try:
             term.send(b"hi\r")
             shown = term.expect(b"bob> ", timeout=5)
-            assert b"plain" in shown and b"1 LLM calls," in shown, shown
+            assert b"plain" in shown and b"LLM calls 1," in shown, shown
             assert b"\x1b[K" not in shown and b"\x1b[2m" not in shown, (env, shown)
             if env["TERM"] == "dumb":
                 assert b"\x1b" not in shown, shown
@@ -159,3 +163,162 @@ def test_a_relative_xdg_data_home_is_ignored(tmp_path, srv):
 def test_help_names_the_key_variable_the_commands_and_the_sessions(tmp_path):
     out = bob(tmp_path, "--help").stdout
     assert "OPENAI_API_KEY" in out and "/help" in out and "bob/sessions" in out
+
+
+# ---- flags stick to a session; failed runs and pruning ----
+
+def sessions_in(tmp_path: Path) -> list[str]:
+    return sorted(p.stem for p in (tmp_path / "xd" / "bob" / "sessions").glob("*.json"))
+
+
+def test_a_session_remembers_its_model_and_endpoint_and_flags_given_again_win(tmp_path, srv):
+    srv.push(final("one"), final("two"), final("three"))
+    first = bob(tmp_path, "--base-url", srv.url, "--model", "local:first", "-p", "hi")
+    assert first.returncode == 0, first.stderr
+    again = bob(tmp_path, "-c", "-p", "and again")   # no flags, no config, no key
+    assert again.returncode == 0 and again.stdout == "two\n", again.stderr
+    assert srv.requests[1]["body"]["model"] == "first"
+    assert "hi" in messages_of(srv.requests[1])
+    other = bob(tmp_path, "-c", "--model", "local:second", "-p", "more")
+    assert other.returncode == 0, other.stderr
+    assert srv.requests[2]["body"]["model"] == "second"
+    assert len(sessions_in(tmp_path)) == 1
+    (flags,) = (tmp_path / "xd" / "bob" / "sessions").glob("*.flags")
+    assert stat.S_IMODE(flags.stat().st_mode) == 0o600   # owner-only, as the session
+
+
+def test_a_failed_first_turn_keeps_no_session_and_forget_prunes(tmp_path, srv):
+    write_config(tmp_path, srv)
+    srv.push({"status": 400, "body": {"error": {"message": "bad model"}}})
+    failed = bob(tmp_path, "-p", "hi")
+    assert failed.returncode == 1 and "bad model" in failed.stderr, failed.stderr
+    assert sessions_in(tmp_path) == []
+    srv.push(final("kept"), final("kept too"))
+    assert bob(tmp_path, "-p", "hi").returncode == 0
+    assert bob(tmp_path, "--base-url", srv.url, "--model", "local:x", "-p", "x").returncode == 0
+    sessions = tmp_path / "xd" / "bob" / "sessions"
+    (two,) = [p.stem for p in sessions.glob("*.flags")]   # the run with flags
+    (one,) = set(sessions_in(tmp_path)) - {two}
+    forget = bob(tmp_path, "--forget", two)
+    assert forget.returncode == 0 and one in forget.stdout and two not in forget.stdout
+    assert sessions_in(tmp_path) == [one]
+    assert [p.name for p in sessions.iterdir()] == [f"{one}.json"]   # the flags went too
+    unknown = bob(tmp_path, "--forget", two)
+    assert unknown.returncode == 2 and "--sessions" in unknown.stderr, unknown.stderr
+    assert "--forget" in bob(tmp_path, "--help").stdout
+
+
+def test_without_a_key_the_repl_offers_a_local_server_and_the_demo(tmp_path, srv):
+    srv.push(final("local answer"))
+    term = Terminal(tmp_path, env=xdg_env(tmp_path))
+    try:
+        said = term.expect(b"(Enter quits)> ")
+        assert b"--demo" in said and b"local:NAME" in said and b"URL" in said, said
+        term.send(srv.url.encode() + b" qwen\r")
+        term.expect(b"bob> ")
+        term.send(b"hi\r")
+        assert b"local answer" in term.expect(b"bob> ", timeout=5)
+    finally:
+        term.close()
+    assert srv.requests[0]["body"]["model"] == "qwen"
+
+
+def test_without_a_key_dash_p_is_still_exit_2_saying_what_to_do(tmp_path):
+    r = bob(tmp_path, "-p", "hi")
+    assert r.returncode == 2 and "OPENAI_API_KEY" in r.stderr and "--demo" in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP])
+def test_sigterm_or_sighup_mid_turn_keeps_the_users_message(tmp_path, srv, signum):
+    write_config(tmp_path, srv)
+    srv.push(FakeOpenAI.HANG)
+    proc = subprocess.Popen([sys.executable, str(CLI), "-p", "remember this line"], cwd=tmp_path,
+                            env=xdg_env(tmp_path), stdin=subprocess.DEVNULL,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert srv.wait_for_requests(1, timeout=10)
+        proc.send_signal(signum)
+        assert proc.wait(10) == 128 + signum
+    finally:
+        proc.kill()
+        proc.communicate()
+    (session,) = sessions_in(tmp_path)
+    stored = (tmp_path / "xd" / "bob" / "sessions" / f"{session}.json").read_text()
+    assert "remember this line" in stored
+
+
+# ---- small things, continued ----
+
+def test_help_exit_quit_without_a_slash_are_commands_not_messages(tmp_path, srv):
+    write_config(tmp_path, srv)
+    term = repl(tmp_path)
+    try:
+        term.send(b"help\r")
+        assert b"/tools" in term.expect(b"bob> ")
+        term.send(b"quit\r")
+        assert term.proc.wait(5) == 0
+    finally:
+        term.close()
+    assert not srv.requests
+
+
+def test_counts_save_twice_and_an_empty_history_read_well(tmp_path, srv):
+    srv.push(final("an answer"))
+    write_config(tmp_path, srv)
+    term = repl(tmp_path)
+    try:
+        term.send(b"/history\r")
+        assert b"empty" in term.expect(b"bob> ")
+        term.send(b"hi\r")
+        said = term.expect(b"bob> ", timeout=5)
+        assert b"LLM calls 1, tool calls 0" in said, said
+        term.send(b"/save notes.md\r")
+        assert b"saved 2 messages" in term.expect(b"bob> ")
+        term.send(b"/save notes.md\r")
+        said = term.expect(b"bob> ")
+        assert b"exists" in said and b"Errno" not in said, said
+    finally:
+        term.close()
+    listed = bob(tmp_path, "--sessions").stdout
+    assert "turns   1 " in listed, listed
+
+
+def test_ctrl_d_after_a_trailing_backslash_sends_what_was_typed(tmp_path, srv):
+    srv.push(final("got it"))
+    write_config(tmp_path, srv)
+    term = repl(tmp_path)
+    try:
+        term.send(b"first line \\\r")
+        term.expect(b"... ")
+        term.send(b"\x04")   # Ctrl-D on the empty continuation line
+        assert b"got it" in term.expect(b"bob> ", timeout=5)
+    finally:
+        term.close()
+    assert "first line" in messages_of(srv.requests[0])
+
+
+def test_a_redirected_stdout_gets_answers_but_no_prompts(tmp_path, srv):
+    srv.push(final("the answer"))
+    write_config(tmp_path, srv)
+    master, slave = pty.openpty()
+    out = tmp_path / "out.txt"
+    with open(out, "w") as stdout:
+        proc = subprocess.Popen([sys.executable, str(CLI)], cwd=tmp_path, env=xdg_env(tmp_path),
+                                stdin=slave, stdout=stdout, stderr=slave, start_new_session=True)
+    os.close(slave)
+    try:
+        os.write(master, b"hi\n")
+        os.write(master, b"\x04")
+        assert proc.wait(10) == 0
+    finally:
+        proc.kill()
+        os.close(master)
+    assert out.read_text() == "the answer\n"
+
+
+def test_a_shell_on_any_session_store_still_runs_turns(capsys):
+    import bob
+    import bob_cli
+    runtime = bob.AgentRuntime(bob.ScriptedLlm(['{"type": "final", "content": "in memory"}']))
+    assert bob_cli.Shell(runtime, "s1").turn("hi").content == "in memory"   # the public Shell
+    assert capsys.readouterr().out == "in memory\n"
