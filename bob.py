@@ -533,7 +533,7 @@ def _json_problem(value: Any) -> str | None:
     stack = [(value, 0)]   # not recursive: the value may be as deep as json parses
     while stack:
         v, depth = stack.pop()
-        if isinstance(v, (dict, list)):
+        if isinstance(v, (dict, list, tuple)):
             if depth >= _MAX_DEPTH:
                 return f"nests deeper than {_MAX_DEPTH} levels"
             if isinstance(v, dict) and not all(isinstance(k, str) for k in v):
@@ -543,6 +543,8 @@ def _json_problem(value: Any) -> str | None:
             return "holds an integer over 4,000 digits long"
         elif isinstance(v, float) and v - v:   # inf - inf and nan - nan are nan: no JSON has them
             return "holds NaN or Infinity, which JSON does not allow"
+        elif not isinstance(v, (str, int, float, type(None))):  # a custom port's bytes, objects
+            return f"holds a {type(v).__name__}, which JSON does not have"
     return None
 
 
@@ -1120,7 +1122,7 @@ class JsonFileSessionStore:
                 _check_newer(session_id, self._stored_version(session_id), state)
                 with contextlib.suppress(FileNotFoundError):  # whatever is there (a planted
                     os.unlink(tmp)     # link, a FIFO), and O_EXCL: never written through
-                with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666), "w",
+                with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w",
                           encoding="ascii") as f:
                     f.write(data)
                     f.flush()
@@ -1199,7 +1201,7 @@ class JsonlEventSink:
         with self._lock:
             if self._file is None:   # opened on the first event, never blocking (a FIFO nobody
                 flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | getattr(os, "O_NONBLOCK", 0)
-                self._file = open(os.open(self.path, flags, 0o666), "a", encoding="utf-8")  # reads)
+                self._file = open(os.open(self.path, flags, 0o600), "a", encoding="utf-8")  # reads)
             self._file.write(line + "\n")
             self._file.flush()
 
@@ -1294,7 +1296,10 @@ def request_digest(req: LlmRequest, cache: dict[int, tuple[Message, str]] | None
 
 
 def _fit(call: ToolCall) -> ToolCall:
-    """The call, or if its arguments are unfit to keep, the call with none and an `error`."""
+    """The call, or if its arguments are unfit to keep, the call with none and an `error`.
+    What the server attached (`extra`), if unfit to keep, is dropped: saved, it would not load."""
+    if call.extra is not None and (not isinstance(call.extra, dict) or _json_problem(call.extra)):
+        call = dataclasses.replace(call, extra=None)
     problem = _json_problem(call.arguments)
     if problem is None:
         return call
@@ -2046,6 +2051,7 @@ PROVIDERS: dict[str, tuple[str, str | None]] = {  # (default base_url, API key v
 RETRYABLE_STATUSES = frozenset({408, 409, 429, 500, 502, 503, 504})
 TOOL_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")   # the tool names every provider takes (fullmatch)
 _OPTIONAL_FIELDS = ("response_format", "stream_options")  # dropped if a server rejects them
+_HEADER_NAME = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")   # an HTTP token (RFC 9110)
 _CALL_EXTRAS = ("extra_content",)  # what a server attaches to a tool call and wants back
 _NO_ANSWER = "(no answer: the turn ended here)"  # Mistral takes no user message after a tool
 
@@ -2391,17 +2397,30 @@ class OpenAICompatLlm:
         """The request's headers (the user's win over bob's) and extra body fields, checked."""
         headers = headers or {}
         self.extra_body = extra_body or {}
+        # what requests can send as it is: a name that is an HTTP token, a value of one line of
+        # ASCII without spaces around it (else every call failed as an internal error), and no
+        # header that frames the body (bob sets those)
         if not isinstance(headers, dict) or not all(
-                isinstance(v, str) and v.isprintable() for v in headers.values()):
-            raise ConfigError("headers must map header names to strings without line breaks, "
-                              "e.g. {'api-key': '...'}")
+                isinstance(k, str) and _HEADER_NAME.fullmatch(k) and isinstance(v, str)
+                and v.isascii() and v.isprintable() and v == v.strip()
+                and k.lower() not in ("content-length", "transfer-encoding")
+                for k, v in headers.items()):
+            raise ConfigError("headers must map header names (letters, digits, - and _; not "
+                              "Content-Length) to values of one line of ASCII, e.g. "
+                              "{'api-key': '...'}")
         try:
             json.dumps(_want(self.extra_body, dict, "extra_body"), allow_nan=False)
-        except (TypeError, ValueError) as e:
+        except (TypeError, ValueError, RecursionError) as e:
             raise ConfigError(f"extra_body must be a JSON object of body fields ({e})") from None
         self._headers = {"Content-Type": "application/json", **(
             {"Authorization": f"Bearer {self._api_key}"} if self._api_key else {}), **headers}
         self._secret_headers = [k for k in headers if secret_name(k)]  # masked, named on a 401
+        # Never shown in an error: the key, secret-named headers' and extra_body fields' values,
+        # and their long words (a 401 echoes the token of "Bearer <token>" alone)
+        values = [self._api_key or "", *(headers[k] for k in self._secret_headers), *(
+            v for k, v in self.extra_body.items() if secret_name(k) and isinstance(v, str))]
+        words = {w for v in values for w in v.split() if len(w) >= 8}
+        self._secrets = sorted(words.union(values) - {""}, key=len, reverse=True)
 
     def __repr__(self) -> str:
         return (f"OpenAICompatLlm({self.provider + ':' + self.model!r}, "
@@ -2519,7 +2538,8 @@ class OpenAICompatLlm:
         elif status == 404:
             hint = f" (check base_url and the model name {self.model!r})"
         error = self._error(status, f"answered HTTP {status}{hint}", text)
-        refused = [f for f in _OPTIONAL_FIELDS if f in body and f in text]
+        refused = [f for f in _OPTIONAL_FIELDS  # a field the user put in extra_body stays
+                   if f in body and f in text and f not in self.extra_body]
         if refused and status in (400, 422, 500):  # 422: Mistral; 500: llama-cpp-python
             field_ = refused[0]
             if field_ == "response_format":
@@ -2535,8 +2555,7 @@ class OpenAICompatLlm:
         """LlmError "<endpoint> <what>: '<what the server sent>'", with the API key masked."""
         text = text.decode("utf-8", "replace") if isinstance(text, bytes) else text
         text = " ".join(w.group() for w in itertools.islice(re.finditer(r"\S+", text), 300))
-        secrets = [self._headers[k] for k in self._secret_headers] + [self._api_key or ""]
-        for key in filter(None, secrets):
+        for key in self._secrets:   # the longest first: no half-masked forms
             for shown in key, key.replace("/", "\\/"):  # as sent; as JSON escaping "/" echoes it
                 text = text.replace(shown, "***")
         excerpt = text[:300]

@@ -486,7 +486,7 @@ def _resumed(store, session_id):
 
 def _owner_only(path):
     """Create the file owner-only (0600) if it is not there; an existing one keeps its mode."""
-    os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600))
+    os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NONBLOCK, 0o600))
 
 
 _STICKY = ("model", "base_url", "api_key_env")   # the flags a session remembers
