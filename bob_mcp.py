@@ -175,9 +175,9 @@ def _result_text(result: Any) -> str:
 
 
 def _masked(data: Any, scrub: Any) -> Any:
-    """JSON-like data (a tool's schema) with scrub() applied to every string value in it."""
+    """JSON-like data (a tool's schema) with scrub() applied to every string in it, keys too."""
     if isinstance(data, dict):
-        return {k: _masked(v, scrub) for k, v in data.items()}
+        return {scrub(k): _masked(v, scrub) for k, v in data.items()}   # names quote it too
     if isinstance(data, list):
         return [_masked(v, scrub) for v in data]
     return scrub(data) if isinstance(data, str) else data
@@ -519,7 +519,7 @@ class McpToolPort:
         tools = []
         for server in self._servers:
             for tool in server.tools:
-                name = exposed_name(server.cfg.id, tool.name)
+                name = exposed_name(server.cfg.id, server._scrub(tool.name))  # as shown
                 if name in names:
                     other, other_tool = names[name]
                     fix = "the server lists both" if other is server else "rename a server id"
