@@ -613,12 +613,20 @@ def _parse_problem(text: str) -> ActionParseError | None:
     return None
 
 
+def _portable(schema: dict[str, Any]) -> dict[str, Any]:
+    """A tool's schema as a part of another: one with a "$ref" (pydantic's "#/$defs/X") would
+    point at nothing there, so such a tool's arguments are only asked to be an object (the
+    tool still checks them)."""
+    return {"type": "object"} if '"$ref"' in json.dumps(schema) else schema
+
+
 def action_schema(tools: Sequence[ToolDescriptor]) -> dict[str, Any]:
     """The JSON Schema of one action, for servers that constrain decoding to it: final,
     ask_user, and a tool_call per tool, its name as an enum and its input schema."""
     text = {"type": "string"}
     forms = [("final", {"content": text}), ("ask_user", {"question": text})] + [
-        ("tool_call", {"name": {"enum": [t.name]}, "arguments": t.input_schema}) for t in tools]
+        ("tool_call", {"name": {"enum": [t.name]}, "arguments": _portable(t.input_schema)})
+        for t in tools]
     return {"anyOf": [{"type": "object", "properties": {"type": {"const": kind}, **fields},
                        "required": ["type", *fields], "additionalProperties": False}
                       for kind, fields in forms]}
@@ -2150,6 +2158,7 @@ class _Stream:
         self.reasoning: list[str] = []
         self.calls: list[list[Any]] = []  # [id, name, arguments, extra], in order
         self.at: dict[int, list[Any]] = {}  # index -> the call being streamed there
+        self.ids: dict[str, list[Any]] = {}  # id -> its call: a piece may come back to it later
         self.usage = Usage()
         self.finish_reason: str | None = None
         self.done = False  # [DONE] was seen
@@ -2173,13 +2182,16 @@ class _Stream:
             for i, tc in enumerate(_want(delta.get("tool_calls") or [], list, "tool_calls")):
                 fn = _function(tc)
                 index = tc.get("index", i)
-                call_id = tc.get("id")
+                call_id = tc.get("id") if isinstance(tc.get("id"), str) else None
                 if type(index) is not int:
                     raise ValueError(f"a tool call's index is {index!r}, not an integer")
-                slot = self.at.get(index)
+                slot = self.ids.get(call_id) or self.at.get(index)
                 if slot is None or (call_id and slot[0] and call_id != slot[0]):
-                    slot = self.at[index] = ["", "", "", {}]  # Gemini and Ollama stream
-                    self.calls.append(slot)                  # parallel calls at one index
+                    slot = ["", "", "", {}]  # Gemini and Ollama stream parallel calls at one
+                    self.calls.append(slot)  # index, each with its own id
+                self.at[index] = slot
+                if call_id:
+                    self.ids[call_id] = slot
                 slot[0] = call_id or slot[0]           # ids may repeat: keep one
                 slot[3].update(_call_extra(tc))
                 if fn.get("name") and fn["name"] != slot[1]:  # names may repeat: keep one

@@ -495,7 +495,7 @@ def test_the_json_schema_sent_resolves_a_tool_schemas_local_refs():
     # "#/$defs/Point" now points at the action schema's root, where there is no $defs: the
     # schema bob sends cannot be resolved (a constraining server refuses it or cannot apply it),
     # and a valid call of the tool does not validate against it.
-    import jsonschema
+    jsonschema = pytest.importorskip("jsonschema")   # a dependency of mcp
     with FakeOpenAI([final("ok")]) as srv:
         AgentRuntime(make_llm(srv), _PydanticStyleTools(), action_mode="json").run(
             AgentRequest("place"))
