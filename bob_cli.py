@@ -67,7 +67,8 @@ _SCHEMA = {   # a table -> its keys -> their kinds
     "mcp": {"servers": "an array of tables"},
 }
 _RANGES = {"retry_max": (0, 10), "max_tokens": (1, 10**7), "temperature": (0, 2)}  # [llm]
-_VAR = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")   # ${VAR}, ${VAR:-default}
+_VAR = re.compile(r"\$\{([^}]*)\}")   # any ${...}; of them bob expands the forms below
+_FORM = re.compile(r"([A-Za-z_][A-Za-z0-9_]*)(:-[^${]*)?")   # ${VAR}, ${VAR:-default}
 _NAMES = {"env": r"[^=\0]+", "headers": r"[-!#$%&'*+.^_`|~0-9A-Za-z]+"}   # env, header names
 
 
@@ -111,12 +112,16 @@ def _expand(value, where, environ):
         return tuple(_expand(v, where, environ) for v in value)
     if not isinstance(value, str):   # a wrong kind: McpServerConfig names it
         return value
-    for name, default in _VAR.findall(value):
-        if name not in environ and not default:
-            raise bob.ConfigError(f"{where}: environment variable {name} is not set; "
-                                  "export it, give a default (${VAR:-default}) or change the value")
-    # ${VAR:-default} as in sh: the default when the variable is unset or empty
-    return _VAR.sub(lambda m: environ.get(m[1]) or m[2] or "", value)
+
+    def one(m):
+        # ${VAR:-default} as in sh: the default when the variable is unset or empty; any other
+        # form (${VAR-x}, ${VAR:=x}, a nested one) is refused, never sent as it is written
+        form = _FORM.fullmatch(m[1])
+        if form is None or form[1] not in environ and form[2] is None:
+            raise bob.ConfigError(f"{where}: {m[0]} is not set, or not a form bob expands: "
+                                  "export the variable, or write ${VAR} or ${VAR:-default}")
+        return environ.get(form[1]) or (form[2] or "")[2:]
+    return _VAR.sub(one, value)
 
 
 def _path(value, what, base):
@@ -815,7 +820,7 @@ def _run_demo(sinks):
 
 # ---- 6. main ------------------------------------------------------------------------------------
 
-def _parser() -> argparse.ArgumentParser:
+def _parser():
     p = argparse.ArgumentParser(prog="bob", description="The bob agent: a REPL, one turn with "
                                 "-p, or a turn per piped line.", epilog="the API key: in "
                                 "$OPENAI_API_KEY (or the provider's variable, or --api-key-env); "
@@ -887,7 +892,7 @@ def _find_config(arg, verbose):
     return found[0] if found else None
 
 
-def _llm(cfg: Config, args: argparse.Namespace) -> bob.OpenAICompatLlm:
+def _llm(cfg, args):
     """The adapter: flags first, then the environment people already use, then [llm]."""
     options, env = {k: v for k, v in cfg.llm.items() if k != "stream_default"}, os.environ
     model = args.model or env.get("BOB_MODEL") or cfg.default_model
@@ -993,7 +998,7 @@ def _fail(e, code, verbose):
     return code
 
 
-def _start(args: argparse.Namespace, opened: list[Shell]) -> int:
+def _start(args, opened):
     """Pick the mode: --init, --demo, --sessions, -p, piped stdin or the REPL."""
     if sys.stdout is None:   # `>&-`: print() would drop every answer without a word
         raise bob.BobError("stdout is closed, so answers would be lost; redirect it to a file "
@@ -1019,7 +1024,7 @@ def _start(args: argparse.Namespace, opened: list[Shell]) -> int:
                      f"{shell.session_id}{servers}. /help lists commands, Ctrl-D quits.")
 
 
-def _run_replay(argv: list[str]) -> int:
+def _run_replay(argv):
     """`bob replay TRACE`: one line per turn, the first divergence in full; exit 0 same,
     1 a divergence, 2 an unreadable or incomplete trace (or a bad config)."""
     p = argparse.ArgumentParser(prog="bob replay", description="Replay a --trace file offline: "
@@ -1030,7 +1035,7 @@ def _run_replay(argv: list[str]) -> int:
     p.add_argument("--config", metavar="PATH", default="agent.toml",
                    help="the agent.toml whose tools --live-tools runs (default: ./agent.toml)")
     args = p.parse_args(argv)
-    mcp: Any = None
+    mcp = None
     try:
         tools, deny = None, ()
         if args.live_tools:
