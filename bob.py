@@ -2819,9 +2819,9 @@ _COMPARED = {"turn_started": (), "state": ("from", "to"), "llm_call_started": ("
              "turn_completed": ("finish_reason", "guard_reason", "content")}
 
 
-def _compared(e: dict[str, Any]) -> bool:
-    """Compared events: a failing store.save is about the machine, not the run."""
-    return e["kind"] in _COMPARED and e["data"].get("where") != "store.save"
+def _shown(kind: str, step: int, data: dict[str, Any]) -> _Event:
+    """An event as replay compares it and a report shows it: kind, step, compared fields."""
+    return {"kind": kind, "step": step, **{f: data.get(f) for f in _COMPARED[kind]}}
 
 
 def _turns(events: list[_Event]) -> list[list[_Event]]:
@@ -2848,52 +2848,52 @@ def _turns(events: list[_Event]) -> list[list[_Event]]:
 def _cancel_point(events: list[_Event]) -> int | None:
     """The index (among compared events) of the event a recorded cancel came right after; None
     when the turn was not cancelled or a tool was interrupted (ReplayTools cancels then)."""
-    texts = " ".join(e["data"]["content"] for e in events if e["kind"] == "tool_call_completed")
-    if events[-1]["data"]["finish_reason"] != "cancelled" or "before this call ended" in texts:
+    texts = " ".join(e["content"] for e in events if e["kind"] == "tool_call_completed")
+    if events[-1]["finish_reason"] != "cancelled" or "before this call ended" in texts:
         return None
     states = [i for i, e in enumerate(events) if e["kind"] == "state"]
     if "before this call started" in texts:   # while the model answered: before the batch
-        return max(i for i in states if events[i]["data"]["to"] == State.CALL_TOOL.value)
+        return max(i for i in states if events[i]["to"] == State.CALL_TOOL.value)
     return states[-1] - 1   # the cancel was seen at the last transition, to done
 
 
 # -- replaying a turn --
 
 class _Recorder:
-    """The replay's event sink: keeps compared events as a trace has them; cancels at
-    `cancel_at`."""
+    """The replay's event sink: the recorded events (compared and shown) and the new ones; it
+    fires `cancel` where the recorded cancel came."""
 
-    def __init__(self, cancel: CancelToken, cancel_at: int | None):
+    def __init__(self, cancel: CancelToken, recorded: list[_Event]):
+        self.recorded = recorded
         self.events: list[_Event] = []
+        self.tools: list[_Event] = []   # those the new run offered, as a trace has them
         self.cancel = cancel
-        self.cancel_at = cancel_at
+        self.cancel_at = _cancel_point(recorded)
 
     def emit(self, event: AgentEvent) -> None:
-        e = {"kind": event.kind, "step": event.step, "data": event.data}
-        if _compared(e):
-            e["data"] = json.loads(_data_json(event.data))   # as JSON would have it
-            self.events.append(e)
+        if event.kind == "turn_started":
+            self.tools = json.loads(_data_json(event.data["tools"]))
+        if event.kind in _COMPARED:
+            self.events.append(_shown(event.kind, event.step, event.data))
             if len(self.events) - 1 == self.cancel_at:
                 self.cancel.cancel()
-
-
-def _shown(e: _Event) -> _Event:
-    """An event as a report shows it: its kind and compared fields."""
-    return {"kind": e["kind"], **{f: e["data"].get(f) for f in _COMPARED[e["kind"]]}}
 
 
 def _first_difference(recorded: list[_Event], new: list[_Event]) -> tuple[Any, ...] | None:
     """(step, what, recorded, new) of the first compared event that differs, or None."""
     for a, b in itertools.zip_longest(recorded, new):
+        if a != b and b is not None:   # the new event as a trace would have it (lists, not tuples)
+            b = json.loads(_data_json(b))
+        if a == b:
+            continue
         if a is None:
-            return b["step"], "the new run did more", None, _shown(b)
+            return b["step"], "the new run did more", None, b
         if b is None:
-            return a["step"], "the new run ended before this", _shown(a), None
+            return a["step"], "the new run ended before this", a, None
         if a["kind"] != b["kind"]:
-            return a["step"], "a different event", _shown(a), _shown(b)
-        for f in _COMPARED[a["kind"]]:
-            if a["data"].get(f) != b["data"].get(f):
-                return a["step"], f"{a['kind']} {f}", a["data"].get(f), b["data"].get(f)
+            return a["step"], "a different event", a, b
+        f = next(f for f in a if a[f] != b[f])
+        return a["step"], f"{a['kind']} {f}", a[f], b[f]
     return None
 
 
@@ -2908,9 +2908,9 @@ class _FailedSave:
 
 
 def _replay_turn(events: list[_Event], state: SessionState | None, given: dict[str, Any]
-                 ) -> tuple[list[_Event], ReplayLlm, SessionState | None]:
-    """Run a recorded turn again from `state` with replay()'s settings: the compared events,
-    its ReplayLlm and the session after it."""
+                 ) -> tuple[_Recorder, _Replay, SessionState | None]:
+    """Run a recorded turn again from `state` with replay()'s settings: its events (recorded and
+    new), its ports and the session after it."""
     start = _turn_start(events)
     sid = events[0]["session_id"]
     decided = {}   # the recorded decisions, by call id
@@ -2928,11 +2928,12 @@ def _replay_turn(events: list[_Event], state: SessionState | None, given: dict[s
         store.save(sid, state)
     # the runtime, as recorded but for the settings given
     caller = CancelToken()
-    llm = ReplayLlm(events)
-    sink = _Recorder(caller, _cancel_point([e for e in events if _compared(e)]))
+    port = _Replay(events, caller.cancel)
+    sink = _Recorder(caller, [_shown(e["kind"], e["step"], e["data"]) for e in events
+                              if e["kind"] in _COMPARED])
     tools = given.get("tools")
     runtime = AgentRuntime(
-        llm, tools if tools is not None else ReplayTools(events, caller.cancel),
+        port, tools if tools is not None else port,
         store=_FailedSave(store) if failed else store, events=sink,
         policy=given.get("policy") or TurnPolicy(**start["policy"]),
         system_prompt=given.get("system_prompt") or start["system_prompt"],
@@ -2946,11 +2947,11 @@ def _replay_turn(events: list[_Event], state: SessionState | None, given: dict[s
                  for k, a in start["approvals"].items()}
     with contextlib.suppress(BobError):
         runtime.run(AgentRequest(start["input"], sid, approvals=approvals or None), caller)
-    llm._released.set()
-    return sink.events, llm, store.load(sid)
+    port._released.set()
+    return sink, port, store.load(sid)
 
 
-def _request_diff(llm: ReplayLlm, ref: ReplayLlm) -> str:
+def _request_diff(llm: _Replay, ref: _Replay) -> str:
     """Where `llm`'s last request first differs from the recorded one: `ref`'s, rebuilt by
     replaying the turn as recorded (the digests it matched prove it). The index and role of the
     first message that differs (the report has the two digests)."""
@@ -2969,10 +2970,10 @@ def _tools_changed(recorded: list[_Event], new: list[_Event]) -> str:
     (input_schema)", or "" when they are the same."""
     old = {d["name"]: d for d in recorded}
     now = {d["name"]: d for d in new}
-    parts = {"removed": [n for n in old if n not in now], "added": [n for n in now if n not in old],
-             "changed": [f"{n} ({', '.join(k for k in d if d[k] != now[n].get(k))})"
-                         for n, d in old.items() if n in now and d != now[n]]}
-    return "; ".join(f"{what}: {', '.join(names)}" for what, names in parts.items() if names)
+    return "; ".join([f"removed: {n}" for n in old if n not in now]
+                     + [f"added: {n}" for n in now if n not in old]
+                     + [f"changed: {n} ({', '.join(k for k in d if d[k] != now[n][k])})"
+                        for n, d in old.items() if n in now and d != now[n]])
 
 
 def _check_turn(events: list[_Event], states: dict[str, SessionState | None],
@@ -2981,8 +2982,8 @@ def _check_turn(events: list[_Event], states: dict[str, SessionState | None],
     step, what, recorded and new values and detail of its first divergence."""
     sid = events[0]["session_id"]
     before = states.get(sid)
-    new, llm, states[sid] = _replay_turn(events, before, given)
-    found = _first_difference([e for e in events if _compared(e)], new)
+    sink, port, states[sid] = _replay_turn(events, before, given)
+    found = _first_difference(sink.recorded, sink.events)
     if found is None:
         end = events[-1]["data"]
         return (f"same ({end['steps']} LLM calls, {end['tool_calls']} tool calls, "
@@ -2993,11 +2994,11 @@ def _check_turn(events: list[_Event], states: dict[str, SessionState | None],
     if what != "llm_call_started digest":
         return step, what, old, value
     # a request differs: name the tools that changed, else the first message that did
-    tools = _tools_changed(_turn_start(events)["tools"], _turn_start(new)["tools"])
+    tools = _tools_changed(_turn_start(events)["tools"], sink.tools)
     if tools:
         return step, f"the tools offered differ: {tools}", old, value
     ref = _replay_turn(events, before, {})[1]
-    return step, llm.divergence or what, old, value, _request_diff(llm, ref)
+    return step, port.divergence or what, old, value, _request_diff(port, ref)
 
 
 def replay(trace: _Trace, *,
@@ -3012,8 +3013,7 @@ def replay(trace: _Trace, *,
     lines = []
     turns = _turns(read_trace(trace))
     if not turns:
-        raise TraceError(f"{trace if isinstance(trace, (str, os.PathLike)) else 'the trace'}"
-                         " has no turn_started: it is not a bob trace, or it is empty")
+        raise TraceError("the trace has no turn_started: it is not a bob trace, or it is empty")
     for n, events in enumerate(turns, 1):
         try:
             outcome = _check_turn(events, states, given)
