@@ -2679,15 +2679,15 @@ class _Replay:
         events = read_trace(trace)
         self.tools = [ToolDescriptor(**d) for d in (_turn_start(events) or {"tools": []})["tools"]]
         self.on_interrupt = on_interrupt
-        self.divergence: str | None = None
-        self.requests: list[LlmRequest] = []
+        self.divergence = None   # the first difference, a str
+        self.requests = []       # the LlmRequests asked, in order
         # per request: its digest, and what it got: a reply, an LlmError, _TIMED_OUT, or None
         # (no answer: the turn was cancelled while it waited)
-        self._script: list[list[Any]] = []
+        self._script = []
         self._parts = {}   # the parts of request_digest
         self._released = threading.Event()   # set when the turn is over (see _replay_turn)
-        self._calls: dict[str, list[_Event]] = {}  # call id -> recorded, oldest first
-        self._running: collections.Counter[int] = collections.Counter()  # batch -> unanswered
+        self._calls = {}   # call id -> the recorded calls with that id, oldest first
+        self._running = collections.Counter()  # batch -> its calls not answered yet (not cut)
         self._cond = threading.Condition()
         started = {}   # call id -> its tool_call_started
         asked = None   # the line of the request not answered yet
@@ -2803,10 +2803,8 @@ class ReplayReport:
             return "\n".join(self.turns)
         lines = [*self.turns, f"turn {self.turn}, step {self.step}: {self.what}",
                  f"  recorded: {json.dumps(self.recorded, default=str)}",
-                 f"  new:      {json.dumps(self.new, default=str)}"]
-        if self.detail:
-            lines.append(self.detail)
-        return "\n".join(lines)
+                 f"  new:      {json.dumps(self.new, default=str)}", self.detail]
+        return "\n".join(filter(None, lines))   # (no detail, no line)
 
 
 # -- reading turns back --
@@ -2826,8 +2824,8 @@ def _shown(kind: str, step: int, data: dict[str, Any]) -> _Event:
 
 def _turns(events: list[_Event]) -> list[list[_Event]]:
     """The events grouped by turn (session_loaded included); TraceError for a turn cut short."""
-    turns: list[list[_Event]] = []
-    open_turns: dict[Any, list[_Event]] = {}   # session -> its turn so far
+    turns = []
+    open_turns = {}   # session -> its turn so far
     for e in events:
         turn = open_turns.setdefault(e.get("session_id"), [])
         if e["kind"] == "turn_started":
@@ -2865,8 +2863,8 @@ class _Recorder:
 
     def __init__(self, cancel: CancelToken, recorded: list[_Event]):
         self.recorded = recorded
-        self.events: list[_Event] = []
-        self.tools: list[_Event] = []   # those the new run offered, as a trace has them
+        self.events = []   # the new run's, compared and shown
+        self.tools = []    # those the new run offered, as a trace has them
         self.cancel = cancel
         self.cancel_at = _cancel_point(recorded)
 
@@ -2886,12 +2884,9 @@ def _first_difference(recorded: list[_Event], new: list[_Event]) -> tuple[Any, .
             b = json.loads(_data_json(b))
         if a == b:
             continue
-        if a is None:
-            return b["step"], "the new run did more", None, b
-        if b is None:
-            return a["step"], "the new run ended before this", a, None
-        if a["kind"] != b["kind"]:
-            return a["step"], "a different event", a, b
+        if not (a and b and a["kind"] == b["kind"]):   # (one is None where its run ended)
+            what = "a different event" if a and b else "one run ended before the other"
+            return (a or b)["step"], what, a, b
         f = next(f for f in a if a[f] != b[f])
         return a["step"], f"{a['kind']} {f}", a[f], b[f]
     return None
@@ -2931,9 +2926,8 @@ def _replay_turn(events: list[_Event], state: SessionState | None, given: dict[s
     port = _Replay(events, caller.cancel)
     sink = _Recorder(caller, [_shown(e["kind"], e["step"], e["data"]) for e in events
                               if e["kind"] in _COMPARED])
-    tools = given.get("tools")
     runtime = AgentRuntime(
-        port, tools if tools is not None else port,
+        port, given.get("tools") or port,
         store=_FailedSave(store) if failed else store, events=sink,
         policy=given.get("policy") or TurnPolicy(**start["policy"]),
         system_prompt=given.get("system_prompt") or start["system_prompt"],
@@ -2958,11 +2952,9 @@ def _request_diff(llm: _Replay, ref: _Replay) -> str:
     k = len(llm.requests) - 1
     if ref.divergence or len(ref.requests) <= k:
         return "  (the recorded request cannot be rebuilt from the trace)"
-    pairs = itertools.zip_longest(ref.requests[k].messages, llm.requests[k].messages)
-    for i, (a, b) in enumerate(pairs):
-        if a != b:
-            return f"  message {i} ({(a or b).role}) differs"
-    return "  the messages are the same: the tools or the response format differ"
+    pairs = enumerate(itertools.zip_longest(ref.requests[k].messages, llm.requests[k].messages))
+    return next((f"  message {i} ({(a or b).role}) differs" for i, (a, b) in pairs if a != b),
+                "  the messages are the same: the tools or the response format differ")
 
 
 def _tools_changed(recorded: list[_Event], new: list[_Event]) -> str:
@@ -3009,7 +3001,7 @@ def replay(trace: _Trace, *,
     run for real if given; the overrides replace the recorded settings; TraceError."""
     given = {"policy": policy, "system_prompt": system_prompt, "action_mode": action_mode,
              "tools": tools, "deny_tools": deny_tools}
-    states: dict[str, SessionState | None] = {}   # session -> as its last replayed turn left it
+    states = {}   # session -> its SessionState, as its last replayed turn left it
     lines = []
     turns = _turns(read_trace(trace))
     if not turns:
