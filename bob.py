@@ -2827,7 +2827,8 @@ def _turns(events: list[_Event]) -> list[list[_Event]]:
     turns = []
     open_turns = {}   # session -> its turn so far
     for e in events:
-        turn = open_turns.setdefault(e.get("session_id"), [])
+        sid = e.get("session_id")
+        turn = open_turns.setdefault(sid, [])
         if e["kind"] == "turn_started":
             if e["data"].get("format") != TRACE_FORMAT or _turn_start(turn):
                 raise TraceError(f"line {e['line']}: not a turn this bob replays (format "
@@ -2835,7 +2836,7 @@ def _turns(events: list[_Event]) -> list[list[_Event]]:
             turns.append(turn)
         turn.append(e)
         if e["kind"] == "turn_completed":
-            open_turns.pop(e.get("session_id"))
+            open_turns.pop(sid)
     for turn in open_turns.values():
         if _turn_start(turn):
             raise TraceError(f"the turn that starts at line {turn[0]['line']} has no "
@@ -2981,7 +2982,7 @@ def _check_turn(events: list[_Event], states: dict[str, SessionState | None],
         return (f"same ({end['steps']} LLM calls, {end['tool_calls']} tool calls, "
                 f"{end['finish_reason'] or 'error'})")
     step, what, old, value = found
-    if isinstance(value, str) and value.startswith("replay: "):   # what ReplayTools saw
+    if str(value).startswith("replay: "):   # a tool result: what ReplayTools saw
         what = value.removeprefix("replay: ")
     if what != "llm_call_started digest":
         return step, what, old, value
