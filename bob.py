@@ -2817,9 +2817,11 @@ _COMPARED = {"turn_started": (), "state": ("from", "to"), "llm_call_started": ("
              "turn_completed": ("finish_reason", "guard_reason", "content")}
 
 
-def _shown(kind: str, step: int, data: dict[str, Any]) -> _Event:
-    """An event as replay compares it and a report shows it: kind, step, compared fields."""
-    return {"kind": kind, "step": step, **{f: data.get(f) for f in _COMPARED[kind]}}
+def _shown(e: _Event) -> _Event:
+    """An event (a trace's, or an AgentEvent's fields) as replay compares it and a report shows
+    it: kind, step, compared fields."""
+    fields = _COMPARED[e["kind"]]
+    return {"kind": e["kind"], "step": e["step"], **{f: e["data"].get(f) for f in fields}}
 
 
 def _turns(events: list[_Event]) -> list[list[_Event]]:
@@ -2873,7 +2875,7 @@ class _Recorder:
         if event.kind == "turn_started":
             self.tools = json.loads(_data_json(event.data["tools"]))
         if event.kind in _COMPARED:
-            self.events.append(_shown(event.kind, event.step, event.data))
+            self.events.append(_shown(vars(event)))
             if len(self.events) - 1 == self.cancel_at:
                 self.cancel.cancel()
 
@@ -2925,8 +2927,7 @@ def _replay_turn(events: list[_Event], state: SessionState | None, given: dict[s
     # the runtime, as recorded but for the settings given
     caller = CancelToken()
     port = _Replay(events, caller.cancel)
-    sink = _Recorder(caller, [_shown(e["kind"], e["step"], e["data"]) for e in events
-                              if e["kind"] in _COMPARED])
+    sink = _Recorder(caller, [_shown(e) for e in events if e["kind"] in _COMPARED])
     runtime = AgentRuntime(
         port, given.get("tools") or port,
         store=_FailedSave(store) if failed else store, events=sink,
