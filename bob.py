@@ -3007,7 +3007,8 @@ def replay(trace: _Trace, *,
     lines = []
     turns = _turns(read_trace(trace))
     if not turns:
-        raise TraceError("the trace has no turn_started: it is not a bob trace, or it is empty")
+        raise TraceError(f"{trace if isinstance(trace, (str, os.PathLike)) else 'the trace'}"
+                         " has no turn_started: it is not a bob trace, or it is empty")
     for n, events in enumerate(turns, 1):
         try:
             outcome = _check_turn(events, states, given)
