@@ -2928,8 +2928,9 @@ def _replay_turn(events: list[_Event], state: SessionState | None, given: dict[s
     caller = CancelToken()
     port = _Replay(events, caller.cancel)
     sink = _Recorder(caller, [_shown(e) for e in events if e["kind"] in _COMPARED])
+    tools = given.get("tools")   # (a port may be falsy: one with no tools and a __len__)
     runtime = AgentRuntime(
-        port, given.get("tools") or port,
+        port, port if tools is None else tools,
         store=_FailedSave(store) if failed else store, events=sink,
         policy=given.get("policy") or TurnPolicy(**start["policy"]),
         system_prompt=given.get("system_prompt") or start["system_prompt"],
