@@ -2709,91 +2709,83 @@ def read_trace(trace: _Trace) -> list[_Event]:
     return events
 
 
-class ReplayLlm:
-    """An LlmPort answering from a trace: a request must have the recorded digest, and gets the
-    recorded reply; otherwise LlmError, and `divergence` says why. Never calls a model. A request
-    the recording ran out of time on fires the turn's cancel token: the turn times out at once.
-    TraceError when a request has no reply and the turn went on (the trace was edited)."""
+class _Replay:
+    """The two ports of a replay, answering from one trace read once (ReplayLlm and ReplayTools
+    are its two faces; replay() uses one object as both). Never calls a model; a mismatch is an
+    error to the runtime, and `divergence` says why."""
 
-    def __init__(self, trace: _Trace):
-        self._script: list[list[Any]] = []   # [digest, reply, error text or _TIMED_OUT or None]
+    def __init__(self, trace: _Trace, on_interrupt: Callable[[], None] | None = None):
+        events = read_trace(trace)
+        self.tools = [ToolDescriptor(**d) for d in (_turn_start(events) or {"tools": []})["tools"]]
+        self.on_interrupt = on_interrupt
+        self.divergence = None   # the first difference, a str
+        self.requests = []       # the LlmRequests asked, in order
+        # per request: its digest, and what it got: a reply, an LlmError, _TIMED_OUT, or None
+        # (no answer: the turn was cancelled while it waited)
+        self._script = []
+        self._parts = {}   # the parts of request_digest
+        self._released = threading.Event()   # set when the turn is over (see _replay_turn)
+        self._calls = {}   # call id -> the recorded calls with that id, oldest first
+        self._running = collections.Counter()  # batch -> its calls not answered yet (not cut)
+        self._cond = threading.Condition()
+        started = {}   # call id -> its tool_call_started
         asked = None   # the line of the request not answered yet
-        for e in read_trace(trace):
+        for e in events:
             kind, d = e["kind"], e["data"]
             if asked and kind in ("llm_call_started", "action_parsed", "parse_error"):
                 raise TraceError(f"line {asked}: this llm_call_started has no "
                                  "llm_call_completed, yet the turn went on: the trace was edited")
             if kind == "llm_call_started":
-                self._script.append([d.get("digest"), None, None])
+                self._script.append([d["digest"], None])
                 asked = e.get("line", "?")
-            elif kind == "llm_call_completed" and self._script:
-                self._script[-1][1] = LlmResponse(d["content"], tuple(
-                    ToolCall(**c) for c in d["tool_calls"]), Usage(**d["usage"]),
-                    d["finish_reason"], d.get("reasoning"))   # (none in older traces)
+            elif kind == "llm_call_completed":
+                calls = tuple(ToolCall(**c) for c in d["tool_calls"])
+                self._script[-1][1] = LlmResponse(d["content"], calls, Usage(**d["usage"]),
+                                                  d["finish_reason"], d.get("reasoning"))
                 asked = None
-            elif kind == "error" and d.get("where") == "turn" and self._script:
-                self._script[-1][2] = d["error"].partition(": ")[2]
-            elif kind == "guard_tripped" and asked and d["reason"] == GuardReason.TURN_TIMEOUT:
-                self._script[-1][2] = _TIMED_OUT
+            elif asked and kind == "guard_tripped":   # the only guard that trips while waiting
+                self._script[-1][1] = _TIMED_OUT
+            elif asked and d.get("where") == "turn":   # the model failed: the turn raised
+                self._script[-1][1] = LlmError(d["error"].partition(": ")[2])
+            elif kind == "tool_call_started":
+                started[d["call_id"]] = d
+            elif kind == "tool_call_completed" and started[d["call_id"]]["runs"]:
+                rec = {**started[d["call_id"]], **d, "batch": len(self._script),  # its reply
+                       "cut": "before this call ended" in d["content"]}
+                self._calls.setdefault(d["call_id"], []).append(rec)
+                self._running[rec["batch"]] += not rec["cut"]
             asked = None if kind == "turn_completed" else asked
-        self._released = threading.Event()   # set when the turn is over (see _replay_turn)
-        self.requests: list[LlmRequest] = []
-        self.divergence: str | None = None
-        self._lock = threading.Lock()
-        self._parts = {}   # the parts of request_digest
+
+    # -- the LlmPort --
 
     @property
     def left_over(self) -> int:
         """Recorded replies that no request asked for."""
-        return sum(s[1] is not None for s in self._script[len(self.requests):])
+        return sum(isinstance(s[1], LlmResponse) for s in self._script[len(self.requests):])
 
     def complete(self, req: LlmRequest, cancel: CancelToken,
                  on_delta: Callable[[str], None] | None = None) -> LlmResponse:
         """The recorded reply to this request."""
-        with self._lock:
-            n = len(self.requests)
-            self.requests.append(req)
-        digest, reply, error = self._script[n] if n < len(self._script) else (None,) * 3
+        n = len(self.requests)   # (the runtime asks one request at a time)
+        self.requests.append(req)
+        digest, answer = self._script[n] if n < len(self._script) else (None, None)
         if digest is None or request_digest(req, self._parts) != digest:
             self.divergence = self.divergence or f"LLM request {n + 1} " + (
                 "differs from the recorded" if digest else "has no recorded reply")
             raise LlmError(f"replay: {self.divergence}")
-        if error is _TIMED_OUT:   # the turn's token: the runtime stops waiting, sees no answer
+        if isinstance(answer, LlmResponse):
+            return answer
+        if isinstance(answer, LlmError):
+            raise answer
+        # unanswered: wait for the recorded cancel, or (timed out) fire the turn's token so the
+        # runtime stops waiting and sees no answer, then hold the worker until the turn is over
+        if answer is _TIMED_OUT:
             cancel.cancel()
-            self._released.wait(None if req.deadline is None else req.deadline - time.monotonic())
-        if reply is None and error in (None, _TIMED_OUT):   # unanswered: cancelled or timed out
-            cancel.wait(60.0 if req.deadline is None else req.deadline - time.monotonic() + 1)
-            raise Cancelled("the recorded request was never answered")
-        if reply is None:
-            raise LlmError(error)
-        return typing.cast(LlmResponse, reply)
+        left = 60.0 if req.deadline is None else req.deadline - time.monotonic() + 1
+        (self._released if answer is _TIMED_OUT else cancel).wait(left)
+        raise Cancelled("the recorded request was never answered")
 
-
-class ReplayTools:
-    """A ToolPort answering each call with its recorded result if name and arguments match (else
-    an error; `divergence` says why); a call interrupted in the recording calls `on_interrupt`."""
-
-    def __init__(self, trace: _Trace, on_interrupt: Callable[[], None] | None = None):
-        events = read_trace(trace)
-        start = _turn_start(events) or {"tools": []}
-        self.tools = [ToolDescriptor(**d) for d in start["tools"]]
-        self.on_interrupt = on_interrupt
-        self.divergence = None
-        self._calls: dict[str, list[_Event]] = {}  # call id -> recorded, oldest first
-        self._running: collections.Counter[int] = collections.Counter()  # batch -> unanswered
-        self._cond = threading.Condition()
-        started = {}   # call id -> its tool_call_started
-        batch = 0      # the LLM replies so far: a batch is the calls of one
-        for e in events:
-            kind, d = e["kind"], e["data"]
-            batch += kind == "llm_call_completed"
-            if kind == "tool_call_started":
-                started[d["call_id"]] = d
-            if kind == "tool_call_completed" and started.get(d["call_id"], {}).get("runs"):
-                rec = {**started[d["call_id"]], **d, "batch": batch,
-                       "cut": "before this call ended" in d["content"]}
-                self._calls.setdefault(d["call_id"], []).append(rec)
-                self._running[batch] += not rec["cut"]
+    # -- the ToolPort --
 
     def list_tools(self) -> list[ToolDescriptor]:
         """The tools the (first) recorded turn offered."""
@@ -2820,6 +2812,18 @@ class ReplayTools:
         return ToolResult(call.id, call.name, rec["content"], rec["is_error"])
 
 
+class ReplayLlm(_Replay):
+    """An LlmPort answering from a trace: a request must have the recorded digest, and gets the
+    recorded reply; otherwise LlmError, and `divergence` says why. A request the recording ran
+    out of time on fires the turn's cancel token: the turn times out at once. TraceError when a
+    request has no reply and the turn went on (the trace was edited)."""
+
+
+class ReplayTools(_Replay):
+    """A ToolPort answering each call with its recorded result if name and arguments match (else
+    an error; `divergence` says why); a call interrupted in the recording calls `on_interrupt`."""
+
+
 @dataclass
 class ReplayReport:
     """What replay() found: `ok`, a line per turn, and the first divergence: turn, step, what,
@@ -2838,10 +2842,8 @@ class ReplayReport:
             return "\n".join(self.turns)
         lines = [*self.turns, f"turn {self.turn}, step {self.step}: {self.what}",
                  f"  recorded: {json.dumps(self.recorded, default=str)}",
-                 f"  new:      {json.dumps(self.new, default=str)}"]
-        if self.detail:
-            lines.append(self.detail)
-        return "\n".join(lines)
+                 f"  new:      {json.dumps(self.new, default=str)}", self.detail]
+        return "\n".join(filter(None, lines))   # (no detail, no line)
 
 
 # -- reading turns back --
@@ -2854,17 +2856,20 @@ _COMPARED = {"turn_started": (), "state": ("from", "to"), "llm_call_started": ("
              "turn_completed": ("finish_reason", "guard_reason", "content")}
 
 
-def _compared(e: dict[str, Any]) -> bool:
-    """Compared events: a failing store.save is about the machine, not the run."""
-    return e["kind"] in _COMPARED and e["data"].get("where") != "store.save"
+def _shown(e: _Event) -> _Event:
+    """An event (a trace's, or an AgentEvent's fields) as replay compares it and a report shows
+    it: kind, step, compared fields."""
+    fields = _COMPARED[e["kind"]]
+    return {"kind": e["kind"], "step": e["step"], **{f: e["data"].get(f) for f in fields}}
 
 
 def _turns(events: list[_Event]) -> list[list[_Event]]:
     """The events grouped by turn (session_loaded included); TraceError for a turn cut short."""
-    turns: list[list[_Event]] = []
-    open_turns: dict[Any, list[_Event]] = {}   # session -> its turn so far
+    turns = []
+    open_turns = {}   # session -> its turn so far
     for e in events:
-        turn = open_turns.setdefault(e.get("session_id"), [])
+        sid = e.get("session_id")
+        turn = open_turns.setdefault(sid, [])
         if e["kind"] == "turn_started":
             if e["data"].get("format") != TRACE_FORMAT or _turn_start(turn):
                 raise TraceError(f"line {e['line']}: not a turn this bob replays (format "
@@ -2872,7 +2877,7 @@ def _turns(events: list[_Event]) -> list[list[_Event]]:
             turns.append(turn)
         turn.append(e)
         if e["kind"] == "turn_completed":
-            open_turns.pop(e.get("session_id"))
+            open_turns.pop(sid)
     for turn in open_turns.values():
         if _turn_start(turn):
             raise TraceError(f"the turn that starts at line {turn[0]['line']} has no "
@@ -2883,58 +2888,49 @@ def _turns(events: list[_Event]) -> list[list[_Event]]:
 def _cancel_point(events: list[_Event]) -> int | None:
     """The index (among compared events) of the event a recorded cancel came right after; None
     when the turn was not cancelled or a tool was interrupted (ReplayTools cancels then)."""
-    texts = [e["data"]["content"] for e in events if e["kind"] == "tool_call_completed"]
-    if (events[-1]["data"].get("finish_reason") != FinishReason.CANCELLED.value
-            or any("before this call ended" in c for c in texts)):
+    texts = " ".join(e["content"] for e in events if e["kind"] == "tool_call_completed")
+    if events[-1]["finish_reason"] != "cancelled" or "before this call ended" in texts:
         return None
     states = [i for i, e in enumerate(events) if e["kind"] == "state"]
-    if any("before this call started" in c for c in texts):   # while the model answered
-        return max(i for i in states if events[i]["data"]["to"] == State.CALL_TOOL.value)
+    if "before this call started" in texts:   # while the model answered: before the batch
+        return max(i for i in states if events[i]["to"] == State.CALL_TOOL.value)
     return states[-1] - 1   # the cancel was seen at the last transition, to done
 
 
 # -- replaying a turn --
 
 class _Recorder:
-    """The replay's event sink: keeps compared events as JSON has them; cancels at `cancel_at`."""
+    """The replay's event sink: the recorded events (compared and shown) and the new ones; it
+    fires `cancel` where the recorded cancel came."""
 
-    def __init__(self, cancel: CancelToken, cancel_at: int | None):
-        self.events: list[_Event] = []
+    def __init__(self, cancel: CancelToken, recorded: list[_Event]):
+        self.recorded = recorded
+        self.events = []   # the new run's, compared and shown
+        self.tools = []    # those the new run offered, as a trace has them
         self.cancel = cancel
-        self.cancel_at = cancel_at
+        self.cancel_at = _cancel_point(recorded)
 
     def emit(self, event: AgentEvent) -> None:
-        fields = _COMPARED.get(event.kind)
-        if fields is None:
-            return
-        data = event.data if event.kind == "turn_started" else {
-            f: event.data.get(f) for f in (*fields, "where")}
-        e = {"kind": event.kind, "step": event.step, "data": {   # as JSON would have them
-            k: v if isinstance(v, (str, bool, type(None))) else json.loads(_data_json(v))
-            for k, v in data.items()}}
-        if _compared(e):
-            self.events.append(e)
+        if event.kind == "turn_started":
+            self.tools = json.loads(_data_json(event.data["tools"]))
+        if event.kind in _COMPARED:
+            self.events.append(_shown(vars(event)))
             if len(self.events) - 1 == self.cancel_at:
                 self.cancel.cancel()
-
-
-def _shown(e: _Event) -> _Event:
-    """An event as a report shows it: its kind and compared fields."""
-    return {"kind": e["kind"], **{f: e["data"].get(f) for f in _COMPARED[e["kind"]]}}
 
 
 def _first_difference(recorded: list[_Event], new: list[_Event]) -> tuple[Any, ...] | None:
     """(step, what, recorded, new) of the first compared event that differs, or None."""
     for a, b in itertools.zip_longest(recorded, new):
-        if a is None:
-            return b["step"], "the new run did more", None, _shown(b)
-        if b is None:
-            return a["step"], "the new run ended before this", _shown(a), None
-        if a["kind"] != b["kind"]:
-            return a["step"], "a different event", _shown(a), _shown(b)
-        for f in _COMPARED[a["kind"]]:
-            if a["data"].get(f) != b["data"].get(f):
-                return a["step"], f"{a['kind']} {f}", a["data"].get(f), b["data"].get(f)
+        if a != b and b is not None:   # the new event as a trace would have it (lists, not tuples)
+            b = json.loads(_data_json(b))
+        if a == b:
+            continue
+        if not (a and b and a["kind"] == b["kind"]):   # (one is None where its run ended)
+            what = "a different event" if a and b else "one run ended before the other"
+            return (a or b)["step"], what, a, b
+        f = next(f for f in a if a[f] != b[f])
+        return a["step"], f"{a['kind']} {f}", a[f], b[f]
     return None
 
 
@@ -2948,96 +2944,95 @@ class _FailedSave:
         raise StoreError("replay: the recorded save failed")
 
 
-def _approver(events: list[_Event]) -> Callable[[ToolCall], Approval]:
-    """An approver that gives the decisions recorded in a turn, by call id."""
-    decided = {d["call_id"]: Approval(d["allow"], d.get("reason", ""), d.get("arguments"))
-               for d in (e["data"] for e in events if e["kind"] == "approval_decided")}
-    return lambda call: decided.get(call.id, Approval(False, "replay: no recorded decision"))
-
-
-def _replay_turn(events: list[_Event], store: SessionStore, given: dict[str, Any]
-                 ) -> tuple[list[_Event], ReplayLlm]:
-    """Run a recorded turn again with replay()'s settings: the compared events, its ReplayLlm."""
-    start = _turn_start(events) or {}
+def _replay_turn(events: list[_Event], state: SessionState | None, given: dict[str, Any]
+                 ) -> tuple[_Recorder, _Replay, SessionState | None]:
+    """Run a recorded turn again from `state` with replay()'s settings: its events (recorded and
+    new), its ports and the session after it."""
+    start = _turn_start(events)
     sid = events[0]["session_id"]
+    decided = {}   # the recorded decisions, by call id
+    failed = False
+    # what the recorded turn began from, what it decided, and whether its save failed
     for e in events:
-        if e["kind"] == "session_loaded":   # a version past the replayed one, so the save takes
-            version = getattr(store.load(sid), "version", -1) + 1
-            store.save(sid, SessionState([Message.from_dict(m) for m in e["data"]["messages"]],
-                                         paused=e["data"].get("paused"), version=version))
-    if any(e["kind"] == "error" and e["data"].get("where") == "store.save" for e in events):
-        store = _FailedSave(store)   # the recorded save failed: the turn raised, so must this one
+        d = e["data"]
+        if e["kind"] == "session_loaded":
+            state = SessionState.from_dict(d)
+        elif e["kind"] == "approval_decided":
+            decided[d["call_id"]] = Approval(d["allow"], d["reason"], d["arguments"])
+        failed = failed or d.get("where") == "store.save"
+    store = InMemorySessionStore()
+    if state is not None:
+        store.save(sid, state)
+    # the runtime, as recorded but for the settings given
     caller = CancelToken()
-    llm = ReplayLlm(events)
-    sink = _Recorder(caller, _cancel_point([e for e in events if _compared(e)]))
-    tools = given.get("tools")
+    port = _Replay(events, caller.cancel)
+    sink = _Recorder(caller, [_shown(e) for e in events if e["kind"] in _COMPARED])
+    tools = given.get("tools")   # (a port may be falsy: one with no tools and a __len__)
     runtime = AgentRuntime(
-        llm, tools if tools is not None else ReplayTools(events, caller.cancel), store=store,
-        events=sink, policy=given.get("policy") or TurnPolicy(**start["policy"]),
+        port, port if tools is None else tools,
+        store=_FailedSave(store) if failed else store, events=sink,
+        policy=given.get("policy") or TurnPolicy(**start["policy"]),
         system_prompt=given.get("system_prompt") or start["system_prompt"],
         action_mode=given.get("action_mode") or start["action_mode"],
-        ask_tools=start.get("ask_tools", ()),   # and the recorded denials stay:
-        deny_tools=(*given.get("deny_tools", ()), *start.get("deny_tools", ())),
-        approver=_approver(events) if start.get("approver") else None)
-    approvals = {k: Approval(**a) if isinstance(a, dict) else a   # a bad one fails again
-                 for k, a in start.get("approvals", {}).items()}
-    with contextlib.suppress(BobError):  # an error that ends the turn is an event
+        ask_tools=start["ask_tools"],   # and the recorded denials stay:
+        deny_tools=(*given.get("deny_tools", ()), *start["deny_tools"]),
+        approver=(lambda c: decided.get(c.id, Approval(False, "replay: no recorded decision")))
+        if start["approver"] else None)
+    # the turn: an error that ends it is an event; a bad recorded approval fails again
+    approvals = {k: Approval(**a) if isinstance(a, dict) else a
+                 for k, a in start["approvals"].items()}
+    with contextlib.suppress(BobError):
         runtime.run(AgentRequest(start["input"], sid, approvals=approvals or None), caller)
-    llm._released.set()
-    return sink.events, llm
+    port._released.set()
+    return sink, port, store.load(sid)
 
 
-def _request_diff(events: list[_Event], before: SessionState | None, llm: ReplayLlm) -> str:
-    """The first message of `llm`'s last request that differs from the recorded one (rebuilt by
-    replaying the turn as recorded, proved by its digest): index, role, unified diff."""
-    store = InMemorySessionStore()
+def _request_diff(llm: _Replay, ref: _Replay) -> str:
+    """Where `llm`'s last request first differs from the recorded one: `ref`'s, rebuilt by
+    replaying the turn as recorded (the digests it matched prove it). The index and role of the
+    first message that differs (the report has the two digests)."""
     k = len(llm.requests) - 1
-    if before is not None:
-        store.save(events[0]["session_id"], before)
-    ref = _replay_turn(events, store, {})[1].requests
-    digests = [e["data"]["digest"] for e in events if e["kind"] == "llm_call_started"]
-    if len(ref) <= k or k >= len(digests) or request_digest(ref[k]) != digests[k]:
+    if ref.divergence or len(ref.requests) <= k:
         return "  (the recorded request cannot be rebuilt from the trace)"
-    for i, (a, b) in enumerate(itertools.zip_longest(ref[k].messages, llm.requests[k].messages)):
-        if a != b:
-            texts = [(m.content if m else "").splitlines() for m in (a, b)]
-            import difflib   # only when a request differs
-            diff = difflib.unified_diff(*texts, "recorded", "new", lineterm="", n=1)
-            return f"  message {i} ({(a or b).role}) differs:\n    " + "\n    ".join(diff)
-    return "  the messages are the same: the tools or the response format differ"
+    pairs = enumerate(itertools.zip_longest(ref.requests[k].messages, llm.requests[k].messages))
+    return next((f"  message {i} ({(a or b).role}) differs" for i, (a, b) in pairs if a != b),
+                "  the messages are the same: the tools or the response format differ")
 
 
-def _check_turn(events: list[_Event], store: SessionStore, given: dict[str, Any]
-                ) -> str | ReplayReport:
-    """Replay one turn: "same (...)" or the report of its first divergence."""
-    before = store.load(events[0]["session_id"])
-    new, llm = _replay_turn(events, store, given)
-    found = _first_difference([e for e in events if _compared(e)], new)
+def _tools_changed(recorded: list[_Event], new: list[_Event]) -> str:
+    """How two lists of tools differ, by name: "removed: a; added: b; changed: c
+    (input_schema)", or "" when they are the same."""
+    old = {d["name"]: d for d in recorded}
+    now = {d["name"]: d for d in new}
+    return "; ".join([f"removed: {n}" for n in old if n not in now]
+                     + [f"added: {n}" for n in now if n not in old]
+                     + [f"changed: {n} ({', '.join(k for k in d if d[k] != now[n][k])})"
+                        for n, d in old.items() if n in now and d != now[n]])
+
+
+def _check_turn(events: list[_Event], states: dict[str, SessionState | None],
+                given: dict[str, Any]) -> str | tuple[Any, ...]:
+    """Replay one turn from its session's state in `states` (updated): "same (...)", or the
+    step, what, recorded and new values and detail of its first divergence."""
+    sid = events[0]["session_id"]
+    before = states.get(sid)
+    sink, port, states[sid] = _replay_turn(events, before, given)
+    found = _first_difference(sink.recorded, sink.events)
     if found is None:
         end = events[-1]["data"]
         return (f"same ({end['steps']} LLM calls, {end['tool_calls']} tool calls, "
                 f"{end['finish_reason'] or 'error'})")
     step, what, old, value = found
-    if isinstance(value, str) and value.startswith("replay: "):   # what ReplayTools saw
+    if str(value).startswith("replay: "):   # a tool result: what ReplayTools saw
         what = value.removeprefix("replay: ")
-    detail = ""
-    tools = _tools_changed(_turn_start(events), _turn_start(new))
-    if what == "llm_call_started digest" and tools:
-        what = f"the tools offered differ: {tools}"
-    elif what == "llm_call_started digest":
-        what = llm.divergence or what
-        detail = _request_diff(events, before, llm)
-    return ReplayReport(False, [], None, step, what, old, value, detail)
-
-
-def _tools_changed(recorded: _Event | None, new: _Event | None) -> str:
-    """How the tools of two turn_started differ, by name: "removed: a; added: b; changed: c
-    (input_schema)", or "" when they are the same."""
-    old, now = ({d["name"]: d for d in (start or {}).get("tools", [])} for start in (recorded, new))
-    parts = {"removed": [n for n in old if n not in now], "added": [n for n in now if n not in old],
-             "changed": [f"{n} ({', '.join(k for k in d if d[k] != now[n].get(k))})"
-                         for n, d in old.items() if n in now and d != now[n]]}
-    return "; ".join(f"{what}: {', '.join(names)}" for what, names in parts.items() if names)
+    if what != "llm_call_started digest":
+        return step, what, old, value
+    # a request differs: name the tools that changed, else the first message that did
+    tools = _tools_changed(_turn_start(events)["tools"], sink.tools)
+    if tools:
+        return step, f"the tools offered differ: {tools}", old, value
+    ref = _replay_turn(events, before, {})[1]
+    return step, port.divergence or what, old, value, _request_diff(port, ref)
 
 
 def replay(trace: _Trace, *,
@@ -3048,7 +3043,7 @@ def replay(trace: _Trace, *,
     run for real if given; the overrides replace the recorded settings; TraceError."""
     given = {"policy": policy, "system_prompt": system_prompt, "action_mode": action_mode,
              "tools": tools, "deny_tools": deny_tools}
-    store = InMemorySessionStore()
+    states = {}   # session -> its SessionState, as its last replayed turn left it
     lines = []
     turns = _turns(read_trace(trace))
     if not turns:
@@ -3056,11 +3051,11 @@ def replay(trace: _Trace, *,
                          " has no turn_started: it is not a bob trace, or it is empty")
     for n, events in enumerate(turns, 1):
         try:
-            outcome = _check_turn(events, store, given)
-        except (TypeError, KeyError, ValueError, AttributeError, IndexError) as e:
+            outcome = _check_turn(events, states, given)
+        except (TypeError, LookupError, ValueError, AttributeError) as e:
             raise TraceError(f"the turn that starts at line {events[0].get('line')} cannot "
                              f"be replayed: {type(e).__name__}: {e}") from None
-        if isinstance(outcome, ReplayReport):
-            return dataclasses.replace(outcome, turns=[*lines, f"turn {n}: DIFFERENT"], turn=n)
+        if not isinstance(outcome, str):
+            return ReplayReport(False, [*lines, f"turn {n}: DIFFERENT"], n, *outcome)
         lines.append(f"turn {n}: {outcome}")
     return ReplayReport(True, lines)

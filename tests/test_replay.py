@@ -247,8 +247,7 @@ def test_a_changed_system_prompt_shows_the_differing_message(tmp_path):
     report = bob.replay(path, system_prompt="Be brief.\nNever.")
     assert not report.ok and (report.turn, report.step) == (1, 1)
     assert report.what == "LLM request 1 differs from the recorded"
-    assert "message 0 (system) differs" in report.detail
-    assert "-Always." in report.detail and "+Never." in report.detail
+    assert report.detail == "  message 0 (system) differs"   # the digests are above it
     assert "recorded:" in str(report) and "message 0" in str(report)
 
 
