@@ -544,7 +544,7 @@ def _json_problem(value: Any) -> str | None:
         elif isinstance(v, float) and v - v:   # inf - inf and nan - nan are nan: no JSON has them
             return "holds NaN or Infinity, which JSON does not allow"
         elif not isinstance(v, (str, int, float, type(None))):  # a custom port's bytes, objects
-            return f"holds a {type(v).__name__}, which JSON does not have"
+            return f"holds a value of type {type(v).__name__}, which JSON does not have"
     return None
 
 
@@ -2686,26 +2686,32 @@ def _turn_start(turn: list[_Event]) -> _Event | None:
 
 def read_trace(trace: _Trace) -> list[_Event]:
     """The events of a JSONL trace file (or a list of them), each with its `line`."""
-    if not isinstance(trace, (str, os.PathLike)):
-        return list(trace)
-    try:
-        lines = Path(trace).read_text(encoding="utf-8").splitlines()
-    except (OSError, ValueError) as e:
-        raise TraceError(f"cannot read the trace {trace}: {e}") from None
-    bad = None
-    try:   # all lines in one parse, 2.5 times as fast as one at a time; an error has the line
-        events = _json("[" + ",\n".join(lines) + "]")
-    except _BAD_JSON as e:
-        events = []
-        bad = getattr(e, "lineno", "?")   # a RecursionError has none
+    if isinstance(trace, (str, os.PathLike)):
+        try:   # a FIFO or a device (/dev/zero) is an error, not a hang or all the memory
+            raw = _read_file(Path(trace))
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            n = raw.count(b"\n", 0, e.start) + 1
+            raise TraceError(f"{trace} line {n} is not UTF-8 text: not a trace") from None
+        except OSError as e:
+            raise TraceError(f"cannot read the trace {trace}: {e}") from None
+        lines = text.splitlines()
+        try:   # all lines in one parse, 2.5 times as fast as one at a time
+            events = _json("[" + ",\n".join(lines) + "]")
+        except _BAD_JSON as e:   # a RecursionError has no line
+            n = getattr(e, "lineno", "?")
+            raise TraceError(f"{trace} line {n} is not a trace event (cut short?)") from None
+    else:
+        events = list(trace)
+        lines = events
     for n, e in enumerate(events, 1):
         if not (isinstance(e, dict) and isinstance(e.get("kind"), str)
                 and isinstance(e.get("data"), dict)):
-            bad = bad or n
-            break
+            raise TraceError(f"{trace if lines is not events else 'event'} line {n} is not a "
+                             "trace event (cut short?)")
         e["line"] = n
-    if bad or len(events) != len(lines):   # (more events than lines: a line holds two)
-        raise TraceError(f"{trace} line {bad or len(lines)} is not a trace event (cut short?)")
+    if len(events) != len(lines):   # more events than lines: a line holds two
+        raise TraceError(f"{trace} holds more events than lines: not a trace")
     return events
 
 
@@ -2730,31 +2736,46 @@ class _Replay:
         self._cond = threading.Condition()
         started = {}   # call id -> its tool_call_started
         asked = None   # the line of the request not answered yet
-        for e in events:
-            kind, d = e["kind"], e["data"]
-            if asked and kind in ("llm_call_started", "action_parsed", "parse_error"):
-                raise TraceError(f"line {asked}: this llm_call_started has no "
-                                 "llm_call_completed, yet the turn went on: the trace was edited")
-            if kind == "llm_call_started":
-                self._script.append([d["digest"], None])
-                asked = e.get("line", "?")
-            elif kind == "llm_call_completed":
-                calls = tuple(ToolCall(**c) for c in d["tool_calls"])
-                self._script[-1][1] = LlmResponse(d["content"], calls, Usage(**d["usage"]),
-                                                  d["finish_reason"], d.get("reasoning"))
-                asked = None
-            elif asked and kind == "guard_tripped":   # the only guard that trips while waiting
-                self._script[-1][1] = _TIMED_OUT
-            elif asked and d.get("where") == "turn":   # the model failed: the turn raised
-                self._script[-1][1] = LlmError(d["error"].partition(": ")[2])
-            elif kind == "tool_call_started":
-                started[d["call_id"]] = d
-            elif kind == "tool_call_completed" and started[d["call_id"]]["runs"]:
-                rec = {**started[d["call_id"]], **d, "batch": len(self._script),  # its reply
-                       "cut": "before this call ended" in d["content"]}
-                self._calls.setdefault(d["call_id"], []).append(rec)
-                self._running[rec["batch"]] += not rec["cut"]
-            asked = None if kind == "turn_completed" else asked
+        try:   # a field missing or of a wrong type: a TraceError naming the line, below
+            for e in events:
+                asked = self._read(e, asked, started)
+        except (KeyError, TypeError, ValueError, AttributeError, IndexError) as x:
+            raise TraceError(f"line {e['line']}: this {e['kind']} is not as bob writes it "
+                             f"({type(x).__name__}: {x})") from None
+
+    def _read(self, e: _Event, asked: Any, started: dict[str, _Event]) -> Any:
+        """Take in one event; the line of the request not answered yet, if any."""
+        kind, d = e["kind"], e["data"]
+        # a request with no reply, yet the turn went on or ended other than cancelled
+        cut = kind == "turn_completed" and d["finish_reason"] != "cancelled"
+        if asked and (cut and self._script[-1][1] is None
+                      or kind in ("llm_call_started", "action_parsed", "parse_error")):
+            raise TraceError(f"line {asked}: this llm_call_started has no "
+                             "llm_call_completed, yet the turn went on: the trace was edited")
+        if kind == "llm_call_started":
+            self._script.append([d["digest"], None])
+            asked = e.get("line", "?")
+        elif kind == "llm_call_completed":
+            _field(d, "content", (str,))
+            _field(d, "finish_reason", (str, type(None)))
+            for c in d["tool_calls"]:
+                _given(ToolCall(**c), id=(str,), name=(str,), arguments=(dict,))
+            calls = tuple(ToolCall(**c) for c in d["tool_calls"])
+            self._script[-1][1] = LlmResponse(d["content"], calls, Usage(**d["usage"]),
+                                              d["finish_reason"], d.get("reasoning"))
+            asked = None
+        elif asked and kind == "guard_tripped":   # the only guard that trips while waiting
+            self._script[-1][1] = _TIMED_OUT
+        elif asked and d.get("where") == "turn":   # the model failed: the turn raised
+            self._script[-1][1] = LlmError(d["error"].partition(": ")[2])
+        elif kind == "tool_call_started":
+            started[d["call_id"]] = d
+        elif kind == "tool_call_completed" and started[d["call_id"]]["runs"]:
+            rec = {**started[d["call_id"]], **d, "batch": len(self._script),  # its reply
+                   "cut": "before this call ended" in d["content"]}
+            self._calls.setdefault(d["call_id"], []).append(rec)
+            self._running[rec["batch"]] += not rec["cut"]
+        return None if kind == "turn_completed" else asked
 
     # -- the LlmPort --
 

@@ -118,8 +118,9 @@ def _expand(value, where, environ):
         # form (${VAR-x}, ${VAR:=x}, a nested one) is refused, never sent as it is written
         form = _FORM.fullmatch(m[1])
         if form is None or form[1] not in environ and form[2] is None:
-            raise bob.ConfigError(f"{where}: {m[0]} is not set, or not a form bob expands: "
-                                  "export the variable, or write ${VAR} or ${VAR:-default}")
+            raise bob.ConfigError(f"{where}: {m[1]} is not set, or {m[0]} is not a form bob "
+                                  "expands: export the variable, or write ${VAR} or "
+                                  "${VAR:-default}")
         return environ.get(form[1]) or (form[2] or "")[2:]
     return _VAR.sub(one, value)
 

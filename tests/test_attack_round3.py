@@ -291,48 +291,6 @@ def test_an_mcp_secret_in_a_tool_name_or_a_schema_key_reaches_neither_model_nor_
     assert MCP_SECRET not in path.read_text(), "the secret is in the trace"
 
 
-MANY_TOOLS_SERVER = r'''
-import json, sys
-PER_PAGE, PAGES = 1000, 20
-for line in sys.stdin:
-    msg = json.loads(line)
-    method, mid = msg.get("method"), msg.get("id")
-    if mid is None:
-        continue
-    if method == "initialize":
-        result = {"protocolVersion": msg["params"]["protocolVersion"], "capabilities":
-                  {"tools": {}}, "serverInfo": {"name": "many", "version": "1"}}
-    elif method == "tools/list":
-        page = int((msg.get("params") or {}).get("cursor") or 0)
-        result = {"tools": [{"name": f"t{page}_{i}", "description": "x" * 200,
-                             "inputSchema": {"type": "object"}} for i in range(PER_PAGE)]}
-        if page + 1 < PAGES:
-            result["nextCursor"] = str(page + 1)
-    else:
-        result = {}
-    sys.stdout.write(json.dumps({"jsonrpc": "2.0", "id": mid, "result": result}) + "\n")
-    sys.stdout.flush()
-'''
-
-
-def test_a_server_listing_twenty_thousand_tools_is_bounded(tmp_path):
-    # issue 22: "Bound the pages and the tools, and name the cause." The pages are bounded
-    # (100); the tools are not: 20 pages of 1,000 tools are all offered, and every request to the
-    # model and every turn_started event carries all 20,000 (4.6 MB each).
-    import sys
-    from bob_mcp import McpError, McpServerConfig, McpToolPort
-    script = tmp_path / "many.py"
-    script.write_text(MANY_TOOLS_SERVER)
-    cfg = McpServerConfig("m", command=sys.executable, args=(str(script),))
-    try:
-        with McpToolPort([cfg]) as port:
-            n = len(port.list_tools())
-    except McpError as e:
-        assert "tools" in str(e), str(e)
-        return
-    assert n <= 1000, f"{n} tools offered to the model"
-
-
 def test_the_token_of_a_bearer_header_echoed_alone_by_a_401_is_masked(tmp_path):
     # A gateway's auth header given as headers={"Authorization": "Bearer <token>"} (README's
     # example for MCP). The server's 401 quotes the token alone, as most do. bob.py masks a

@@ -725,7 +725,8 @@ class RaisingListing:
 
 
 class OddSchema(RaisingListing):
-    """A schema json cannot encode: building the prompt fails (a bug-like error in a state)."""
+    """A schema json cannot encode: refused at Start, naming the tool (it was an internal
+    error in build_prompt until the JSON check knew values JSON does not have)."""
 
     def list_tools(self):
         return [bob.ToolDescriptor("odd", "odd", {"type": "object", "x": object()})]
@@ -733,7 +734,7 @@ class OddSchema(RaisingListing):
 
 @pytest.mark.parametrize("tools, message", [
     (RaisingListing(), "listing the tools failed: RuntimeError: tool server"),
-    (OddSchema(), "internal error in build_prompt: TypeError"),
+    (OddSchema(), "tool 'odd': its input schema holds a value of type object"),
 ])
 def test_an_error_inside_a_turn_is_an_agent_error_after_saving(tools, message):
     rt = agent(["never"], tools=tools)
