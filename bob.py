@@ -15,9 +15,39 @@ Sections:
     1. Errors                 6. Tools: functions, composite, policy
     2. Domain types           7. Stores and event sinks
     3. Ports                  8. Workers: threads with deadlines and cancel
-    4. Actions and prompts    9. The scheduler (AgentRuntime)
+    4. Actions and prompts    9. The scheduler: State, _Turn, AgentRuntime
     5. LoopGuard             10. LLM adapters: ScriptedLlm, OpenAICompatLlm
                              11. Replay
+
+A turn in brief (section 9). AgentRuntime.run walks one _Turn through the states below, checking
+each step against TRANSITIONS and emitting it; each state is one method of _Turn that does the
+work and returns the next state. The guards are LoopGuard's (section 5); a guard that trips, a
+cancel, an answer or a pause ends the turn through _Turn.end, and AgentRuntime._done saves it.
+
+    state          method               what it does                  what it checks first
+    START          _Turn.start          load the session, list the    (the tool listing: the
+                                        tools, add the input or take   turn deadline, cancel)
+                                        up a paused batch
+    BUILD_PROMPT   _Turn.build_prompt   system prompt + history cut   -
+                                        to max_history_messages
+    LLM_INFER      _Turn.llm_infer      call the model (again with    cancel; before_llm_call:
+                                        half the history if it is     turn_timeout_ms,
+                                        too long for its context)     max_consecutive_errors,
+                                                                      max_steps
+    PARSE_ACTION   _Turn.parse_action   the reply as an action; one   check_text (before tool
+                                        re-prompt if it is none       calls only):
+                                                                      max_stagnation_steps
+    CALL_TOOL      _Turn.call_tool      decide, run the batch (each   cancel; max_parallel_tools;
+                                        call within tool_timeout_ms), check_loop:
+                                        append results in order       max_repeated_batches; each
+                                                                      call: deny_tools, unknown,
+                                                                      ask_tools (approver or
+                                                                      pause); check_budget:
+                                                                      turn_timeout_ms,
+                                                                      max_tool_calls
+    DONE           AgentRuntime._done   save the session, emit
+                                        turn_completed, return or
+                                        raise
 
 Vendoring: copy this file. It needs Python >= 3.11 and the standard library; `requests` is imported
 only when an OpenAICompatLlm is created. Nothing happens at import time.
@@ -717,7 +747,8 @@ class LoopGuard:
     """Counts steps, tool calls, errors, repeated batches and repeated texts within one turn."""
 
     def __init__(self, policy: TurnPolicy, deadline: float):
-        self.policy, self.deadline = policy, deadline
+        self.policy = policy
+        self.deadline = deadline
         self.steps = self.tool_calls = self.consecutive_errors = 0
         self._batches: dict[str, int] = {}
         self._texts: dict[str, int] = {}
@@ -728,8 +759,10 @@ class LoopGuard:
 
     def out_of_time(self) -> Trip | None:
         """The turn deadline has passed."""
-        return None if time.monotonic() < self.deadline else Trip(GuardReason.TURN_TIMEOUT,
-            f"the turn took longer than turn_timeout_ms={self.policy.turn_timeout_ms}")
+        if time.monotonic() < self.deadline:
+            return None
+        return Trip(GuardReason.TURN_TIMEOUT,
+                    f"the turn took longer than turn_timeout_ms={self.policy.turn_timeout_ms}")
 
     def before_llm_call(self) -> Trip | None:
         """Checked before every LLM call: deadline, error streak, step budget."""
@@ -791,20 +824,19 @@ class LoopGuard:
 
     # -- a pause and its resume --
 
+    _COUNTS = ("steps", "tool_calls", "consecutive_errors", "_batches", "_texts")
+
     def counts(self) -> dict[str, Any]:
         """What a paused turn saves of this guard (session.paused["guard"]): the counts, not
         the policy or the deadline, which the resuming turn brings."""
-        return {"steps": self.steps, "tool_calls": self.tool_calls,
-                "consecutive_errors": self.consecutive_errors,
-                "_batches": dict(self._batches), "_texts": dict(self._texts)}
+        return {name: getattr(self, name) for name in self._COUNTS}
 
     def restore(self, counts: dict[str, Any]) -> None:
-        """Take up the counts a paused turn saved (counts()), as the resumed turn's own."""
-        self.steps = counts.get("steps", 0)
-        self.tool_calls = counts.get("tool_calls", 0)
-        self.consecutive_errors = counts.get("consecutive_errors", 0)
-        self._batches = dict(counts.get("_batches", {}))
-        self._texts = dict(counts.get("_texts", {}))
+        """Take up the counts a paused turn saved (counts()) as the resumed turn's own; a count
+        not saved stays as it starts."""
+        for name in self._COUNTS:
+            if name in counts:
+                setattr(self, name, counts[name])
 
 
 # ---- 6. Tools: functions, composite, policy -----------------------------------------------------
@@ -1391,7 +1423,7 @@ def _wait_all(workers: Sequence[_Worker], deadlines: Sequence[float],
             w.give_up()
 
 
-# ---- 9. The scheduler (AgentRuntime) ------------------------------------------------------------
+# ---- 9. The scheduler: State, _Turn, AgentRuntime -----------------------------------------------
 # A turn is a walk through six explicit states. Each state's work is one method of _Turn that
 # returns the next state; AgentRuntime.run checks every transition against TRANSITIONS and emits
 # it. AgentRuntime holds the settings and ports, saves the session and emits the events; _Turn
@@ -1954,7 +1986,7 @@ class _Turn:
 
 
 # Each state's work: a method of the turn that returns the next state (DONE has none).
-_WORK: dict[State, Callable[[_Turn], State]] = {
+_WORK = {
     State.START: _Turn.start, State.BUILD_PROMPT: _Turn.build_prompt,
     State.LLM_INFER: _Turn.llm_infer, State.PARSE_ACTION: _Turn.parse_action,
     State.CALL_TOOL: _Turn.call_tool}
@@ -2040,10 +2072,9 @@ class AgentRuntime:
         e = worker.error
         if done and e is None:
             report["tools"] = len(worker.value)
-        elif done:
-            report.update(ok=False, tools_error=f"{type(e).__name__}: {e}")
         else:
-            report.update(ok=False, tools_error=f"list_tools did not answer in {timeout_s} s")
+            report.update(ok=False, tools_error=f"{type(e).__name__}: {e}" if done
+                          else f"list_tools did not answer in {timeout_s} s")
         return report
 
     def _done(self, t: _Turn) -> AgentRunResult:
