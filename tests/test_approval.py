@@ -8,6 +8,7 @@ Sections: 1. Helpers  2. The approver callback  3. Pause and resume  4. Cancel a
 """
 from __future__ import annotations
 
+import json
 import threading
 import time
 
@@ -156,6 +157,19 @@ def test_guards_count_across_the_pause_as_one_turn(tmp_path):
     assert tools.ran == [("write", 2)]
     assert r2.finish_reason is FinishReason.GUARD_EXCEEDED
     assert r2.guard_reason is GuardReason.MAX_STEPS and r2.steps == 1
+
+
+def test_a_resume_takes_up_only_the_guards_counts_from_the_session(tmp_path):
+    store, tools = JsonFileSessionStore(tmp_path), Tools()
+    r = runtime([tc("write", x=2)], tools, store=store).run(AgentRequest("go", session_id="s"))
+    path = store.path_for("s")
+    saved = json.loads(path.read_text())
+    saved["paused"]["guard"]["remaining_s"] = 0   # a name of the guard's, not one of its counts
+    path.write_text(json.dumps(saved))
+    r2 = runtime([final("written")], tools, store=store).run(
+        AgentRequest(None, session_id="s", approvals={r.pending[0].id: Approval(True)}))
+    assert (r2.finish_reason, r2.content, tools.ran) == (FinishReason.FINAL, "written",
+                                                         [("write", 2)])
 
 
 def test_a_call_left_without_a_decision_pauses_again(tmp_path):
