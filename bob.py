@@ -19,35 +19,29 @@ Sections:
     5. LoopGuard             10. LLM adapters: ScriptedLlm, OpenAICompatLlm
                              11. Replay
 
-A turn in brief (section 9). AgentRuntime.run walks one _Turn through the states below, checking
-each step against TRANSITIONS and emitting it; each state is one method of _Turn that does the
-work and returns the next state. The guards are LoopGuard's (section 5); a guard that trips, a
-cancel, an answer or a pause ends the turn through _Turn.end, and AgentRuntime._done saves it.
+A turn in brief (section 9). AgentRuntime.run walks one _Turn through these states, checking each
+step against TRANSITIONS and emitting it. Each state is one method of _Turn that does its work and
+returns the next state; the guards it checks are LoopGuard's (section 5). A tripped guard, a
+cancel, an answer, a question or a pause ends the turn through _Turn.end; AgentRuntime._done
+saves it.
 
-    state          method               what it does                  what it checks first
-    START          _Turn.start          load the session, list the    (the tool listing: the
-                                        tools, add the input or take   turn deadline, cancel)
-                                        up a paused batch
-    BUILD_PROMPT   _Turn.build_prompt   system prompt + history cut   -
-                                        to max_history_messages
-    LLM_INFER      _Turn.llm_infer      call the model (again with    cancel; before_llm_call:
-                                        half the history if it is     turn_timeout_ms,
-                                        too long for its context)     max_consecutive_errors,
-                                                                      max_steps
-    PARSE_ACTION   _Turn.parse_action   the reply as an action; one   check_text (before tool
-                                        re-prompt if it is none       calls only):
-                                                                      max_stagnation_steps
-    CALL_TOOL      _Turn.call_tool      decide, run the batch (each   cancel; max_parallel_tools;
-                                        call within tool_timeout_ms), check_loop:
-                                        append results in order       max_repeated_batches; each
-                                                                      call: deny_tools, unknown,
-                                                                      ask_tools (approver or
-                                                                      pause); check_budget:
-                                                                      turn_timeout_ms,
-                                                                      max_tool_calls
-    DONE           AgentRuntime._done   save the session, emit
-                                        turn_completed, return or
-                                        raise
+    START         _Turn.start: loads the session, lists the tools (the turn deadline and cancel
+                  hold), adds the input or takes up a paused batch.
+    BUILD_PROMPT  _Turn.build_prompt: the system prompt and the history cut to
+                  max_history_messages, in the wire shape of the action mode.
+    LLM_INFER     _Turn.llm_infer: checks cancel, then before_llm_call (turn_timeout_ms,
+                  max_consecutive_errors, max_steps); calls the model, again with half the
+                  history while the endpoint says the request is too long.
+    PARSE_ACTION  _Turn.parse_action: the reply as an action (one re-prompt if it is none). An
+                  answer or a question ends the turn; tool calls first pass check_text
+                  (max_stagnation_steps).
+    CALL_TOOL     _Turn.call_tool: checks cancel, max_parallel_tools (the batch is refused and
+                  the loop goes on), check_loop (max_repeated_batches); each call's deny_tools
+                  and unknown names, and ask_tools decisions (the approver, or a pause);
+                  check_budget (turn_timeout_ms, max_tool_calls). Then runs the batch, each call
+                  within tool_timeout_ms, and appends the results in call order.
+    DONE          AgentRuntime._done: saves the session, emits turn_completed, returns the
+                  result or raises.
 
 Vendoring: copy this file. It needs Python >= 3.11 and the standard library; `requests` is imported
 only when an OpenAICompatLlm is created. Nothing happens at import time.
@@ -733,8 +727,9 @@ def render_for_wire(m: Message, mode: str) -> Message:
 
 
 # ---- 5. LoopGuard -------------------------------------------------------------------------------
-# Every limit of a turn in one place. Each check returns a Trip or None; the scheduler ends the
-# turn on a Trip. N = the setting: N LLM calls, N tool calls run, the N-th error in a row trips.
+# Every limit of a turn in one place. Each check returns a Trip or None; the scheduler ends
+# the turn on a Trip. N = the setting: N LLM calls, N tool calls run, the N-th error in a row
+# trips.
 
 @dataclass(frozen=True)
 class Trip:
@@ -832,8 +827,8 @@ class LoopGuard:
         return {name: getattr(self, name) for name in self._COUNTS}
 
     def restore(self, counts: dict[str, Any]) -> None:
-        """Take up the counts a paused turn saved (counts()) as the resumed turn's own; a count
-        not saved stays as it starts."""
+        """Take up the counts a paused turn saved (counts()) as the resumed turn's own; a
+        count not saved stays as it starts."""
         for name in self._COUNTS:
             if name in counts:
                 setattr(self, name, counts[name])
@@ -1425,9 +1420,9 @@ def _wait_all(workers: Sequence[_Worker], deadlines: Sequence[float],
 
 # ---- 9. The scheduler: State, _Turn, AgentRuntime -----------------------------------------------
 # A turn is a walk through six explicit states. Each state's work is one method of _Turn that
-# returns the next state; AgentRuntime.run checks every transition against TRANSITIONS and emits
-# it. AgentRuntime holds the settings and ports, saves the session and emits the events; _Turn
-# holds what one turn knows and does its work, reaching the runtime through `self.rt`.
+# returns the next state; AgentRuntime.run checks every transition against TRANSITIONS and
+# emits it. AgentRuntime holds the settings and ports, saves the session and emits the events;
+# _Turn holds what one turn knows and does its work, reaching the runtime through `self.rt`.
 
 class State(str, enum.Enum):
     """The states of a turn."""
@@ -1440,7 +1435,8 @@ class State(str, enum.Enum):
 
 
 TRANSITIONS: dict[State, frozenset[State]] = {
-    State.START: frozenset({State.BUILD_PROMPT, State.CALL_TOOL, State.DONE}),  # CALL_TOOL: resume
+    # START goes to CALL_TOOL when it takes up a paused batch
+    State.START: frozenset({State.BUILD_PROMPT, State.CALL_TOOL, State.DONE}),
     State.BUILD_PROMPT: frozenset({State.LLM_INFER}),
     State.LLM_INFER: frozenset({State.PARSE_ACTION, State.DONE}),
     State.PARSE_ACTION: frozenset({State.BUILD_PROMPT, State.CALL_TOOL, State.DONE}),
@@ -1460,8 +1456,9 @@ def _too_long(e: BaseException | None) -> bool:
 
 
 def _raised(e: BaseException, state: State) -> BaseException:
-    """What a turn that raised `e` in `state` raises: a BobError or a BaseException that is no
-    Exception (Ctrl-C, SystemExit) as it is; anything else is a bug, an AgentError naming it."""
+    """What a turn that raised `e` in `state` raises: a BobError, or a BaseException that
+    is no Exception (Ctrl-C, SystemExit), as it is; anything else is a bug: an AgentError
+    naming it."""
     if isinstance(e, BobError) or not isinstance(e, Exception):
         return e
     error = AgentError(f"internal error in {state.value}: {type(e).__name__}: {e}")
@@ -1471,15 +1468,16 @@ def _raised(e: BaseException, state: State) -> BaseException:
 
 @dataclass
 class _Turn:
-    """One turn: everything it knows, and the work of each state, one method per state in the
-    order a turn visits them. Owned by the scheduler's thread. The runtime's settings, ports and
-    event sinks are `rt`'s. The outcome (finish, content, guard_reason, error) is written by
-    `end` alone."""
+    """One turn: everything it knows, and the work of each state, one method per state in
+    the order a turn visits them. Owned by the scheduler's thread. The runtime's settings,
+    ports and event sinks are `rt`'s. The outcome (finish, content, guard_reason, error)
+    is written by `end` alone."""
     rt: AgentRuntime
     request: AgentRequest
     policy: TurnPolicy
     caller_cancel: CancelToken              # the caller's token: cancel means CANCELLED
-    cancel: CancelToken                     # this turn's: also fired at the deadline and the end
+    # this turn's: also fired at the deadline and the end
+    cancel: CancelToken
     guard: LoopGuard
     session: SessionState = field(default_factory=SessionState)
     tools: list[ToolDescriptor] = field(default_factory=list)
@@ -1516,8 +1514,8 @@ class _Turn:
             if bad := _json_problem(calls):   # a non-Message fails as a bug, in start
                 raise AgentError(f"AgentRequest.history cannot be sent: its tool calls' JSON {bad}")
             self.session.messages = list(history)
-        # The tools, listed once a turn: denied ones left out, the rest masked as the model sees
-        # them; a schema that is not JSON fails the turn, after its start is traced
+        # The tools, listed once a turn: denied ones left out, the rest masked as the model
+        # sees them; a schema that is not JSON fails the turn, after its start is traced
         worker = None
         if rt.tools is not None:
             worker = self._call_port(rt.tools.list_tools)
@@ -1617,7 +1615,8 @@ class _Turn:
         if self.caller_cancel.cancelled:
             return self._stop_batch_on_cancel()
         if not resumed:
-            if len(calls) > self.policy.max_parallel_tools:  # first: O(1) per call, unlike hashing
+            # first: O(1) per call, unlike hashing
+            if len(calls) > self.policy.max_parallel_tools:
                 return self._refuse_oversize_batch(calls)
             if trip := self.guard.check_loop(calls):
                 return self._stop_batch_on_guard(trip)
@@ -1646,9 +1645,9 @@ class _Turn:
 
     def end(self, finish: FinishReason = FinishReason.FINAL, content: str = "",
             guard_reason: GuardReason | None = None, error: BaseException | None = None) -> State:
-        """The one place a turn's outcome is written: how it finished, its content and the guard
-        that stopped it; or the error it raises (the rest is left as it was: a turn that raises
-        has no finish reason)."""
+        """The one place a turn's outcome is written: how it finished, its content and the
+        guard that stopped it; or the error it raises (the rest is left as it was: a turn that
+        raises has no finish reason)."""
         if error is not None:
             self.error = error
             return State.DONE
@@ -1733,7 +1732,8 @@ class _Turn:
             return parse_action(reply.content, call_id)
         # Native: the reply's tool calls, or its text as the answer
         most = max(_MAX_CALLS_PER_REPLY, self.policy.max_parallel_tools)
-        if len(reply.tool_calls) > most:  # garbage, not a batch: its results would flood history
+        # garbage, not a batch: its results would flood history
+        if len(reply.tool_calls) > most:
             raise ActionParseError(f"the reply has {len(reply.tool_calls)} tool calls; call at "
                                    f"most {self.policy.max_parallel_tools} tools at a time")
         if reply.tool_calls:  # ids must be unique; some servers omit or repeat them
@@ -1754,7 +1754,8 @@ class _Turn:
         the paused batch with its counts and decisions (True); call_tool answers the pause."""
         request = self.request
         paused = self.session.paused if request.history is None else None
-        messages = self.session.messages   # calls without results: paused, or a turn cut short
+        # calls without results: paused, or a turn cut short
+        messages = self.session.messages
         waiting = messages[-1].tool_calls if messages else ()
         if request.input is not None:
             self.session.paused = None
@@ -1791,8 +1792,9 @@ class _Turn:
     # -- a batch of tool calls: approvals, refusals, running --
 
     def _approved_batch(self, refusals: list[ToolResult | None]) -> State | list[ToolCall]:
-        """The batch as it runs: calls matching ask_tools (not refused) need a decision; declined
-        ones get an error in `refusals`; without an approver, undecided calls pause the turn."""
+        """The batch as it runs: calls matching ask_tools (not refused) need a decision;
+        declined ones get an error in `refusals`; without an approver, undecided calls pause
+        the turn."""
         assert isinstance(self.action, CallTools)
         calls = list(self.action.calls)
         waiting = []
@@ -1817,7 +1819,8 @@ class _Turn:
                 calls[i] = dataclasses.replace(call, arguments=dict(approval.arguments))
         if waiting:
             return self._end_paused(waiting)
-        self.approvals = {}   # decisions hold for this batch: a later call reusing an id is asked
+        # decisions hold for this batch: a later call reusing an id is asked
+        self.approvals = {}
         if calls != list(self.action.calls):  # the history records the arguments that ran
             self.session.messages[-1] = dataclasses.replace(self.session.messages[-1],
                                                             tool_calls=tuple(calls))
@@ -1904,7 +1907,8 @@ class _Turn:
     def _run_batch(self, calls: Sequence[ToolCall],
                    refusals: list[ToolResult | None]) -> tuple[list[ToolResult], int]:
         """Run the calls not refused at once, each with its timeout: results in order, # ran."""
-        tools = typing.cast(ToolPort, self.rt.tools)   # _refusal_of_call lets only listed ones by
+        # not None: _refusal_of_call lets only listed tools through
+        tools = typing.cast(ToolPort, self.rt.tools)
         results = list(refusals)
         running: list[tuple[int, _Worker, float]] = []
         for i, call in enumerate(calls):
@@ -1916,7 +1920,8 @@ class _Turn:
         t0 = time.monotonic()
         _wait_all([w for _, w, _ in running], [t0 + s for _, _, s in running], self.wake,
                   self.cancel)
-        for i, worker, timeout in running:  # one timeout for all: none timed out before a cancel
+        # one timeout for all: none timed out before a cancel
+        for i, worker, timeout in running:
             results[i] = self._result_of(calls[i], worker, timeout)
         return [r for r in results if r is not None], len(running)
 
@@ -2031,13 +2036,15 @@ class AgentRuntime:
         self._traced: dict[str, int] = {}  # session -> the version its traced turns lead to
 
     def run(self, request: AgentRequest, cancel: CancelToken | None = None) -> AgentRunResult:
-        """Run one turn to its end. Guards and cancel are results; LlmError/AgentError raise."""
+        """Run one turn to its end: a guard or a cancel is a result; LlmError, AgentError
+        and StoreError are raised."""
         policy = request.policy or self.policy
         caller = cancel or CancelToken()
         guard = LoopGuard(policy, time.monotonic() + policy.turn_timeout_ms / 1000)
         turn = _Turn(self, request, policy, caller, CancelToken(), guard)
-        turn.cancel.on_cancel(lambda: turn.wake.put(None))  # wakes whatever the turn waits for
-        unlink = caller.on_cancel(turn.cancel.cancel)   # the caller's cancel is the turn's too
+        # A cancel of the turn wakes whatever it waits for; the caller's cancel is the turn's
+        turn.cancel.on_cancel(lambda: turn.wake.put(None))
+        unlink = caller.on_cancel(turn.cancel.cancel)
         state = State.START
         try:
             while state is not State.DONE:
@@ -2062,12 +2069,13 @@ class AgentRuntime:
                                   "abandoned_workers": abandoned_workers()}
         if self.tools is None:
             return report
-        if self._probe is None or self._probe.done:  # one at a time: no thread leak if it hangs
+        # one at a time: no thread leak if it hangs
+        if self._probe is None or self._probe.done:
             self._probe = _Worker(self.tools.list_tools, queue.SimpleQueue())
         worker = self._probe
         _wait_all([worker], [time.monotonic() + timeout_s], worker.wake, CancelToken())
-        # Read `done` before `error`: the worker sets `error` before `done`, so a done worker's
-        # error is final here
+        # Read `done` before `error`: the worker sets `error` before `done`, so a done
+        # worker's error is final here
         done = worker.done
         e = worker.error
         if done and e is None:
