@@ -19,14 +19,14 @@ Sections:
     5. LoopGuard             10. LLM adapters: ScriptedLlm, OpenAICompatLlm
                              11. Replay
 
-A turn in brief (section 9). AgentRuntime.run walks one _Turn through these states, checking each
-step against TRANSITIONS and emitting it. Each state is one method of _Turn that does its work and
-returns the next state; the guards it checks are LoopGuard's (section 5). A tripped guard, a
-cancel, an answer, a question or a pause ends the turn through _Turn.end; AgentRuntime._done
-saves it.
+A turn in brief (section 9). AgentRuntime.run walks one _Turn through these states,
+checking each step against TRANSITIONS and emitting it. Each state is one method of _Turn
+that does its work and returns the next state; the guards it checks are LoopGuard's
+(section 5). A tripped guard, a cancel, an answer, a question or a pause ends the turn
+through _Turn.end; AgentRuntime._done saves it.
 
-    START         _Turn.start: loads the session, lists the tools (the turn deadline and cancel
-                  hold), adds the input or takes up a paused batch.
+    START         _Turn.start: loads the session, lists the tools (the turn deadline and
+                  cancel hold), adds the input or takes up a paused batch.
     BUILD_PROMPT  _Turn.build_prompt: the system prompt and the history cut to
                   max_history_messages, in the wire shape of the action mode.
     LLM_INFER     _Turn.llm_infer: checks cancel, then before_llm_call (turn_timeout_ms,
@@ -38,13 +38,13 @@ saves it.
     CALL_TOOL     _Turn.call_tool: checks cancel, max_parallel_tools (the batch is refused and
                   the loop goes on), check_loop (max_repeated_batches); each call's deny_tools
                   and unknown names, and ask_tools decisions (the approver, or a pause);
-                  check_budget (turn_timeout_ms, max_tool_calls). Then runs the batch, each call
-                  within tool_timeout_ms, and appends the results in call order.
+                  check_budget (turn_timeout_ms, max_tool_calls). Then runs the batch, each
+                  call within tool_timeout_ms, and appends the results in call order.
     DONE          AgentRuntime._done: saves the session, emits turn_completed, returns the
                   result or raises.
 
-Vendoring: copy this file. It needs Python >= 3.11 and the standard library; `requests` is imported
-only when an OpenAICompatLlm is created. Nothing happens at import time.
+Vendoring: copy this file. It needs Python >= 3.11 and the standard library; `requests` is
+imported only when an OpenAICompatLlm is created. Nothing happens at import time.
 """
 from __future__ import annotations
 
@@ -739,7 +739,7 @@ class Trip:
 
 
 class LoopGuard:
-    """Counts steps, tool calls, errors, repeated batches and repeated texts within one turn."""
+    """Counts steps, tool calls, errors, repeated batches and repeated texts in one turn."""
 
     def __init__(self, policy: TurnPolicy, deadline: float):
         self.policy = policy
@@ -756,8 +756,8 @@ class LoopGuard:
         """The turn deadline has passed."""
         if time.monotonic() < self.deadline:
             return None
-        return Trip(GuardReason.TURN_TIMEOUT,
-                    f"the turn took longer than turn_timeout_ms={self.policy.turn_timeout_ms}")
+        return Trip(GuardReason.TURN_TIMEOUT, "the turn took longer than "
+                    f"turn_timeout_ms={self.policy.turn_timeout_ms}")
 
     def before_llm_call(self) -> Trip | None:
         """Checked before every LLM call: deadline, error streak, step budget."""
@@ -782,19 +782,21 @@ class LoopGuard:
         key = hashlib.sha1(masked.encode("utf-8", "surrogatepass")).hexdigest()
         self._texts[key] = seen = self._texts.get(key, 0) + 1
         if seen > self.policy.max_stagnation_steps:
-            return Trip(GuardReason.STAGNATION, f"the model repeated the same reply {seen} times "
+            return Trip(GuardReason.STAGNATION,
+                        f"the model repeated the same reply {seen} times "
                         f"(max_stagnation_steps={self.policy.max_stagnation_steps})")
         return None
 
     def check_loop(self, calls: Sequence[ToolCall]) -> Trip | None:
-        """Before a batch runs: the same batch (names + canonical arguments) seen too often."""
+        """Before a batch runs: the same batch (names, canonical arguments) seen too often."""
         sig = "|".join(sorted(c.name + json.dumps(redact(c.arguments), sort_keys=True,
                                                   default=str)   # masked, as a replay sees it
                               for c in calls))
         self._batches[sig] = seen = self._batches.get(sig, 0) + 1
         if seen > self.policy.max_repeated_batches:
-            return Trip(GuardReason.LOOP_DETECTED, f"the same tool calls were requested {seen} "
-                        f"times (max_repeated_batches={self.policy.max_repeated_batches})")
+            return Trip(GuardReason.LOOP_DETECTED,
+                        f"the same tool calls were requested {seen} times"
+                        f"  (max_repeated_batches={self.policy.max_repeated_batches})")
         return None
 
     def check_budget(self, runnable: int) -> Trip | None:
@@ -808,7 +810,8 @@ class LoopGuard:
         return None
 
     def record_results(self, results: Sequence[ToolResult], ran: int) -> None:
-        """Count the `ran` calls; an error result (refusals too) extends the streak, else resets."""
+        """Count the `ran` calls; each error result (refusals too) extends the error streak,
+        any other result ends it."""
         self.tool_calls += ran
         for r in results:
             self.consecutive_errors = self.consecutive_errors + 1 if r.is_error else 0
@@ -1466,6 +1469,10 @@ def _raised(e: BaseException, state: State) -> BaseException:
     return error
 
 
+# An event's data, or a function that builds it (called only when a sink listens)
+_EventData = Union[dict[str, Any], Callable[[], dict[str, Any]]]
+
+
 @dataclass
 class _Turn:
     """One turn: everything it knows, and the work of each state, one method per state in
@@ -1476,7 +1483,7 @@ class _Turn:
     request: AgentRequest
     policy: TurnPolicy
     caller_cancel: CancelToken              # the caller's token: cancel means CANCELLED
-    # this turn's: also fired at the deadline and the end
+    # this turn's own: also fired at the deadline and when the turn ends
     cancel: CancelToken
     guard: LoopGuard
     session: SessionState = field(default_factory=SessionState)
@@ -1512,7 +1519,8 @@ class _Turn:
         if history is not None:
             calls = [c.arguments for m in history for c in getattr(m, "tool_calls", ())]
             if bad := _json_problem(calls):   # a non-Message fails as a bug, in start
-                raise AgentError(f"AgentRequest.history cannot be sent: its tool calls' JSON {bad}")
+                raise AgentError("AgentRequest.history cannot be sent: its tool calls' JSON "
+                                 f"{bad}")
             self.session.messages = list(history)
         # The tools, listed once a turn: denied ones left out, the rest masked as the model
         # sees them; a schema that is not JSON fails the turn, after its start is traced
@@ -1521,7 +1529,8 @@ class _Turn:
             worker = self._call_port(rt.tools.list_tools)
             if worker.done and worker.error is None:
                 self.tools = [d for d in worker.value if not is_denied(d.name, rt.deny_tools)]
-        unfit = next(((d, p) for d in self.tools if (p := _json_problem(d.input_schema))), None)
+        unfit = next(((d, p) for d in self.tools if (p := _json_problem(d.input_schema))),
+                     None)
         self.tools = [] if unfit else list(map(_masked_tool, self.tools))
         # The trace's opening events, then the input (or the paused batch)
         self._trace_loaded()
@@ -1543,7 +1552,8 @@ class _Turn:
         return State.LLM_INFER
 
     def llm_infer(self) -> State:
-        """Check cancel and the guards, then call the model in a worker until deadline/cancel."""
+        """Check cancel and the guards, then call the model on a worker until it answers, the
+        deadline passes or the turn is cancelled."""
         # Nothing is sent once cancelled or past a limit
         if self.caller_cancel.cancelled:
             return self._end_cancelled()
@@ -1585,8 +1595,9 @@ class _Turn:
             return self._reprompt(reply, e)
         self.action = action
         self.parse_failures = 0
+        kind = {Final: "final", AskUser: "ask_user", CallTools: "tool_call"}[type(action)]
         self._emit("action_parsed", {
-            "type": {Final: "final", AskUser: "ask_user", CallTools: "tool_call"}[type(action)],
+            "type": kind,
             "tools": [c.name for c in action.calls] if isinstance(action, CallTools) else []})
         # An answer or a question ends the turn
         if isinstance(action, Final):
@@ -1604,7 +1615,7 @@ class _Turn:
         return State.CALL_TOOL
 
     def call_tool(self) -> State:
-        """Guard the batch, get the decisions it needs, run it, append results in call order."""
+        """Guard the batch, get its decisions, run it, append the results in call order."""
         assert isinstance(self.action, CallTools)
         calls = self.action.calls
         self.session.paused = None   # answered below, or paused afresh
@@ -1615,7 +1626,7 @@ class _Turn:
         if self.caller_cancel.cancelled:
             return self._stop_batch_on_cancel()
         if not resumed:
-            # first: O(1) per call, unlike hashing
+            # The size first: it costs O(1) per call, check_loop's hashing does not
             if len(calls) > self.policy.max_parallel_tools:
                 return self._refuse_oversize_batch(calls)
             if trip := self.guard.check_loop(calls):
@@ -1644,7 +1655,8 @@ class _Turn:
     # -- ending the turn: `end` writes the outcome, the others say why --
 
     def end(self, finish: FinishReason = FinishReason.FINAL, content: str = "",
-            guard_reason: GuardReason | None = None, error: BaseException | None = None) -> State:
+            guard_reason: GuardReason | None = None,
+            error: BaseException | None = None) -> State:
         """The one place a turn's outcome is written: how it finished, its content and the
         guard that stopped it; or the error it raises (the rest is left as it was: a turn that
         raises has no finish reason)."""
@@ -1673,18 +1685,22 @@ class _Turn:
         return self.end(FinishReason.NEEDS_APPROVAL, f"Waiting for approval: {names}.")
 
     def _end_if_failed(self, worker: _Worker, what: str) -> State | None:
-        """DONE if the port call was cancelled, timed out or raised; None if it gave a value."""
+        """DONE if the port call was cancelled, timed out or raised; None if it answered."""
         if self.caller_cancel.cancelled:
             return self._end_cancelled()
         if not worker.done:
-            return self._end_on_trip(Trip(GuardReason.TURN_TIMEOUT, f"{what} did not answer "
-                                          f"within turn_timeout_ms={self.policy.turn_timeout_ms}"))
+            return self._end_on_trip(self._no_answer(what))
         e = worker.error
         if e is None:
             return None
         if not isinstance(e, BobError):
             e = AgentError(f"{what} failed: {type(e).__name__}: {e}")
         return self.end(error=e)
+
+    def _no_answer(self, what: str) -> Trip:
+        """The turn deadline passed while `what` (a port, the approver) was still at work."""
+        return Trip(GuardReason.TURN_TIMEOUT, f"{what} did not answer within "
+                                              f"turn_timeout_ms={self.policy.turn_timeout_ms}")
 
     def _reprompt(self, reply: LlmResponse, raw: ActionParseError) -> State:
         """A reply that is no action: the model is told so and asked again, once; the second
@@ -1695,17 +1711,18 @@ class _Turn:
         e = (json_mode and _parse_problem(seen)) or raw
         self._emit("parse_error", {"error": str(e), "attempt": self.parse_failures})
         if self.parse_failures >= 2:
-            return self.end(error=AgentError("the model replied with an invalid action twice in "
-                                             f"a row: {e}. Last reply: {_excerpt(seen)!r}"))
+            return self.end(error=AgentError(
+                f"the model replied with an invalid action twice in a row: {e}. "
+                f"Last reply: {_excerpt(seen)!r}"))
         how = ACTION_CONTRACT if json_mode else "Answer in text or call a tool."
-        self.session.messages.append(Message("user", "Your last reply was not a valid action: "
-                                                     f"{e}. It began: {_excerpt(seen)!r}. {how}"))
+        text = f"Your last reply was not a valid action: {e}. It began: {_excerpt(seen)!r}."
+        self.session.messages.append(Message("user", f"{text} {how}"))
         return State.BUILD_PROMPT
 
     # -- helpers of the states --
 
     def _prompt(self, limit: int) -> LlmRequest:
-        """System message + history cut to `limit`, in wire shape; each message renders once."""
+        """System message + history cut to `limit`, in wire shape; each renders once."""
         messages = self.session.messages
         kept = self.units.read(messages).kept(limit, self.input_index)
         for i in kept:
@@ -1721,8 +1738,8 @@ class _Turn:
     def _call_port(self, fn: Callable[[], Any]) -> _Worker:
         """Run a port call on a worker; wait until it ends, the turn deadline, or a cancel."""
         if abandoned_workers() >= _MAX_ABANDONED:  # a port that ignores cancel: stop leaking
-            raise AgentError(f"{_MAX_ABANDONED} earlier port calls are still hung (a port that "
-                             "ignores cancel and deadlines); restart the program")
+            raise AgentError(f"{_MAX_ABANDONED} earlier port calls are still hung (a port "
+                             "that ignores cancel and deadlines); restart the program")
         worker = _Worker(fn, self.wake)
         _wait_all([worker], [self.guard.deadline], self.wake, self.cancel)
         return worker
@@ -1732,10 +1749,10 @@ class _Turn:
             return parse_action(reply.content, call_id)
         # Native: the reply's tool calls, or its text as the answer
         most = max(_MAX_CALLS_PER_REPLY, self.policy.max_parallel_tools)
-        # garbage, not a batch: its results would flood history
+        # More calls than a batch may have is garbage: their results would flood history
         if len(reply.tool_calls) > most:
-            raise ActionParseError(f"the reply has {len(reply.tool_calls)} tool calls; call at "
-                                   f"most {self.policy.max_parallel_tools} tools at a time")
+            raise ActionParseError(f"the reply has {len(reply.tool_calls)} tool calls; call "
+                                   f"at most {self.policy.max_parallel_tools} tools at a time")
         if reply.tool_calls:  # ids must be unique; some servers omit or repeat them
             calls = []
             seen = set()
@@ -1754,7 +1771,7 @@ class _Turn:
         the paused batch with its counts and decisions (True); call_tool answers the pause."""
         request = self.request
         paused = self.session.paused if request.history is None else None
-        # calls without results: paused, or a turn cut short
+        # The last message's calls have no results yet: a paused batch, or a turn cut short
         messages = self.session.messages
         waiting = messages[-1].tool_calls if messages else ()
         if request.input is not None:
@@ -1827,15 +1844,14 @@ class _Turn:
         return calls
 
     def _ask_approver(self, call: ToolCall) -> Approval | State:
-        """The approver's decision, on a worker (deadline and cancel hold); a raise declines."""
+        """The approver's decision, on a worker (the deadline and cancel hold); an approver
+        that raises declines."""
         approver = typing.cast(Callable[[ToolCall], Approval], self.rt.approver)
         worker = self._call_port(lambda: approver(call))
         if self.caller_cancel.cancelled or isinstance(worker.error, Cancelled):
             return self._stop_batch_on_cancel()
         if not worker.done:
-            return self._stop_batch_on_guard(Trip(GuardReason.TURN_TIMEOUT, "the approver did "
-                                             f"not answer within turn_timeout_ms="
-                                             f"{self.policy.turn_timeout_ms}"))
+            return self._stop_batch_on_guard(self._no_answer("the approver"))
         e = worker.error
         if e is not None:
             return Approval(False, f"the approver failed: {type(e).__name__}: {e}")
@@ -1858,7 +1874,8 @@ class _Turn:
         self.approvals[call.id] = approval
         changed = approval.allow and approval.arguments not in (None, call.arguments)
         self._emit("approval_decided", {"call_id": call.id, "allow": approval.allow,
-                                        "arguments_changed": changed, "reason": approval.reason,
+                                        "arguments_changed": changed,
+                                        "reason": approval.reason,
                                         "arguments": approval.arguments})
 
     def _refusal_of_call(self, call: ToolCall) -> ToolResult | None:
@@ -1871,13 +1888,13 @@ class _Turn:
             names = ", ".join(d.name for d in self.tools) or "none"
             return _error(call, f"unknown tool {call.name!r}; available tools: {names}")
         if abandoned_workers() >= _MAX_ABANDONED:
-            return _error(call, f"executor unavailable: {_MAX_ABANDONED} earlier port calls are "
-                                "still hung; restart the program")
+            return _error(call, f"executor unavailable: {_MAX_ABANDONED} earlier port calls "
+                                "are still hung; restart the program")
         return None
 
     def _refuse_oversize_batch(self, calls: Sequence[ToolCall]) -> State:
-        """A batch over max_parallel_tools runs not at all; it counts as one error and the loop
-        goes on."""
+        """A batch over max_parallel_tools runs not at all; it counts as one error and
+        the loop goes on."""
         n = self.policy.max_parallel_tools
         self._answer_unrun(calls, f"not run: this batch has {len(calls)} calls and at most "
                                   f"max_parallel_tools={n} may run at once; call at most {n} "
@@ -1886,7 +1903,7 @@ class _Turn:
         return State.BUILD_PROMPT
 
     def _stop_batch_on_guard(self, trip: Trip) -> State:
-        """A guard stopped the batch: every call gets a "not run" result, and the turn ends."""
+        """A guard stopped the batch: each call gets a "not run" result; the turn ends."""
         assert isinstance(self.action, CallTools)
         self._answer_unrun(self.action.calls, f"not run: {trip.detail}")
         return self._end_on_trip(trip)
@@ -1894,8 +1911,8 @@ class _Turn:
     def _stop_batch_on_cancel(self) -> State:
         """Cancelled with the batch unrun: each call gets an "interrupted" result."""
         assert isinstance(self.action, CallTools)
-        self._answer_unrun(self.action.calls, "interrupted: the turn was cancelled before this "
-                                              "call started")
+        self._answer_unrun(self.action.calls,
+                           "interrupted: the turn was cancelled before this call started")
         return self._end_cancelled()
 
     def _answer_unrun(self, calls: Sequence[ToolCall], text: str) -> None:
@@ -1906,7 +1923,8 @@ class _Turn:
 
     def _run_batch(self, calls: Sequence[ToolCall],
                    refusals: list[ToolResult | None]) -> tuple[list[ToolResult], int]:
-        """Run the calls not refused at once, each with its timeout: results in order, # ran."""
+        """Run the calls not refused, all at once, each with its timeout. Returns the results
+        in call order and how many calls ran."""
         # not None: _refusal_of_call lets only listed tools through
         tools = typing.cast(ToolPort, self.rt.tools)
         results = list(refusals)
@@ -1929,8 +1947,10 @@ class _Turn:
         """The result of one worker: its value, an error, a timeout or an interruption."""
         if not worker.done:
             if self.caller_cancel.cancelled:
-                return _error(call, "interrupted: the turn was cancelled before this call ended")
-            return _error(call, f"tool {call.name!r} timed out after {round(timeout * 1000)} ms")
+                return _error(call, "interrupted: the turn was cancelled before this call "
+                                    "ended")
+            return _error(call, f"tool {call.name!r} timed out after "
+                                f"{round(timeout * 1000)} ms")
         if worker.error is not None:
             e = worker.error
             return _error(call, f"executor unavailable: {type(e).__name__}: {e}")
@@ -1955,7 +1975,7 @@ class _Turn:
 
     # -- the trace: what the events carry --
 
-    def _emit(self, kind: str, data: dict[str, Any] | Callable[[], dict[str, Any]]) -> None:
+    def _emit(self, kind: str, data: _EventData) -> None:
         self.rt._emit(self, kind, data)
 
     def _trace_reply(self, duration_ms: float) -> dict[str, Any]:
@@ -1984,7 +2004,8 @@ class _Turn:
             "model": getattr(rt.llm, "describe", lambda: type(rt.llm).__name__)(),
             "action_mode": rt.action_mode, "policy": dataclasses.asdict(self.policy),
             "deny_tools": list(rt.deny_tools), "system_prompt": self._instructions(),
-            "tools": [dataclasses.asdict(d) for d in self.tools], "ask_tools": list(rt.ask_tools),
+            "tools": [dataclasses.asdict(d) for d in self.tools],
+            "ask_tools": list(rt.ask_tools),
             "approver": rt.approver is not None, "approvals": {
                 k: dataclasses.asdict(a) if isinstance(a, Approval) else repr(a)
                 for k, a in (self.request.approvals or {}).items()}})
@@ -2000,14 +2021,14 @@ _OWN_DATA = frozenset({"state", "llm_call_started", "history_truncated"})  # not
 
 
 class AgentRuntime:
-    """Runs agent turns: the FSM scheduler over an LlmPort, a ToolPort, a store and event sinks."""
+    """Runs agent turns: the FSM over an LlmPort, a ToolPort, a store and event sinks."""
 
     def __init__(self, llm: LlmPort, tools: ToolPort | None = None, *,
                  store: SessionStore | None = None,
                  events: EventSink | Sequence[EventSink] | None = None,
                  policy: TurnPolicy | None = None, system_prompt: str | None = None,
-                 action_mode: Literal["json", "native"] = "json", deny_tools: Sequence[str] = (),
-                 ask_tools: Sequence[str] = (),
+                 action_mode: Literal["json", "native"] = "json",
+                 deny_tools: Sequence[str] = (), ask_tools: Sequence[str] = (),
                  approver: Callable[[ToolCall], Approval] | None = None):
         if action_mode not in ("json", "native"):
             raise ConfigError(f"action_mode must be 'json' or 'native', got {action_mode!r}")
@@ -2018,9 +2039,8 @@ class AgentRuntime:
         self.tools = tools
         self.action_mode = action_mode
         self.store: SessionStore = store if store is not None else InMemorySessionStore()
-        self.sinks: list[EventSink]
         if events is None:
-            self.sinks = []
+            self.sinks: list[EventSink] = []
         elif isinstance(events, (list, tuple)):
             self.sinks = list(events)
         else:
@@ -2091,14 +2111,16 @@ class AgentRuntime:
         t.session.version += 1
         result = AgentRunResult(t.content, t.finish, t.guard_reason, t.usage, t.guard.steps,
                                 t.guard.tool_calls, list(t.session.messages), t.pending)
-        # Save: a failure is raised after the events, holding the result (not stored, not lost)
+        # Save: a failure is raised after the events, and holds the result (not stored, but
+        # not lost)
         failed = None
         try:
             self.store.save(t.request.session_id, t.session)
             self._traced[t.request.session_id] = t.session.version   # not after a lost race
         except Exception as e:   # the next turn says what it loaded (session_loaded)
             self._traced.pop(t.request.session_id, None)
-            self._emit(t, "error", {"error": f"{type(e).__name__}: {e}", "where": "store.save"})
+            self._emit(t, "error", {"error": f"{type(e).__name__}: {e}",
+                                    "where": "store.save"})
             failed = e if isinstance(e, StoreError) else StoreError(
                 f"cannot save session {t.request.session_id!r}: {type(e).__name__}: {e}")
             failed.result = result
@@ -2115,8 +2137,7 @@ class AgentRuntime:
             raise failed
         return result
 
-    def _emit(self, t: _Turn, kind: str,
-              data: dict[str, Any] | Callable[[], dict[str, Any]]) -> None:
+    def _emit(self, t: _Turn, kind: str, data: _EventData) -> None:
         """Send one event to every sink; a sink that raises is logged and ignored. Data given
         as a function is built only when a sink listens (trace data costs copies and hashes).
         Here, and only here, secrets are masked: every event once, as the trace has it."""
@@ -2133,8 +2154,8 @@ class AgentRuntime:
             except Exception:  # the first failure of a sink in full, later ones quietly
                 first = id(sink) not in self._failing
                 self._failing.add(id(sink))
-                log.log(logging.WARNING if first else logging.DEBUG, "event sink %r failed on "
-                        "%s; ignored", sink, kind, exc_info=first)
+                log.log(logging.WARNING if first else logging.DEBUG,
+                        "event sink %r failed on %s; ignored", sink, kind, exc_info=first)
 
 
 # ---- 10. LLM adapters: ScriptedLlm, OpenAICompatLlm ---------------------------------------------
