@@ -1700,7 +1700,7 @@ class _Turn:
     def _no_answer(self, what: str) -> Trip:
         """The turn deadline passed while `what` (a port, the approver) was still at work."""
         return Trip(GuardReason.TURN_TIMEOUT, f"{what} did not answer within "
-                                              f"turn_timeout_ms={self.policy.turn_timeout_ms}")
+                    f"turn_timeout_ms={self.policy.turn_timeout_ms}")
 
     def _reprompt(self, reply: LlmResponse, raw: ActionParseError) -> State:
         """A reply that is no action: the model is told so and asked again, once; the second
@@ -1747,12 +1747,12 @@ class _Turn:
     def _to_action(self, reply: LlmResponse, call_id: str) -> AgentAction:
         if self.rt.action_mode == "json":
             return parse_action(reply.content, call_id)
-        # Native: the reply's tool calls, or its text as the answer
-        most = max(_MAX_CALLS_PER_REPLY, self.policy.max_parallel_tools)
-        # More calls than a batch may have is garbage: their results would flood history
-        if len(reply.tool_calls) > most:
-            raise ActionParseError(f"the reply has {len(reply.tool_calls)} tool calls; call "
-                                   f"at most {self.policy.max_parallel_tools} tools at a time")
+        # Native: the reply's tool calls, or its text as the answer. More calls than a batch
+        # may have is garbage: their results would flood history
+        n = len(reply.tool_calls)
+        if n > max(_MAX_CALLS_PER_REPLY, self.policy.max_parallel_tools):
+            raise ActionParseError(f"the reply has {n} tool calls; call at most "
+                                   f"{self.policy.max_parallel_tools} tools at a time")
         if reply.tool_calls:  # ids must be unique; some servers omit or repeat them
             calls = []
             seen = set()
