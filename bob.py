@@ -1519,8 +1519,8 @@ class _Turn:
         if history is not None:
             calls = [c.arguments for m in history for c in getattr(m, "tool_calls", ())]
             if bad := _json_problem(calls):   # a non-Message fails as a bug, in start
-                raise AgentError("AgentRequest.history cannot be sent: its tool calls' JSON "
-                                 f"{bad}")
+                raise AgentError(
+                    f"AgentRequest.history cannot be sent: its tool calls' JSON {bad}")
             self.session.messages = list(history)
         # The tools, listed once a turn: denied ones left out, the rest masked as the model
         # sees them; a schema that is not JSON fails the turn, after its start is traced
@@ -1836,7 +1836,7 @@ class _Turn:
                 calls[i] = dataclasses.replace(call, arguments=dict(approval.arguments))
         if waiting:
             return self._end_paused(waiting)
-        # decisions hold for this batch: a later call reusing an id is asked
+        # Decisions hold for this batch only: a later call reusing an id is asked again
         self.approvals = {}
         if calls != list(self.action.calls):  # the history records the arguments that ran
             self.session.messages[-1] = dataclasses.replace(self.session.messages[-1],
@@ -1857,8 +1857,8 @@ class _Turn:
             return Approval(False, f"the approver failed: {type(e).__name__}: {e}")
         if isinstance(worker.value, Approval):
             return worker.value
-        return Approval(False, f"the approver returned {type(worker.value).__name__}, not an "
-                               "Approval")
+        return Approval(False, f"the approver returned {type(worker.value).__name__}, "
+                               "not an Approval")
 
     def _record_decision(self, call: ToolCall, approval: Approval) -> None:
         """Keep a decision on `call` for this batch. Its arguments are checked as the model's
@@ -1925,7 +1925,7 @@ class _Turn:
                    refusals: list[ToolResult | None]) -> tuple[list[ToolResult], int]:
         """Run the calls not refused, all at once, each with its timeout. Returns the results
         in call order and how many calls ran."""
-        # not None: _refusal_of_call lets only listed tools through
+        # Not None here: _refusal_of_call lets only listed tools through
         tools = typing.cast(ToolPort, self.rt.tools)
         results = list(refusals)
         running: list[tuple[int, _Worker, float]] = []
@@ -1938,7 +1938,7 @@ class _Turn:
         t0 = time.monotonic()
         _wait_all([w for _, w, _ in running], [t0 + s for _, _, s in running], self.wake,
                   self.cancel)
-        # one timeout for all: none timed out before a cancel
+        # The results, after one wait for all: no call counts as timed out before a cancel
         for i, worker, timeout in running:
             results[i] = self._result_of(calls[i], worker, timeout)
         return [r for r in results if r is not None], len(running)
@@ -1947,8 +1947,8 @@ class _Turn:
         """The result of one worker: its value, an error, a timeout or an interruption."""
         if not worker.done:
             if self.caller_cancel.cancelled:
-                return _error(call, "interrupted: the turn was cancelled before this call "
-                                    "ended")
+                return _error(call,
+                              "interrupted: the turn was cancelled before this call ended")
             return _error(call, f"tool {call.name!r} timed out after "
                                 f"{round(timeout * 1000)} ms")
         if worker.error is not None:
