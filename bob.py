@@ -1660,12 +1660,12 @@ class _Turn:
         """The one place a turn's outcome is written: how it finished, its content and the
         guard that stopped it; or the error it raises (the rest is left as it was: a turn that
         raises has no finish reason)."""
-        if error is not None:
+        if error is None:
+            self.finish = finish
+            self.content = content
+            self.guard_reason = guard_reason
+        else:
             self.error = error
-            return State.DONE
-        self.finish = finish
-        self.content = content
-        self.guard_reason = guard_reason
         return State.DONE
 
     def _end_on_trip(self, trip: Trip) -> State:
