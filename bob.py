@@ -2013,9 +2013,12 @@ class _Turn:
 
 # Each state's work: a method of the turn that returns the next state (DONE has none).
 _WORK = {
-    State.START: _Turn.start, State.BUILD_PROMPT: _Turn.build_prompt,
-    State.LLM_INFER: _Turn.llm_infer, State.PARSE_ACTION: _Turn.parse_action,
-    State.CALL_TOOL: _Turn.call_tool}
+    State.START: _Turn.start,
+    State.BUILD_PROMPT: _Turn.build_prompt,
+    State.LLM_INFER: _Turn.llm_infer,
+    State.PARSE_ACTION: _Turn.parse_action,
+    State.CALL_TOOL: _Turn.call_tool,
+}
 
 _OWN_DATA = frozenset({"state", "llm_call_started", "history_truncated"})  # nothing to mask
 
