@@ -1600,12 +1600,11 @@ class _Turn:
             "type": kind,
             "tools": [c.name for c in action.calls] if isinstance(action, CallTools) else []})
         # An answer or a question ends the turn
-        if isinstance(action, Final):
-            self.session.messages.append(Message("assistant", action.content))
-            return self.end(FinishReason.FINAL, action.content)
-        if isinstance(action, AskUser):
-            self.session.messages.append(Message("assistant", action.question))
-            return self.end(FinishReason.ASK_USER, action.question)
+        if isinstance(action, (Final, AskUser)):
+            text = action.content if isinstance(action, Final) else action.question
+            self.session.messages.append(Message("assistant", text))
+            finish = FinishReason.FINAL if isinstance(action, Final) else FinishReason.ASK_USER
+            return self.end(finish, text)
         # Tool calls: unless the model is going round in circles (never blocks a final answer)
         if trip := self.guard.check_text(reply.content):
             return self._end_on_trip(trip)

@@ -172,6 +172,27 @@ def test_a_resume_takes_up_only_the_guards_counts_from_the_session(tmp_path):
                                                          [("write", 2)])
 
 
+def test_a_resumed_turn_saves_the_session_as_no_longer_paused(tmp_path):
+    store, tools = JsonFileSessionStore(tmp_path), Tools()
+    r = runtime([tc("write", x=2)], tools, store=store).run(AgentRequest("go", session_id="s"))
+    assert store.load("s").paused is not None
+    runtime([final("written")], tools, store=store).run(
+        AgentRequest(None, session_id="s", approvals={r.pending[0].id: Approval(True)}))
+    assert store.load("s").paused is None
+
+
+def test_the_batches_after_a_resumed_one_are_guarded_again(tmp_path):
+    store, tools = JsonFileSessionStore(tmp_path), Tools()
+    policy = {"max_parallel_tools": 2}
+    r = runtime([tc("write", x=2)], tools, store=store, policy=policy).run(AgentRequest("go"))
+    too_many = batch(("e1", "echo", {"x": 1}), ("e2", "echo", {"x": 2}), ("e3", "echo", {"x": 3}))
+    r2 = runtime([too_many, final("done")], tools, store=store, policy=policy,
+                 mode="native").run(AgentRequest(None, approvals={r.pending[0].id: Approval(True)}))
+    assert tools.ran == [("write", 2)]   # the resumed batch ran; the next one, too big, did not
+    assert r2.finish_reason is FinishReason.FINAL
+    assert "this batch has 3 calls" in tool_messages(r2.history)[-1].content
+
+
 def test_a_call_left_without_a_decision_pauses_again(tmp_path):
     store, tools = JsonFileSessionStore(tmp_path), Tools()
     reply = batch(("a", "write", {"x": 1}), ("b", "echo", {"x": 2}), ("c", "write", {"x": 3}))
