@@ -290,6 +290,20 @@ def test_a_cancel_just_before_the_batch_runs_no_tool():
     assert not ran.wait(0.2), "the tool ran after the turn was cancelled"
 
 
+def test_a_cancel_during_a_batch_ends_the_turn_when_the_batch_ends():
+    token, sink = CancelToken(), ListSink()
+
+    def stop(x: int) -> str:
+        """Cancel the turn, then answer."""
+        token.cancel()
+        return "stopped"
+    rt = agent([tc("stop", x=1), final("never")], tools=bob.FunctionTools([stop]), events=sink)
+    r = rt.run(AgentRequest("go"), cancel=token)
+    assert r.finish_reason is FinishReason.CANCELLED and r.history[-1].content == "stopped"
+    assert [(e["from"], e["to"]) for e in sink.of("state")][-1] == ("call_tool", "done")
+    assert len(rt.llm.requests) == 1
+
+
 def test_a_cancelled_token_stops_before_any_llm_call():
     token = CancelToken()
     token.cancel()
