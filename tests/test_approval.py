@@ -118,6 +118,21 @@ def test_an_approver_raising_cancelled_ends_the_turn_cancelled():
     assert all("interrupted" in m.content for m in tool_messages(r.history))
 
 
+@pytest.mark.parametrize("arguments, says", [
+    ({"x": float("nan")}, "holds NaN or Infinity"),
+    ({"x": 10 ** 5000}, "holds an integer over 4,000 digits long"),
+])
+def test_unfit_arguments_from_the_approver_decline_the_call(arguments, says):
+    tools, sink = Tools(), ListSink()
+    rt = runtime([tc("write", x=2), final("ok")], tools, sink=sink,
+                 approver=lambda call: Approval(True, arguments=arguments))
+    r = rt.run(AgentRequest("go"))
+    assert r.finish_reason is FinishReason.FINAL and tools.ran == []
+    [result] = tool_messages(r.history)
+    assert result.is_error and "the approver's arguments were unfit: it " + says in result.content
+    assert sink.of("approval_decided")[0]["allow"] is False
+
+
 def test_deny_wins_over_ask():
     tools, asked = Tools(), []
     rt = runtime([tc("write", x=2), final("ok")], tools, deny_tools=("write",),
