@@ -1600,11 +1600,10 @@ class _Turn:
             "type": kind,
             "tools": [c.name for c in action.calls] if isinstance(action, CallTools) else []})
         # An answer or a question ends the turn
-        if isinstance(action, (Final, AskUser)):
-            text = action.content if isinstance(action, Final) else action.question
-            self.session.messages.append(Message("assistant", text))
-            finish = FinishReason.FINAL if isinstance(action, Final) else FinishReason.ASK_USER
-            return self.end(finish, text)
+        if isinstance(action, Final):
+            return self._end_with_answer(FinishReason.FINAL, action.content)
+        if isinstance(action, AskUser):
+            return self._end_with_answer(FinishReason.ASK_USER, action.question)
         # Tool calls: unless the model is going round in circles (never blocks a final answer)
         if trip := self.guard.check_text(reply.content):
             return self._end_on_trip(trip)
@@ -1666,6 +1665,11 @@ class _Turn:
         else:
             self.error = error
         return State.DONE
+
+    def _end_with_answer(self, finish: FinishReason, text: str) -> State:
+        """The model answered, or asked the user: its words end the turn and its history."""
+        self.session.messages.append(Message("assistant", text))
+        return self.end(finish, text)
 
     def _end_on_trip(self, trip: Trip) -> State:
         self._emit("guard_tripped", {"reason": trip.reason.value, "detail": trip.detail})
@@ -1862,13 +1866,8 @@ class _Turn:
     def _record_decision(self, call: ToolCall, approval: Approval) -> None:
         """Keep a decision on `call` for this batch. Its arguments are checked as the model's
         are (they reach history and the wire): unfit ones decline the call."""
-        args = approval.arguments
-        problem = None
-        if isinstance(args, dict):
-            problem = _json_problem(args)
-        elif args is not None:
-            problem = "is not a JSON object"
-        if problem:
+        args = approval.arguments   # a dict or None: Approval checks the type
+        if args is not None and (problem := _json_problem(args)):
             approval = Approval(False, f"the approver's arguments were unfit: it {problem}")
         self.approvals[call.id] = approval
         changed = approval.allow and approval.arguments not in (None, call.arguments)
