@@ -805,6 +805,21 @@ def test_a_tool_port_returning_something_else_is_an_error_result():
     assert r.history[2].is_error and "returned str, not a ToolResult" in r.history[2].content
 
 
+def test_a_tool_result_whose_content_is_not_text_is_an_error_result():
+    class Sloppy:
+        def list_tools(self):
+            return [bob.ToolDescriptor("t", "t", {"type": "object"})]
+
+        def call_tool(self, call, timeout_s, cancel=None):
+            return bob.ToolResult(call.id, call.name, 42)   # type: ignore[arg-type]
+
+    r = agent([tc("t"), final("ok")], tools=Sloppy()).run(AgentRequest("go"))
+    assert r.finish_reason is FinishReason.FINAL
+    assert r.history[2].is_error
+    assert "returned a ToolResult whose content is int, not a ToolResult with text" in (
+        r.history[2].content)
+
+
 def test_health_reports_a_hung_tool_listing_in_time(hang):
     entered, release = threading.Event(), hang()
     t0 = time.monotonic()
