@@ -15,12 +15,36 @@ Sections:
     1. Errors                 6. Tools: functions, composite, policy
     2. Domain types           7. Stores and event sinks
     3. Ports                  8. Workers: threads with deadlines and cancel
-    4. Actions and prompts    9. The scheduler (AgentRuntime)
+    4. Actions and prompts    9. The scheduler: State, _Turn, AgentRuntime
     5. LoopGuard             10. LLM adapters: ScriptedLlm, OpenAICompatLlm
                              11. Replay
 
-Vendoring: copy this file. It needs Python >= 3.11 and the standard library; `requests` is imported
-only when an OpenAICompatLlm is created. Nothing happens at import time.
+A turn in brief (section 9). AgentRuntime.run walks one _Turn through these states,
+checking each step against TRANSITIONS and emitting it. Each state is one method of _Turn
+that does its work and returns the next state; the guards it checks are LoopGuard's
+(section 5). A tripped guard, a cancel, an answer, a question or a pause ends the turn
+through _Turn.end; AgentRuntime._done saves it.
+
+    START         _Turn.start: loads the session, lists the tools (the turn deadline and
+                  cancel hold), adds the input or takes up a paused batch.
+    BUILD_PROMPT  _Turn.build_prompt: the system prompt and the history cut to
+                  max_history_messages, in the wire shape of the action mode.
+    LLM_INFER     _Turn.llm_infer: checks cancel, then before_llm_call (turn_timeout_ms,
+                  max_consecutive_errors, max_steps); calls the model, again with half the
+                  history while the endpoint says the request is too long.
+    PARSE_ACTION  _Turn.parse_action: the reply as an action (one re-prompt if it is none). An
+                  answer or a question ends the turn; tool calls first pass check_text
+                  (max_stagnation_steps).
+    CALL_TOOL     _Turn.call_tool: checks cancel, max_parallel_tools (the batch is refused and
+                  the loop goes on), check_loop (max_repeated_batches); each call's deny_tools
+                  and unknown names, and ask_tools decisions (the approver, or a pause);
+                  check_budget (turn_timeout_ms, max_tool_calls). Then runs the batch, each
+                  call within tool_timeout_ms, and appends the results in call order.
+    DONE          AgentRuntime._done: saves the session, emits turn_completed, returns the
+                  result or raises.
+
+Vendoring: copy this file. It needs Python >= 3.11 and the standard library; `requests` is
+imported only when an OpenAICompatLlm is created. Nothing happens at import time.
 """
 from __future__ import annotations
 
@@ -726,8 +750,9 @@ def render_for_wire(m: Message, mode: str) -> Message:
 
 
 # ---- 5. LoopGuard -------------------------------------------------------------------------------
-# Every limit of a turn in one place. Each check returns a Trip or None; the scheduler ends the
-# turn on a Trip. N = the setting: N LLM calls, N tool calls run, the N-th error in a row trips.
+# Every limit of a turn in one place. Each check returns a Trip or None; the scheduler ends
+# the turn on a Trip. N = the setting: N LLM calls, N tool calls run, the N-th error in a row
+# trips.
 
 @dataclass(frozen=True)
 class Trip:
@@ -737,10 +762,11 @@ class Trip:
 
 
 class LoopGuard:
-    """Counts steps, tool calls, errors, repeated batches and repeated texts within one turn."""
+    """Counts steps, tool calls, errors, repeated batches and repeated texts in one turn."""
 
     def __init__(self, policy: TurnPolicy, deadline: float):
-        self.policy, self.deadline = policy, deadline
+        self.policy = policy
+        self.deadline = deadline
         self.steps = self.tool_calls = self.consecutive_errors = 0
         self._batches: dict[str, int] = {}
         self._texts: dict[str, int] = {}
@@ -751,8 +777,10 @@ class LoopGuard:
 
     def out_of_time(self) -> Trip | None:
         """The turn deadline has passed."""
-        return None if time.monotonic() < self.deadline else Trip(GuardReason.TURN_TIMEOUT,
-            f"the turn took longer than turn_timeout_ms={self.policy.turn_timeout_ms}")
+        if time.monotonic() < self.deadline:
+            return None
+        return Trip(GuardReason.TURN_TIMEOUT, "the turn took longer than "
+                    f"turn_timeout_ms={self.policy.turn_timeout_ms}")
 
     def before_llm_call(self) -> Trip | None:
         """Checked before every LLM call: deadline, error streak, step budget."""
@@ -777,19 +805,21 @@ class LoopGuard:
         key = hashlib.sha1(masked.encode("utf-8", "surrogatepass")).hexdigest()
         self._texts[key] = seen = self._texts.get(key, 0) + 1
         if seen > self.policy.max_stagnation_steps:
-            return Trip(GuardReason.STAGNATION, f"the model repeated the same reply {seen} times "
+            return Trip(GuardReason.STAGNATION,
+                        f"the model repeated the same reply {seen} times "
                         f"(max_stagnation_steps={self.policy.max_stagnation_steps})")
         return None
 
     def check_loop(self, calls: Sequence[ToolCall]) -> Trip | None:
-        """Before a batch runs: the same batch (names + canonical arguments) seen too often."""
+        """Before a batch runs: the same batch (names, canonical arguments) seen too often."""
         sig = "|".join(sorted(c.name + json.dumps(redact(c.arguments), sort_keys=True,
                                                   default=str)   # masked, as a replay sees it
                               for c in calls))
         self._batches[sig] = seen = self._batches.get(sig, 0) + 1
         if seen > self.policy.max_repeated_batches:
-            return Trip(GuardReason.LOOP_DETECTED, f"the same tool calls were requested {seen} "
-                        f"times (max_repeated_batches={self.policy.max_repeated_batches})")
+            return Trip(GuardReason.LOOP_DETECTED,
+                        f"the same tool calls were requested {seen} times"
+                        f"  (max_repeated_batches={self.policy.max_repeated_batches})")
         return None
 
     def check_budget(self, runnable: int) -> Trip | None:
@@ -803,7 +833,8 @@ class LoopGuard:
         return None
 
     def record_results(self, results: Sequence[ToolResult], ran: int) -> None:
-        """Count the `ran` calls; an error result (refusals too) extends the streak, else resets."""
+        """Count the `ran` calls; each error result (refusals too) extends the error streak,
+        any other result ends it."""
         self.tool_calls += ran
         for r in results:
             self.consecutive_errors = self.consecutive_errors + 1 if r.is_error else 0
@@ -811,6 +842,22 @@ class LoopGuard:
     def record_refusal(self) -> None:
         """A refused batch (too many calls at once) counts as one error, not one per call."""
         self.consecutive_errors += 1
+
+    # -- a pause and its resume --
+
+    _COUNTS = ("steps", "tool_calls", "consecutive_errors", "_batches", "_texts")
+
+    def counts(self) -> dict[str, Any]:
+        """What a paused turn saves of this guard (session.paused["guard"]): the counts, not
+        the policy or the deadline, which the resuming turn brings."""
+        return {name: getattr(self, name) for name in self._COUNTS}
+
+    def restore(self, counts: dict[str, Any]) -> None:
+        """Take up the counts a paused turn saved (counts()) as the resumed turn's own; a
+        count not saved stays as it starts."""
+        for name in self._COUNTS:
+            if name in counts:
+                setattr(self, name, counts[name])
 
 
 # ---- 6. Tools: functions, composite, policy -----------------------------------------------------
@@ -1412,9 +1459,11 @@ def _wait_all(workers: Sequence[_Worker], deadlines: Sequence[float],
             w.give_up()
 
 
-# ---- 9. The scheduler (AgentRuntime) ------------------------------------------------------------
-# A turn is a walk through six explicit states. Each state is one method that does its work and
-# returns the next state; `run` checks every transition against TRANSITIONS and emits it.
+# ---- 9. The scheduler: State, _Turn, AgentRuntime -----------------------------------------------
+# A turn is a walk through six explicit states. Each state's work is one method of _Turn that
+# returns the next state; AgentRuntime.run checks every transition against TRANSITIONS and
+# emits it. AgentRuntime holds the settings and ports, saves the session and emits the events;
+# _Turn holds what one turn knows and does its work, reaching the runtime through `self.rt`.
 
 class State(str, enum.Enum):
     """The states of a turn."""
@@ -1427,7 +1476,8 @@ class State(str, enum.Enum):
 
 
 TRANSITIONS: dict[State, frozenset[State]] = {
-    State.START: frozenset({State.BUILD_PROMPT, State.CALL_TOOL, State.DONE}),  # CALL_TOOL: resume
+    # START goes to CALL_TOOL when it takes up a paused batch
+    State.START: frozenset({State.BUILD_PROMPT, State.CALL_TOOL, State.DONE}),
     State.BUILD_PROMPT: frozenset({State.LLM_INFER}),
     State.LLM_INFER: frozenset({State.PARSE_ACTION, State.DONE}),
     State.PARSE_ACTION: frozenset({State.BUILD_PROMPT, State.CALL_TOOL, State.DONE}),
@@ -1446,13 +1496,33 @@ def _too_long(e: BaseException | None) -> bool:
             and bool(_CONTEXT_TOO_LONG.search(e.body)))
 
 
+def _raised(e: BaseException, state: State) -> BaseException:
+    """What a turn that raised `e` in `state` raises: a BobError, or a BaseException that
+    is no Exception (Ctrl-C, SystemExit), as it is; anything else is a bug: an AgentError
+    naming it."""
+    if isinstance(e, BobError) or not isinstance(e, Exception):
+        return e
+    error = AgentError(f"internal error in {state.value}: {type(e).__name__}: {e}")
+    error.__cause__ = e
+    return error
+
+
+# An event's data, or a function that builds it (called only when a sink listens)
+_EventData = Union[dict[str, Any], Callable[[], dict[str, Any]]]
+
+
 @dataclass
 class _Turn:
-    """Everything one turn knows; owned by the scheduler's thread."""
+    """One turn: everything it knows, and the work of each state, one method per state in
+    the order a turn visits them. Owned by the scheduler's thread. The runtime's settings,
+    ports and event sinks are `rt`'s. The outcome (finish, content, guard_reason, error)
+    is written by `end` alone."""
+    rt: AgentRuntime
     request: AgentRequest
     policy: TurnPolicy
     caller_cancel: CancelToken              # the caller's token: cancel means CANCELLED
-    cancel: CancelToken                     # this turn's: also fired at the deadline and the end
+    # this turn's own: also fired at the deadline and when the turn ends
+    cancel: CancelToken
     guard: LoopGuard
     session: SessionState = field(default_factory=SessionState)
     tools: list[ToolDescriptor] = field(default_factory=list)
@@ -1476,62 +1546,576 @@ class _Turn:
     parts: dict[int, tuple[Message, str]] = field(default_factory=dict)  # for request_digest
     started: bool = False                   # turn_started was emitted: the turn must end too
 
+    # -- the states, in the order a turn visits them --
+
+    def start(self) -> State:
+        """Load the session, add the input (or resume a paused batch), list the tools once."""
+        rt = self.rt
+        # The session, or the history given in its place
+        self.session = rt.store.load(self.request.session_id) or SessionState()
+        history = self.request.history
+        if history is not None:
+            calls = [c.arguments for m in history for c in getattr(m, "tool_calls", ())]
+            if bad := _json_problem(calls):   # a non-Message fails as a bug, in start
+                raise AgentError(
+                    f"AgentRequest.history cannot be sent: its tool calls' JSON {bad}")
+            self.session.messages = list(history)
+        # The tools, listed once a turn: denied ones left out, the rest masked as the model
+        # sees them; a schema that is not JSON fails the turn, after its start is traced
+        worker = None
+        if rt.tools is not None:
+            worker = self._call_port(rt.tools.list_tools)
+            if worker.done and worker.error is None:
+                self.tools = [d for d in worker.value if not is_denied(d.name, rt.deny_tools)]
+        unfit = next(((d, p) for d in self.tools if (p := _json_problem(d.input_schema))),
+                     None)
+        self.tools = [] if unfit else list(map(_masked_tool, self.tools))
+        # The trace's opening events, then the input (or the paused batch)
+        self._trace_loaded()
+        self._trace_start()   # first: every turn in the trace begins with it
+        self.started = True
+        resume = self._resume_or_add_input()
+        if unfit:
+            raise AgentError(f"tool {unfit[0].name!r}: its input schema {unfit[1]}; deny it")
+        if worker is not None and (stop := self._end_if_failed(worker, "listing the tools")):
+            return stop
+        return State.CALL_TOOL if resume else State.BUILD_PROMPT
+
+    def build_prompt(self) -> State:
+        """System message + history cut to max_history_messages, in the mode's wire shape."""
+        if self.system is None:
+            text = build_system_prompt(self._instructions(), self.tools, self.rt.action_mode)
+            self.system = Message("system", text)
+        self.prompt = self._prompt(self.policy.max_history_messages)
+        return State.LLM_INFER
+
+    def llm_infer(self) -> State:
+        """Check cancel and the guards, then call the model on a worker until it answers, the
+        deadline passes or the turn is cancelled."""
+        # Nothing is sent once cancelled or past a limit
+        if self.caller_cancel.cancelled:
+            return self._end_cancelled()
+        if trip := self.guard.before_llm_call():
+            return self._end_on_trip(trip)
+        # The call
+        prompt = typing.cast(LlmRequest, self.prompt)
+        self._emit("llm_call_started", lambda: {"messages": len(prompt.messages),
+                                                "digest": request_digest(prompt, self.parts)})
+        t0 = time.perf_counter()
+        worker = self._complete(prompt)
+        # Too long for the model's context: again with half the history, while it shrinks (at
+        # most log2(max_history_messages) times)
+        while _too_long(worker.error) and not self.cancel.cancelled:
+            sent = len(prompt.messages) - 1
+            shorter = self._prompt(sent // 2)
+            if len(shorter.messages) > sent:
+                break
+            self.prompt = prompt = shorter
+            self._emit("history_truncated", lambda: {"from": sent, "to": len(
+                prompt.messages) - 1, "digest": request_digest(prompt, self.parts)})
+            worker = self._complete(prompt)
+        if stop := self._end_if_failed(worker, "the model"):
+            return stop
+        # The reply: unfit arguments are replaced once, and the trace records them so too
+        duration = _ms_since(t0)
+        reply = worker.value
+        self.reply = dataclasses.replace(reply, tool_calls=tuple(map(_fit, reply.tool_calls)))
+        self.usage += reply.usage
+        self._emit("llm_call_completed", lambda: self._trace_reply(duration))
+        return State.PARSE_ACTION
+
+    def parse_action(self) -> State:
+        """Turn the reply into an action; one corrective re-prompt, then AgentError."""
+        reply = typing.cast(LlmResponse, self.reply)
+        try:
+            action = self._to_action(reply, f"call_{len(self.session.messages)}")
+        except ActionParseError as e:
+            return self._reprompt(reply, e)
+        self.action = action
+        self.parse_failures = 0
+        kind = {Final: "final", AskUser: "ask_user", CallTools: "tool_call"}[type(action)]
+        self._emit("action_parsed", {
+            "type": kind,
+            "tools": [c.name for c in action.calls] if isinstance(action, CallTools) else []})
+        # An answer or a question ends the turn
+        if isinstance(action, Final):
+            return self._end_with_answer(FinishReason.FINAL, action.content)
+        if isinstance(action, AskUser):
+            return self._end_with_answer(FinishReason.ASK_USER, action.question)
+        # Tool calls: unless the model is going round in circles (never blocks a final answer)
+        if trip := self.guard.check_text(reply.content):
+            return self._end_on_trip(trip)
+        text = reply.content if self.rt.action_mode == "native" else ""
+        self.session.messages.append(Message("assistant", text, action.calls,
+                                             reasoning=reply.reasoning))
+        return State.CALL_TOOL
+
+    def call_tool(self) -> State:
+        """Guard the batch, get its decisions, run it, append the results in call order."""
+        assert isinstance(self.action, CallTools)
+        calls = self.action.calls
+        self.session.paused = None   # answered below, or paused afresh
+        resumed = self.resumed
+        self.resumed = False   # the turn's later batches are guarded again
+        # The batch as a whole: cancelled while the model answered, too big, a loop (a resumed
+        # batch passed the last two before it paused)
+        if self.caller_cancel.cancelled:
+            return self._stop_batch_on_cancel()
+        if not resumed:
+            # The size first: it costs O(1) per call, check_loop's hashing does not
+            if len(calls) > self.policy.max_parallel_tools:
+                return self._refuse_oversize_batch(calls)
+            if trip := self.guard.check_loop(calls):
+                return self._stop_batch_on_guard(trip)
+        # Each call: refused, declined, waiting for a decision, or to run
+        refusals = [self._refusal_of_call(c) for c in calls]
+        decided = self._approved_batch(refusals)
+        if isinstance(decided, State):
+            return decided
+        if trip := self.guard.check_budget(sum(r is None for r in refusals)):
+            return self._stop_batch_on_guard(trip)
+        # Claim a resumed pause before its calls run: another process resuming it too gets a
+        # StoreError and runs nothing
+        if resumed:
+            claimed = dataclasses.replace(self.session, version=self.session.version + 1)
+            self.rt.store.save(self.request.session_id, claimed)
+            self.session.version += 1
+        # Run the batch, count it, append its results
+        results, ran = self._run_batch(decided, refusals)
+        self.guard.record_results(results, ran)
+        self._append_results(results)
+        if self.caller_cancel.cancelled:
+            return self._end_cancelled()
+        return State.BUILD_PROMPT
+
+    # -- ending the turn: `end` writes the outcome, the others say why --
+
+    def end(self, finish: FinishReason = FinishReason.FINAL, content: str = "",
+            guard_reason: GuardReason | None = None,
+            error: BaseException | None = None) -> State:
+        """The one place a turn's outcome is written: how it finished, its content and the
+        guard that stopped it; or the error it raises (the rest is left as it was: a turn that
+        raises has no finish reason)."""
+        if error is None:
+            self.finish = finish
+            self.content = content
+            self.guard_reason = guard_reason
+        else:
+            self.error = error
+        return State.DONE
+
+    def _end_with_answer(self, finish: FinishReason, text: str) -> State:
+        """The model answered, or asked the user: its words end the turn and its history."""
+        self.session.messages.append(Message("assistant", text))
+        return self.end(finish, text)
+
+    def _end_on_trip(self, trip: Trip) -> State:
+        self._emit("guard_tripped", {"reason": trip.reason.value, "detail": trip.detail})
+        return self.end(FinishReason.GUARD_EXCEEDED, f"Stopped: {trip.detail}.", trip.reason)
+
+    def _end_cancelled(self) -> State:
+        return self.end(FinishReason.CANCELLED, "Cancelled.")
+
+    def _end_paused(self, waiting: list[ToolCall]) -> State:
+        """End the turn NEEDS_APPROVAL with the batch unrun, saving what a resume needs."""
+        self.session.paused = {"guard": self.guard.counts(), "input_index": self.input_index,
+                               "approvals": {k: dataclasses.asdict(a)
+                                             for k, a in self.approvals.items()}}
+        self.pending = tuple(waiting)
+        names = ", ".join(c.name for c in waiting)
+        return self.end(FinishReason.NEEDS_APPROVAL, f"Waiting for approval: {names}.")
+
+    def _end_if_failed(self, worker: _Worker, what: str) -> State | None:
+        """DONE if the port call was cancelled, timed out or raised; None if it answered."""
+        if self.caller_cancel.cancelled:
+            return self._end_cancelled()
+        if not worker.done:
+            return self._end_on_trip(self._no_answer(what))
+        e = worker.error
+        if e is None:
+            return None
+        if not isinstance(e, BobError):
+            e = AgentError(f"{what} failed: {type(e).__name__}: {e}")
+        return self.end(error=e)
+
+    def _no_answer(self, what: str) -> Trip:
+        """The turn deadline passed while `what` (a port, the approver) was still at work."""
+        return Trip(GuardReason.TURN_TIMEOUT, f"{what} did not answer within "
+                    f"turn_timeout_ms={self.policy.turn_timeout_ms}")
+
+    def _reprompt(self, reply: LlmResponse, raw: ActionParseError) -> State:
+        """A reply that is no action: the model is told so and asked again, once; the second
+        in a row ends the turn with an AgentError."""
+        self.parse_failures += 1
+        seen = redact(reply.content)   # as the trace has it: so a replay finds the same error
+        json_mode = self.rt.action_mode == "json"
+        e = (json_mode and _parse_problem(seen)) or raw
+        self._emit("parse_error", {"error": str(e), "attempt": self.parse_failures})
+        if self.parse_failures >= 2:
+            return self.end(error=AgentError(
+                f"the model replied with an invalid action twice in a row: {e}. "
+                f"Last reply: {_excerpt(seen)!r}"))
+        how = ACTION_CONTRACT if json_mode else "Answer in text or call a tool."
+        text = f"Your last reply was not a valid action: {e}. It began: {_excerpt(seen)!r}."
+        self.session.messages.append(Message("user", f"{text} {how}"))
+        return State.BUILD_PROMPT
+
+    # -- helpers of the states --
+
+    def _prompt(self, limit: int) -> LlmRequest:
+        """System message + history cut to `limit`, in wire shape; each renders once."""
+        messages = self.session.messages
+        kept = self.units.read(messages).kept(limit, self.input_index)
+        for i in kept:
+            if i not in self.wire:
+                self.wire[i] = render_for_wire(messages[i], self.rt.action_mode)
+        json_mode = self.rt.action_mode == "json"
+        return LlmRequest([typing.cast(Message, self.system), *(self.wire[i] for i in kept)],
+                          self.tools, "json" if json_mode else None, self.guard.deadline)
+
+    def _complete(self, prompt: LlmRequest) -> _Worker:
+        return self._call_port(lambda: self.rt.llm.complete(prompt, self.cancel, self._delta))
+
+    def _call_port(self, fn: Callable[[], Any]) -> _Worker:
+        """Run a port call on a worker; wait until it ends, the turn deadline, or a cancel."""
+        if abandoned_workers() >= _MAX_ABANDONED:  # a port that ignores cancel: stop leaking
+            raise AgentError(f"{_MAX_ABANDONED} earlier port calls are still hung (a port "
+                             "that ignores cancel and deadlines); restart the program")
+        worker = _Worker(fn, self.wake)
+        _wait_all([worker], [self.guard.deadline], self.wake, self.cancel)
+        return worker
+
+    def _to_action(self, reply: LlmResponse, call_id: str) -> AgentAction:
+        if self.rt.action_mode == "json":
+            return parse_action(reply.content, call_id)
+        # Native: the reply's tool calls, or its text as the answer. More calls than a batch
+        # may have is garbage: their results would flood history
+        n = len(reply.tool_calls)
+        if n > max(_MAX_CALLS_PER_REPLY, self.policy.max_parallel_tools):
+            raise ActionParseError(f"the reply has {n} tool calls; call at most "
+                                   f"{self.policy.max_parallel_tools} tools at a time")
+        if reply.tool_calls:  # ids must be unique; some servers omit or repeat them
+            calls = []
+            seen = set()
+            for i, c in enumerate(reply.tool_calls):
+                if not c.id or c.id in seen:
+                    c = dataclasses.replace(c, id=f"{call_id}_{i}")
+                seen.add(c.id)
+                calls.append(c)
+            return CallTools(tuple(calls))
+        if not reply.content.strip():
+            raise ActionParseError("the reply was empty: no text and no tool calls")
+        return Final(reply.content)
+
+    def _resume_or_add_input(self) -> bool:
+        """Append the input (waiting calls get "not run" first), or for `input=None` take up
+        the paused batch with its counts and decisions (True); call_tool answers the pause."""
+        request = self.request
+        paused = self.session.paused if request.history is None else None
+        # The last message's calls have no results yet: a paused batch, or a turn cut short
+        messages = self.session.messages
+        waiting = messages[-1].tool_calls if messages else ()
+        if request.input is not None:
+            self.session.paused = None
+            self._answer_unrun(waiting, "not run: the user sent a new message instead of "
+                                        "deciding on this call")
+            self.session.messages.append(Message("user", request.input))
+            self.input_index = len(self.session.messages) - 1
+            return False
+        # Resuming: the pause's counts and decisions, and the decisions given now
+        if not (paused and waiting):
+            raise AgentError(f"session {request.session_id!r} has no tool calls waiting "
+                             "for approval: give an input to start a turn")
+        self.guard.restore(paused["guard"])
+        self.input_index = paused["input_index"]
+        self.approvals = {k: Approval(**a) for k, a in paused["approvals"].items()}
+        given = request.approvals or {}
+        for call in (c for c in waiting if c.id in given):
+            if not isinstance(given[call.id], Approval):
+                raise ConfigError(f"approvals[{call.id!r}] must be an Approval, "
+                                  f"got {given[call.id]!r}")
+            self._record_decision(call, given[call.id])
+        self.action = CallTools(waiting)
+        self.resumed = True
+        return True
+
+    def _instructions(self) -> str:
+        return self.request.system_prompt or self.rt.system_prompt or DEFAULT_INSTRUCTIONS
+
+    def _delta(self, text: str) -> None:
+        """Streamed text from the model; dropped once the turn gave the call up."""
+        if not self.cancel.cancelled:
+            self._emit("text_delta", {"text": text})
+
+    # -- a batch of tool calls: approvals, refusals, running --
+
+    def _approved_batch(self, refusals: list[ToolResult | None]) -> State | list[ToolCall]:
+        """The batch as it runs: calls matching ask_tools (not refused) need a decision;
+        declined ones get an error in `refusals`; without an approver, undecided calls pause
+        the turn."""
+        assert isinstance(self.action, CallTools)
+        calls = list(self.action.calls)
+        waiting = []
+        for i, call in enumerate(calls):
+            if refusals[i] is not None or not is_denied(call.name, self.rt.ask_tools):
+                continue
+            if call.id not in self.approvals:
+                self._emit("approval_requested", {"call_id": call.id, "name": call.name,
+                                                  "arguments": call.arguments})
+                if self.rt.approver is None:
+                    waiting.append(call)
+                    continue
+                decision = self._ask_approver(call)
+                if isinstance(decision, State):
+                    return decision
+                self._record_decision(call, decision)
+            approval = self.approvals[call.id]
+            if not approval.allow:
+                because = f": {approval.reason}" if approval.reason else ""
+                refusals[i] = _error(call, "the user declined this call" + because)
+            elif approval.arguments is not None:
+                calls[i] = dataclasses.replace(call, arguments=dict(approval.arguments))
+        if waiting:
+            return self._end_paused(waiting)
+        # Decisions hold for this batch only: a later call reusing an id is asked again
+        self.approvals = {}
+        if calls != list(self.action.calls):  # the history records the arguments that ran
+            self.session.messages[-1] = dataclasses.replace(self.session.messages[-1],
+                                                            tool_calls=tuple(calls))
+        return calls
+
+    def _ask_approver(self, call: ToolCall) -> Approval | State:
+        """The approver's decision, on a worker (the deadline and cancel hold); an approver
+        that raises declines."""
+        approver = typing.cast(Callable[[ToolCall], Approval], self.rt.approver)
+        worker = self._call_port(lambda: approver(call))
+        if self.caller_cancel.cancelled or isinstance(worker.error, Cancelled):
+            return self._stop_batch_on_cancel()
+        if not worker.done:
+            return self._stop_batch_on_guard(self._no_answer("the approver"))
+        e = worker.error
+        if e is not None:
+            return Approval(False, f"the approver failed: {type(e).__name__}: {e}")
+        if isinstance(worker.value, Approval):
+            return worker.value
+        return Approval(False, f"the approver returned {type(worker.value).__name__}, "
+                               "not an Approval")
+
+    def _record_decision(self, call: ToolCall, approval: Approval) -> None:
+        """Keep a decision on `call` for this batch. Its arguments are checked as the model's
+        are (they reach history and the wire): unfit ones decline the call."""
+        args = approval.arguments   # a dict or None: Approval checks the type
+        if args is not None and (problem := _json_problem(args)):
+            approval = Approval(False, f"the approver's arguments were unfit: it {problem}")
+        self.approvals[call.id] = approval
+        changed = approval.allow and approval.arguments not in (None, call.arguments)
+        self._emit("approval_decided", {"call_id": call.id, "allow": approval.allow,
+                                        "arguments_changed": changed,
+                                        "reason": approval.reason,
+                                        "arguments": approval.arguments})
+
+    def _refusal_of_call(self, call: ToolCall) -> ToolResult | None:
+        """An error result for one call that must not run, or None."""
+        if call.error:
+            return _error(call, call.error)
+        if is_denied(call.name, self.rt.deny_tools):
+            return _error(call, f"tool {call.name!r} is denied by policy (deny_tools)")
+        if all(d.name != call.name for d in self.tools):
+            names = ", ".join(d.name for d in self.tools) or "none"
+            return _error(call, f"unknown tool {call.name!r}; available tools: {names}")
+        if abandoned_workers() >= _MAX_ABANDONED:
+            return _error(call, f"executor unavailable: {_MAX_ABANDONED} earlier port calls "
+                                "are still hung; restart the program")
+        return None
+
+    def _refuse_oversize_batch(self, calls: Sequence[ToolCall]) -> State:
+        """A batch over max_parallel_tools runs not at all; it counts as one error and
+        the loop goes on."""
+        n = self.policy.max_parallel_tools
+        self._answer_unrun(calls, f"not run: this batch has {len(calls)} calls and at most "
+                                  f"max_parallel_tools={n} may run at once; call at most {n} "
+                                  "tools at a time")
+        self.guard.record_refusal()
+        return State.BUILD_PROMPT
+
+    def _stop_batch_on_guard(self, trip: Trip) -> State:
+        """A guard stopped the batch: each call gets a "not run" result; the turn ends."""
+        assert isinstance(self.action, CallTools)
+        self._answer_unrun(self.action.calls, f"not run: {trip.detail}")
+        return self._end_on_trip(trip)
+
+    def _stop_batch_on_cancel(self) -> State:
+        """Cancelled with the batch unrun: each call gets an "interrupted" result."""
+        assert isinstance(self.action, CallTools)
+        self._answer_unrun(self.action.calls,
+                           "interrupted: the turn was cancelled before this call started")
+        return self._end_cancelled()
+
+    def _answer_unrun(self, calls: Sequence[ToolCall], text: str) -> None:
+        """Calls that never start get `text` as their result, so history stays well-formed."""
+        for call in calls:  # the trace still says they were asked for
+            self._trace_call(call, False)
+        self._append_results([_error(c, text) for c in calls])
+
+    def _run_batch(self, calls: Sequence[ToolCall],
+                   refusals: list[ToolResult | None]) -> tuple[list[ToolResult], int]:
+        """Run the calls not refused, all at once, each with its timeout. Returns the results
+        in call order and how many calls ran."""
+        # Not None here: _refusal_of_call lets only listed tools through
+        tools = typing.cast(ToolPort, self.rt.tools)
+        results = list(refusals)
+        running: list[tuple[int, _Worker, float]] = []
+        for i, call in enumerate(calls):
+            self._trace_call(call, results[i] is None)
+            if results[i] is None:
+                timeout = min(self.policy.tool_timeout_ms / 1000, self.guard.remaining_s())
+                job = functools.partial(_run_tool, tools, call, timeout, self.cancel)
+                running.append((i, _Worker(job, self.wake), timeout))
+        t0 = time.monotonic()
+        _wait_all([w for _, w, _ in running], [t0 + s for _, _, s in running], self.wake,
+                  self.cancel)
+        # The results, after one wait for all: no call counts as timed out before a cancel
+        for i, worker, timeout in running:
+            results[i] = self._result_of(calls[i], worker, timeout)
+        return [r for r in results if r is not None], len(running)
+
+    def _result_of(self, call: ToolCall, worker: _Worker, timeout: float) -> ToolResult:
+        """The result of one worker: its value, an error, a timeout or an interruption."""
+        if not worker.done:
+            if self.caller_cancel.cancelled:
+                return _error(call,
+                              "interrupted: the turn was cancelled before this call ended")
+            return _error(call, f"tool {call.name!r} timed out after "
+                                f"{round(timeout * 1000)} ms")
+        if worker.error is not None:
+            e = worker.error
+            return _error(call, f"executor unavailable: {type(e).__name__}: {e}")
+        r = worker.value
+        if not isinstance(r, ToolResult) or not isinstance(r.content, str):
+            if isinstance(r, ToolResult):
+                got = f"a ToolResult whose content is {type(r.content).__name__}"
+            else:
+                got = type(r).__name__
+            return _error(call, f"executor unavailable: the tool port returned {got}, not a "
+                                "ToolResult with text")
+        content = cut_output(r.content, self.policy.max_tool_output_chars)
+        return ToolResult(call.id, call.name, content, r.is_error, r.duration_ms)
+
+    def _append_results(self, results: Sequence[ToolResult]) -> None:
+        for r in results:
+            self._emit("tool_call_completed", {"call_id": r.call_id, "name": r.name,
+                                               "is_error": r.is_error, "content": r.content,
+                                               "duration_ms": r.duration_ms})
+            self.session.messages.append(Message("tool", r.content, tool_call_id=r.call_id,
+                                                 name=r.name, is_error=r.is_error))
+
+    # -- the trace: what the events carry --
+
+    def _emit(self, kind: str, data: _EventData) -> None:
+        self.rt._emit(self, kind, data)
+
+    def _trace_reply(self, duration_ms: float) -> dict[str, Any]:
+        """llm_call_completed: the reply as the port gave it (ids before bob fixes them)."""
+        reply = typing.cast(LlmResponse, self.reply)
+        return {**vars(reply), "tool_calls": [c.to_dict() for c in reply.tool_calls],
+                "usage": vars(reply.usage), "duration_ms": duration_ms}
+
+    def _trace_call(self, call: ToolCall, runs: bool) -> None:
+        self._emit("tool_call_started", {"call_id": call.id, "name": call.name, "runs": runs,
+                                         "arguments": call.arguments})
+
+    def _trace_loaded(self) -> None:
+        """session_loaded unless the session is as this runtime's last turn left it: a trace
+        begun mid-session (or after a failed save, or another writer) reads alone."""
+        traced = self.rt._traced.get(self.request.session_id)
+        if self.request.history is not None or traced != self.session.version:
+            self._emit("session_loaded", lambda: {"paused": self.session.paused, "messages": [
+                m.to_dict() for m in self.session.messages]})
+
+    def _trace_start(self) -> None:
+        """turn_started: all that decides the run."""
+        rt = self.rt
+        self._emit("turn_started", lambda: {
+            "format": TRACE_FORMAT, "version": __version__, "input": self.request.input,
+            "model": getattr(rt.llm, "describe", lambda: type(rt.llm).__name__)(),
+            "action_mode": rt.action_mode, "policy": dataclasses.asdict(self.policy),
+            "deny_tools": list(rt.deny_tools), "system_prompt": self._instructions(),
+            "tools": [dataclasses.asdict(d) for d in self.tools],
+            "ask_tools": list(rt.ask_tools),
+            "approver": rt.approver is not None, "approvals": {
+                k: dataclasses.asdict(a) if isinstance(a, Approval) else repr(a)
+                for k, a in (self.request.approvals or {}).items()}})
+
+
+# Each state's work: a method of the turn that returns the next state (DONE has none).
+_WORK = {
+    State.START: _Turn.start,
+    State.BUILD_PROMPT: _Turn.build_prompt,
+    State.LLM_INFER: _Turn.llm_infer,
+    State.PARSE_ACTION: _Turn.parse_action,
+    State.CALL_TOOL: _Turn.call_tool,
+}
 
 _OWN_DATA = frozenset({"state", "llm_call_started", "history_truncated"})  # nothing to mask
 
 
 class AgentRuntime:
-    """Runs agent turns: the FSM scheduler over an LlmPort, a ToolPort, a store and event sinks."""
+    """Runs agent turns: the FSM over an LlmPort, a ToolPort, a store and event sinks."""
 
     def __init__(self, llm: LlmPort, tools: ToolPort | None = None, *,
                  store: SessionStore | None = None,
                  events: EventSink | Sequence[EventSink] | None = None,
                  policy: TurnPolicy | None = None, system_prompt: str | None = None,
-                 action_mode: Literal["json", "native"] = "json", deny_tools: Sequence[str] = (),
-                 ask_tools: Sequence[str] = (),
+                 action_mode: Literal["json", "native"] = "json",
+                 deny_tools: Sequence[str] = (), ask_tools: Sequence[str] = (),
                  approver: Callable[[ToolCall], Approval] | None = None):
         if action_mode not in ("json", "native"):
             raise ConfigError(f"action_mode must be 'json' or 'native', got {action_mode!r}")
-        self.llm, self.tools, self.action_mode = llm, tools, action_mode
-        self.store: SessionStore = store if store is not None else InMemorySessionStore()
-        self.sinks: list[EventSink] = (
-            [] if events is None else list(events) if isinstance(events, (list, tuple))
-            else [typing.cast(EventSink, events)])
         if not isinstance(policy, (TurnPolicy, type(None))):
             raise ConfigError(f"policy must be a TurnPolicy, got {type(policy).__name__}")
-        self.policy, self.system_prompt = policy or TurnPolicy(), system_prompt
+        # The ports and settings every turn reads
+        self.llm = llm
+        self.tools = tools
+        self.action_mode = action_mode
+        self.store: SessionStore = store if store is not None else InMemorySessionStore()
+        if events is None:
+            self.sinks: list[EventSink] = []
+        elif isinstance(events, (list, tuple)):
+            self.sinks = list(events)
+        else:
+            self.sinks = [typing.cast(EventSink, events)]
+        self.policy = policy or TurnPolicy()
+        self.system_prompt = system_prompt
         self.deny_tools = _globs("deny_tools", deny_tools)
         self.ask_tools = _globs("ask_tools", ask_tools)
         self.approver = approver
+        # What the runtime remembers between turns
         self._failing: set[int] = set()   # ids of sinks that raised (logged once each)
         self._probe: _Worker | None = None  # health()'s list_tools call
         self._traced: dict[str, int] = {}  # session -> the version its traced turns lead to
-        self._states: dict[State, Callable[[_Turn], State]] = {
-            State.START: self._start, State.BUILD_PROMPT: self._build_prompt,
-            State.LLM_INFER: self._llm_infer, State.PARSE_ACTION: self._parse_action,
-            State.CALL_TOOL: self._call_tool}
 
     def run(self, request: AgentRequest, cancel: CancelToken | None = None) -> AgentRunResult:
-        """Run one turn to its end. Guards and cancel are results; LlmError/AgentError raise."""
-        policy, caller = request.policy or self.policy, cancel or CancelToken()
-        turn = _Turn(request, policy, caller, CancelToken(), LoopGuard(
-            policy, time.monotonic() + policy.turn_timeout_ms / 1000))
-        turn.cancel.on_cancel(lambda: turn.wake.put(None))  # wakes whatever the turn waits for
-        unlink, state = caller.on_cancel(turn.cancel.cancel), State.START
+        """Run one turn to its end: a guard or a cancel is a result; LlmError, AgentError
+        and StoreError are raised."""
+        policy = request.policy or self.policy
+        caller = cancel or CancelToken()
+        guard = LoopGuard(policy, time.monotonic() + policy.turn_timeout_ms / 1000)
+        turn = _Turn(self, request, policy, caller, CancelToken(), guard)
+        # A cancel of the turn wakes whatever it waits for; the caller's cancel is the turn's
+        turn.cancel.on_cancel(lambda: turn.wake.put(None))
+        unlink = caller.on_cancel(turn.cancel.cancel)
+        state = State.START
         try:
             while state is not State.DONE:
-                nxt = self._states[state](turn)
+                nxt = _WORK[state](turn)
                 if nxt not in TRANSITIONS[state]:
                     raise AgentError(f"bug: illegal transition {state.value} -> {nxt.value}")
                 self._emit(turn, "state", {"from": state.value, "to": nxt.value})
                 state = nxt
-        except BaseException as e:  # a bug, a broken store, Ctrl-C, a sink's SystemExit: save
-            if not turn.started:    # what the turn did, then raise
-                raise               # the session never loaded: saving would overwrite it
-            turn.error = e
-            if isinstance(e, Exception) and not isinstance(e, BobError):
-                turn.error = AgentError(f"internal error in {state.value}: {type(e).__name__}: {e}")
-                turn.error.__cause__ = e
+        except BaseException as e:  # a bug, a broken store, Ctrl-C, a sink's SystemExit:
+            if not turn.started:    # the session never loaded: saving would overwrite it
+                raise
+            turn.end(error=_raised(e, state))   # save what the turn did, then raise
         finally:
             unlink()
             turn.cancel.cancel()  # tells any port still running for this turn to stop
@@ -1544,11 +2128,15 @@ class AgentRuntime:
                                   "abandoned_workers": abandoned_workers()}
         if self.tools is None:
             return report
-        if self._probe is None or self._probe.done:  # one at a time: no thread leak if it hangs
+        # one at a time: no thread leak if it hangs
+        if self._probe is None or self._probe.done:
             self._probe = _Worker(self.tools.list_tools, queue.SimpleQueue())
         worker = self._probe
         _wait_all([worker], [time.monotonic() + timeout_s], worker.wake, CancelToken())
-        done, e = worker.done, worker.error   # in this order: `error` is set before `done`
+        # Read `done` before `error`: the worker sets `error` before `done`, so a done
+        # worker's error is final here
+        done = worker.done
+        e = worker.error
         if done and e is None:
             report["tools"] = len(worker.value)
         else:
@@ -1556,142 +2144,26 @@ class AgentRuntime:
                           else f"list_tools did not answer in {timeout_s} s")
         return report
 
-    # -- the states, in the order a turn visits them --
-
-    def _start(self, t: _Turn) -> State:
-        """Load the session, add the input (or resume a paused batch), list the tools once."""
-        t.session = self.store.load(t.request.session_id) or SessionState()
-        if (history := t.request.history) is not None:
-            calls = [c.arguments for m in history for c in getattr(m, "tool_calls", ())]
-            if bad := _json_problem(calls):   # a non-Message fails as a bug, in start
-                raise AgentError(f"AgentRequest.history cannot be sent: its tool calls' JSON {bad}")
-            t.session.messages = list(history)
-        worker = self._call_port(t, self.tools.list_tools) if self.tools is not None else None
-        if worker is not None and worker.done and worker.error is None:
-            t.tools = [d for d in worker.value if not is_denied(d.name, self.deny_tools)]
-        bad = next(((d, p) for d in t.tools if (p := _json_problem(d.input_schema))), None)
-        t.tools = [] if bad else list(map(_masked_tool, t.tools))
-        self._trace_loaded(t)
-        self._trace_start(t)   # first: every turn in the trace begins with it
-        t.started = True
-        resume = self._take_up(t)
-        if bad:
-            raise AgentError(f"tool {bad[0].name!r}: its input schema {bad[1]}; deny it")
-        stop = worker and self._stopped(t, worker, "listing the tools")
-        return stop or (State.CALL_TOOL if resume else State.BUILD_PROMPT)
-
-    def _build_prompt(self, t: _Turn) -> State:
-        """System message + history cut to max_history_messages, in the mode's wire shape."""
-        if t.system is None:
-            t.system = Message("system", build_system_prompt(self._instructions(t), t.tools,
-                                                             self.action_mode))
-        t.prompt = self._prompt(t, t.policy.max_history_messages)
-        return State.LLM_INFER
-
-    def _llm_infer(self, t: _Turn) -> State:
-        """Check cancel and the guards, then call the model in a worker until deadline/cancel."""
-        if t.caller_cancel.cancelled:
-            return self._cancelled(t)
-        if trip := t.guard.before_llm_call():
-            return self._trip(t, trip)
-        prompt = typing.cast(LlmRequest, t.prompt)
-        self._emit(t, "llm_call_started", lambda: {"messages": len(prompt.messages),
-                                                   "digest": request_digest(prompt, t.parts)})
-        t0, worker = time.perf_counter(), self._complete(t, prompt)
-        while _too_long(worker.error) and not t.cancel.cancelled:
-            sent = len(prompt.messages) - 1  # with half the history, while it shrinks: at
-            shorter = self._prompt(t, sent // 2)  # most log2(max_history_messages) times
-            if len(shorter.messages) > sent:
-                break
-            t.prompt = prompt = shorter
-            self._emit(t, "history_truncated", lambda: {"from": sent, "to": len(
-                prompt.messages) - 1, "digest": request_digest(prompt, t.parts)})
-            worker = self._complete(t, prompt)
-        if stop := self._stopped(t, worker, "the model"):
-            return stop
-        duration, reply = _ms_since(t0), worker.value  # unfit arguments are replaced once:
-        t.reply = dataclasses.replace(reply, tool_calls=tuple(map(_fit, reply.tool_calls)))
-        t.usage += reply.usage                          # the trace records them so too
-        self._emit(t, "llm_call_completed", lambda: self._trace_reply(t, duration))
-        return State.PARSE_ACTION
-
-    def _parse_action(self, t: _Turn) -> State:
-        """Turn the reply into an action; one corrective re-prompt, then AgentError."""
-        reply = typing.cast(LlmResponse, t.reply)
-        try:
-            t.action = self._to_action(reply, f"call_{len(t.session.messages)}", t.policy)
-        except ActionParseError as raw:
-            t.parse_failures += 1
-            seen = redact(reply.content)   # as the trace has it: so a replay finds the same error
-            e = (self.action_mode == "json" and _parse_problem(seen)) or raw
-            self._emit(t, "parse_error", {"error": str(e), "attempt": t.parse_failures})
-            if t.parse_failures >= 2:
-                t.error = AgentError(f"the model replied with an invalid action twice in a row: "
-                                     f"{e}. Last reply: {_excerpt(seen)!r}")
-                return State.DONE
-            t.session.messages.append(Message("user", (
-                f"Your last reply was not a valid action: {e}. It began: "
-                f"{_excerpt(seen)!r}. " + (ACTION_CONTRACT if self.action_mode == "json"
-                                           else "Answer in text or call a tool."))))
-            return State.BUILD_PROMPT
-        t.parse_failures, action = 0, t.action
-        self._emit(t, "action_parsed", {
-            "type": {Final: "final", AskUser: "ask_user", CallTools: "tool_call"}[type(action)],
-            "tools": [c.name for c in action.calls] if isinstance(action, CallTools) else []})
-        if isinstance(action, (Final, AskUser)):
-            t.content = action.content if isinstance(action, Final) else action.question
-            t.session.messages.append(Message("assistant", t.content))
-            t.finish = FinishReason.FINAL if isinstance(action, Final) else FinishReason.ASK_USER
-            return State.DONE
-        if trip := t.guard.check_text(reply.content):  # stagnation never blocks a final answer
-            return self._trip(t, trip)
-        text = reply.content if self.action_mode == "native" else ""
-        t.session.messages.append(Message("assistant", text, action.calls,
-                                          reasoning=reply.reasoning))
-        return State.CALL_TOOL
-
-    def _call_tool(self, t: _Turn) -> State:
-        """Guard the batch, get the decisions it needs, run it, append results in call order."""
-        assert isinstance(t.action, CallTools)
-        calls, t.session.paused = t.action.calls, None  # answered below, or paused afresh
-        resumed, t.resumed = t.resumed, False   # the turn's later batches are guarded again
-        if t.caller_cancel.cancelled:  # cancelled while the model answered: start nothing
-            return self._interrupted(t)
-        if not resumed:  # a resumed batch passed these two before it paused
-            if len(calls) > t.policy.max_parallel_tools:  # first: O(1) per call, unlike hashing
-                return self._refuse_batch(t, calls)
-            if trip := t.guard.check_loop(calls):
-                return self._not_run(t, trip)
-        refusals = [self._refusal(t, c) for c in calls]
-        decided = self._decide(t, refusals)
-        if isinstance(decided, State):
-            return decided
-        if trip := t.guard.check_budget(sum(r is None for r in refusals)):
-            return self._not_run(t, trip)
-        if resumed:  # claim the pause before its calls run: another process resuming it too
-            self.store.save(t.request.session_id, dataclasses.replace(  # gets a StoreError and
-                t.session, version=t.session.version + 1))             # runs nothing
-            t.session.version += 1
-        results, ran = self._run_batch(t, decided, refusals)
-        t.guard.record_results(results, ran)
-        self._append_results(t, results)
-        return self._cancelled(t) if t.caller_cancel.cancelled else State.BUILD_PROMPT
-
     def _done(self, t: _Turn) -> AgentRunResult:
         """Save the session, then report; a failed save raises StoreError after the events."""
-        t.session.usage, t.session.version = t.session.usage + t.usage, t.session.version + 1
-        result, failed = AgentRunResult(t.content, t.finish, t.guard_reason, t.usage,
-                                        t.guard.steps, t.guard.tool_calls,
-                                        list(t.session.messages), t.pending), None
+        t.session.usage += t.usage
+        t.session.version += 1
+        result = AgentRunResult(t.content, t.finish, t.guard_reason, t.usage, t.guard.steps,
+                                t.guard.tool_calls, list(t.session.messages), t.pending)
+        # Save: a failure is raised after the events, and holds the result (not stored, but
+        # not lost)
+        failed = None
         try:
             self.store.save(t.request.session_id, t.session)
             self._traced[t.request.session_id] = t.session.version   # not after a lost race
         except Exception as e:   # the next turn says what it loaded (session_loaded)
             self._traced.pop(t.request.session_id, None)
-            self._emit(t, "error", {"error": f"{type(e).__name__}: {e}", "where": "store.save"})
+            self._emit(t, "error", {"error": f"{type(e).__name__}: {e}",
+                                    "where": "store.save"})
             failed = e if isinstance(e, StoreError) else StoreError(
                 f"cannot save session {t.request.session_id!r}: {type(e).__name__}: {e}")
-            failed.result = result   # not stored, but not lost
+            failed.result = result
+        # Report: the turn's own error first (it is what the caller sees), then the end
         if t.error is not None:
             self._emit(t, "error", {"error": f"{type(t.error).__name__}: {t.error}",
                                     "where": "turn"})
@@ -1704,298 +2176,7 @@ class AgentRuntime:
             raise failed
         return result
 
-    # -- helpers of the states --
-
-    def _prompt(self, t: _Turn, limit: int) -> LlmRequest:
-        """System message + history cut to `limit`, in wire shape; each message renders once."""
-        messages = t.session.messages
-        kept = t.units.read(messages).kept(limit, t.input_index)
-        for i in kept:
-            if i not in t.wire:
-                t.wire[i] = render_for_wire(messages[i], self.action_mode)
-        json_mode = self.action_mode == "json"
-        return LlmRequest([typing.cast(Message, t.system), *(t.wire[i] for i in kept)],
-                          t.tools, "json" if json_mode else None, t.guard.deadline)
-
-    def _complete(self, t: _Turn, prompt: LlmRequest) -> _Worker:
-        return self._call_port(t, lambda: self.llm.complete(
-            prompt, t.cancel, functools.partial(self._delta, t)))
-
-    def _take_up(self, t: _Turn) -> bool:
-        """Append the input (waiting calls get "not run" first), or for `input=None` take up
-        the paused batch with its counts and decisions (True); CallTool answers the pause."""
-        paused = t.session.paused if t.request.history is None else None
-        messages = t.session.messages   # calls without results: paused, or a turn cut short
-        waiting = messages[-1].tool_calls if messages else ()
-        if t.request.input is None:
-            if not (paused and waiting):
-                raise AgentError(f"session {t.request.session_id!r} has no tool calls waiting "
-                                 "for approval: give an input to start a turn")
-            vars(t.guard).update(paused["guard"])
-            t.input_index = paused["input_index"]
-            t.approvals = {k: Approval(**a) for k, a in paused["approvals"].items()}
-            given = t.request.approvals or {}
-            for call in (c for c in waiting if c.id in given):
-                if not isinstance(given[call.id], Approval):
-                    raise ConfigError(f"approvals[{call.id!r}] must be an Approval, "
-                                      f"got {given[call.id]!r}")
-                self._decided(t, call, given[call.id])
-            t.action, t.resumed = CallTools(waiting), True
-            return True
-        t.session.paused = None
-        self._unrun(t, waiting, "not run: the user sent a new message instead of deciding on "
-                                "this call")
-        t.session.messages.append(Message("user", t.request.input))
-        t.input_index = len(t.session.messages) - 1
-        return False
-
-    def _decide(self, t: _Turn, refusals: list[ToolResult | None]) -> State | list[ToolCall]:
-        """The batch as it runs: calls matching ask_tools (not refused) need a decision; declined
-        ones get an error in `refusals`; without an approver, undecided calls pause the turn."""
-        assert isinstance(t.action, CallTools)
-        calls, waiting = list(t.action.calls), []
-        for i, call in enumerate(calls):
-            if refusals[i] is not None or not is_denied(call.name, self.ask_tools):
-                continue
-            if call.id not in t.approvals:
-                self._emit(t, "approval_requested", {"call_id": call.id, "name": call.name,
-                                                     "arguments": call.arguments})
-                if self.approver is None:
-                    waiting.append(call)
-                    continue
-                decision = self._ask(t, call)
-                if isinstance(decision, State):
-                    return decision
-                self._decided(t, call, decision)
-            approval = t.approvals[call.id]
-            if not approval.allow:
-                refusals[i] = _error(call, "the user declined this call" + (
-                    f": {approval.reason}" if approval.reason else ""))
-            elif approval.arguments is not None:
-                calls[i] = dataclasses.replace(call, arguments=dict(approval.arguments))
-        if waiting:
-            return self._pause(t, waiting)
-        t.approvals = {}   # decisions hold for this batch: a later call reusing an id is asked
-        if calls != list(t.action.calls):  # the history records the arguments that ran
-            t.session.messages[-1] = dataclasses.replace(t.session.messages[-1],
-                                                         tool_calls=tuple(calls))
-        return calls
-
-    def _ask(self, t: _Turn, call: ToolCall) -> Approval | State:
-        """The approver's decision, on a worker (deadline and cancel hold); a raise declines."""
-        approver = typing.cast(Callable[[ToolCall], Approval], self.approver)
-        worker = self._call_port(t, lambda: approver(call))
-        if t.caller_cancel.cancelled or isinstance(worker.error, Cancelled):
-            return self._interrupted(t)
-        if not worker.done:
-            return self._not_run(t, Trip(GuardReason.TURN_TIMEOUT, "the approver did not answer "
-                                         f"within turn_timeout_ms={t.policy.turn_timeout_ms}"))
-        e, value = worker.error, worker.value
-        if e is not None:
-            return Approval(False, f"the approver failed: {type(e).__name__}: {e}")
-        if isinstance(value, Approval):
-            return value
-        return Approval(False, f"the approver returned {type(value).__name__}, not an Approval")
-
-    def _decided(self, t: _Turn, call: ToolCall, approval: Approval) -> None:
-        args = approval.arguments   # checked as the model's are: they reach history and the wire
-        if problem := args is not None and (_json_problem(args) if isinstance(args, dict)
-                                            else "is not a JSON object"):
-            approval = Approval(False, f"the approver's arguments were unfit: it {problem}")
-        t.approvals[call.id] = approval
-        changed = approval.allow and approval.arguments not in (None, call.arguments)
-        self._emit(t, "approval_decided", {"call_id": call.id, "allow": approval.allow,
-                                           "arguments_changed": changed, "reason": approval.reason,
-                                           "arguments": approval.arguments})
-
-    def _pause(self, t: _Turn, waiting: list[ToolCall]) -> State:
-        """End the turn NEEDS_APPROVAL with the batch unrun, saving what a resume needs."""
-        counts = {k: v for k, v in vars(t.guard).items() if k not in ("policy", "deadline")}
-        t.session.paused = {"guard": counts, "input_index": t.input_index, "approvals":
-                            {k: dataclasses.asdict(a) for k, a in t.approvals.items()}}
-        t.pending, t.finish = tuple(waiting), FinishReason.NEEDS_APPROVAL
-        t.content = "Waiting for approval: " + ", ".join(c.name for c in waiting) + "."
-        return State.DONE
-
-    def _unrun(self, t: _Turn, calls: Sequence[ToolCall], text: str) -> None:
-        """Calls that never start get `text` as their result, so history stays well-formed."""
-        for call in calls:  # the trace still says they were asked for
-            self._trace_call(t, call, False)
-        self._append_results(t, [_error(c, text) for c in calls])
-
-    def _refuse_batch(self, t: _Turn, calls: Sequence[ToolCall]) -> State:
-        """An over-size batch runs not at all; it counts as one error and the loop goes on."""
-        n = t.policy.max_parallel_tools
-        self._unrun(t, calls, f"not run: this batch has {len(calls)} calls and at most "
-                              f"max_parallel_tools={n} may run at once; call at most {n} tools "
-                              "at a time")
-        t.guard.record_refusal()
-        return State.BUILD_PROMPT
-
-    def _not_run(self, t: _Turn, trip: Trip) -> State:
-        """A guard stopped the batch: every call gets a "not run" result."""
-        assert isinstance(t.action, CallTools)
-        self._unrun(t, t.action.calls, f"not run: {trip.detail}")
-        return self._trip(t, trip)
-
-    def _interrupted(self, t: _Turn) -> State:
-        """Cancelled with the batch unrun: each call gets an "interrupted" result."""
-        assert isinstance(t.action, CallTools)
-        self._unrun(t, t.action.calls, "interrupted: the turn was cancelled before this call "
-                                       "started")
-        return self._cancelled(t)
-
-    def _call_port(self, t: _Turn, fn: Callable[[], Any]) -> _Worker:
-        """Run a port call on a worker; wait until it ends, the turn deadline, or a cancel."""
-        if abandoned_workers() >= _MAX_ABANDONED:  # a port that ignores cancel: stop leaking
-            raise AgentError(f"{_MAX_ABANDONED} earlier port calls are still hung (a port that "
-                             "ignores cancel and deadlines); restart the program")
-        worker = _Worker(fn, t.wake)
-        _wait_all([worker], [t.guard.deadline], t.wake, t.cancel)
-        return worker
-
-    def _stopped(self, t: _Turn, worker: _Worker, what: str) -> State | None:
-        """DONE if the port call was cancelled, timed out or raised; None if it gave a value."""
-        if t.caller_cancel.cancelled:
-            return self._cancelled(t)
-        if not worker.done:
-            return self._trip(t, Trip(GuardReason.TURN_TIMEOUT, f"{what} did not answer "
-                                      f"within turn_timeout_ms={t.policy.turn_timeout_ms}"))
-        e = worker.error
-        if e is None:
-            return None
-        t.error = e if isinstance(e, BobError) else AgentError(
-            f"{what} failed: {type(e).__name__}: {e}")
-        return State.DONE
-
-    def _to_action(self, reply: LlmResponse, call_id: str, policy: TurnPolicy) -> AgentAction:
-        if self.action_mode == "json":
-            return parse_action(reply.content, call_id)
-        most = max(_MAX_CALLS_PER_REPLY, policy.max_parallel_tools)
-        if len(reply.tool_calls) > most:  # garbage, not a batch: its results would flood history
-            raise ActionParseError(f"the reply has {len(reply.tool_calls)} tool calls; call at "
-                                   f"most {policy.max_parallel_tools} tools at a time")
-        if reply.tool_calls:  # native: ids must be unique; some servers omit or repeat them
-            calls, seen = [], set()
-            for i, c in enumerate(reply.tool_calls):
-                if not c.id or c.id in seen:
-                    c = dataclasses.replace(c, id=f"{call_id}_{i}")
-                seen.add(c.id)
-                calls.append(c)
-            return CallTools(tuple(calls))
-        if not reply.content.strip():
-            raise ActionParseError("the reply was empty: no text and no tool calls")
-        return Final(reply.content)
-
-    def _run_batch(self, t: _Turn, calls: Sequence[ToolCall],
-                   refusals: list[ToolResult | None]) -> tuple[list[ToolResult], int]:
-        """Run the calls not refused at once, each with its timeout: results in order, # ran."""
-        results = list(refusals)
-        running: list[tuple[int, _Worker, float]] = []
-        for i, call in enumerate(calls):
-            self._trace_call(t, call, results[i] is None)
-            if results[i] is None:
-                timeout = min(t.policy.tool_timeout_ms / 1000, t.guard.remaining_s())
-                assert self.tools is not None  # _refusal lets only listed tools through
-                worker = _Worker(functools.partial(_run_tool, self.tools, call, timeout,
-                                                   t.cancel), t.wake)
-                running.append((i, worker, timeout))
-        t0 = time.monotonic()
-        _wait_all([w for _, w, _ in running], [t0 + s for _, _, s in running], t.wake, t.cancel)
-        for i, worker, timeout in running:  # one timeout for all: none timed out before a cancel
-            results[i] = self._outcome(t, calls[i], worker, timeout)
-        return [r for r in results if r is not None], len(running)
-
-    def _refusal(self, t: _Turn, call: ToolCall) -> ToolResult | None:
-        """An error result for a call that must not run, or None."""
-        if call.error:
-            return _error(call, call.error)
-        if is_denied(call.name, self.deny_tools):
-            return _error(call, f"tool {call.name!r} is denied by policy (deny_tools)")
-        if all(d.name != call.name for d in t.tools):
-            names = ", ".join(d.name for d in t.tools) or "none"
-            return _error(call, f"unknown tool {call.name!r}; available tools: {names}")
-        if abandoned_workers() >= _MAX_ABANDONED:
-            return _error(call, f"executor unavailable: {_MAX_ABANDONED} earlier port calls are "
-                                "still hung; restart the program")
-        return None
-
-    def _outcome(self, t: _Turn, call: ToolCall, worker: _Worker, timeout: float) -> ToolResult:
-        """The result of one worker: its value, an error, a timeout or an interruption."""
-        if not worker.done:
-            if t.caller_cancel.cancelled:
-                return _error(call, "interrupted: the turn was cancelled before this call ended")
-            return _error(call, f"tool {call.name!r} timed out after {round(timeout * 1000)} ms")
-        if worker.error is not None:
-            e = worker.error
-            return _error(call, f"executor unavailable: {type(e).__name__}: {e}")
-        r = worker.value
-        if not isinstance(r, ToolResult) or not isinstance(r.content, str):
-            got = (f"a ToolResult whose content is {type(r.content).__name__}"
-                   if isinstance(r, ToolResult) else type(r).__name__)
-            return _error(call, f"executor unavailable: the tool port returned {got}, not a "
-                                "ToolResult with text")
-        content = cut_output(r.content, t.policy.max_tool_output_chars)
-        return ToolResult(call.id, call.name, content, r.is_error, r.duration_ms)
-
-    def _append_results(self, t: _Turn, results: Sequence[ToolResult]) -> None:
-        for r in results:
-            self._emit(t, "tool_call_completed", {"call_id": r.call_id, "name": r.name,
-                                                  "is_error": r.is_error, "content": r.content,
-                                                  "duration_ms": r.duration_ms})
-            t.session.messages.append(Message("tool", r.content, tool_call_id=r.call_id,
-                                              name=r.name, is_error=r.is_error))
-
-    def _trace_reply(self, t: _Turn, duration_ms: float) -> dict[str, Any]:
-        """llm_call_completed: the reply as the port gave it (ids before bob fixes them)."""
-        reply = typing.cast(LlmResponse, t.reply)
-        return {**vars(reply), "tool_calls": [c.to_dict() for c in reply.tool_calls],
-                "usage": vars(reply.usage), "duration_ms": duration_ms}
-
-    def _trace_call(self, t: _Turn, call: ToolCall, runs: bool) -> None:
-        self._emit(t, "tool_call_started", {"call_id": call.id, "name": call.name, "runs": runs,
-                                            "arguments": call.arguments})
-
-    def _trace_loaded(self, t: _Turn) -> None:
-        """session_loaded unless the session is as this runtime's last turn left it: a trace
-        begun mid-session (or after a failed save, or another writer) reads alone."""
-        sid, version = t.request.session_id, t.session.version
-        if t.request.history is not None or self._traced.get(sid) != version:
-            self._emit(t, "session_loaded", lambda: {"paused": t.session.paused, "messages": [
-                m.to_dict() for m in t.session.messages]})
-
-    def _trace_start(self, t: _Turn) -> None:
-        """turn_started: all that decides the run."""
-        self._emit(t, "turn_started", lambda: {
-            "format": TRACE_FORMAT, "version": __version__, "input": t.request.input,
-            "model": getattr(self.llm, "describe", lambda: type(self.llm).__name__)(),
-            "action_mode": self.action_mode, "policy": dataclasses.asdict(t.policy),
-            "deny_tools": list(self.deny_tools), "system_prompt": self._instructions(t),
-            "tools": [dataclasses.asdict(d) for d in t.tools], "ask_tools": list(self.ask_tools),
-            "approver": self.approver is not None, "approvals": {
-                k: dataclasses.asdict(a) if isinstance(a, Approval) else repr(a)
-                for k, a in (t.request.approvals or {}).items()}})
-
-    def _instructions(self, t: _Turn) -> str:
-        return t.request.system_prompt or self.system_prompt or DEFAULT_INSTRUCTIONS
-
-    def _delta(self, t: _Turn, text: str) -> None:
-        """Streamed text from the model; dropped once the turn gave the call up."""
-        if not t.cancel.cancelled:
-            self._emit(t, "text_delta", {"text": text})
-
-    def _trip(self, t: _Turn, trip: Trip) -> State:
-        self._emit(t, "guard_tripped", {"reason": trip.reason.value, "detail": trip.detail})
-        t.finish, t.guard_reason = FinishReason.GUARD_EXCEEDED, trip.reason
-        t.content = f"Stopped: {trip.detail}."
-        return State.DONE
-
-    def _cancelled(self, t: _Turn) -> State:
-        t.finish, t.content = FinishReason.CANCELLED, "Cancelled."
-        return State.DONE
-
-    def _emit(self, t: _Turn, kind: str,
-              data: dict[str, Any] | Callable[[], dict[str, Any]]) -> None:
+    def _emit(self, t: _Turn, kind: str, data: _EventData) -> None:
         """Send one event to every sink; a sink that raises is logged and ignored. Data given
         as a function is built only when a sink listens (trace data costs copies and hashes).
         Here, and only here, secrets are masked: every event once, as the trace has it."""
@@ -2012,8 +2193,8 @@ class AgentRuntime:
             except Exception:  # the first failure of a sink in full, later ones quietly
                 first = id(sink) not in self._failing
                 self._failing.add(id(sink))
-                log.log(logging.WARNING if first else logging.DEBUG, "event sink %r failed on "
-                        "%s; ignored", sink, kind, exc_info=first)
+                log.log(logging.WARNING if first else logging.DEBUG,
+                        "event sink %r failed on %s; ignored", sink, kind, exc_info=first)
 
 
 # ---- 10. LLM adapters: ScriptedLlm, OpenAICompatLlm ---------------------------------------------

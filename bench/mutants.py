@@ -49,7 +49,7 @@ FLAKY: list[str] = []
 # Qualified names mutated: a class name means all of its methods.
 TARGETS = ["CancelToken", "_json_problem", "parse_action", "_required_str", "LoopGuard",
            "_check_newer", "InMemorySessionStore", "JsonFileSessionStore", "_wait_all", "_call",
-           "AgentRuntime", "_error", "_too_long"]
+           "AgentRuntime", "_Turn", "_raised", "_error", "_too_long"]
 SKIP = ["AgentRuntime.health"]   # not part of a turn
 TIMEOUT_S = 90.0   # a mutant whose tests run longer than this (the unmutated run: ~20 s) hangs
 

@@ -8,6 +8,7 @@ Sections: 1. Helpers  2. The approver callback  3. Pause and resume  4. Cancel a
 """
 from __future__ import annotations
 
+import json
 import threading
 import time
 
@@ -117,6 +118,21 @@ def test_an_approver_raising_cancelled_ends_the_turn_cancelled():
     assert all("interrupted" in m.content for m in tool_messages(r.history))
 
 
+@pytest.mark.parametrize("arguments, says", [
+    ({"x": float("nan")}, "holds NaN or Infinity"),
+    ({"x": 10 ** 5000}, "holds an integer over 4,000 digits long"),
+])
+def test_unfit_arguments_from_the_approver_decline_the_call(arguments, says):
+    tools, sink = Tools(), ListSink()
+    rt = runtime([tc("write", x=2), final("ok")], tools, sink=sink,
+                 approver=lambda call: Approval(True, arguments=arguments))
+    r = rt.run(AgentRequest("go"))
+    assert r.finish_reason is FinishReason.FINAL and tools.ran == []
+    [result] = tool_messages(r.history)
+    assert result.is_error and "the approver's arguments were unfit: it " + says in result.content
+    assert sink.of("approval_decided")[0]["allow"] is False
+
+
 def test_deny_wins_over_ask():
     tools, asked = Tools(), []
     rt = runtime([tc("write", x=2), final("ok")], tools, deny_tools=("write",),
@@ -156,6 +172,40 @@ def test_guards_count_across_the_pause_as_one_turn(tmp_path):
     assert tools.ran == [("write", 2)]
     assert r2.finish_reason is FinishReason.GUARD_EXCEEDED
     assert r2.guard_reason is GuardReason.MAX_STEPS and r2.steps == 1
+
+
+def test_a_resume_takes_up_only_the_guards_counts_from_the_session(tmp_path):
+    store, tools = JsonFileSessionStore(tmp_path), Tools()
+    r = runtime([tc("write", x=2)], tools, store=store).run(AgentRequest("go", session_id="s"))
+    path = store.path_for("s")
+    saved = json.loads(path.read_text())
+    saved["paused"]["guard"]["remaining_s"] = 0   # a name of the guard's, not one of its counts
+    path.write_text(json.dumps(saved))
+    r2 = runtime([final("written")], tools, store=store).run(
+        AgentRequest(None, session_id="s", approvals={r.pending[0].id: Approval(True)}))
+    assert (r2.finish_reason, r2.content, tools.ran) == (FinishReason.FINAL, "written",
+                                                         [("write", 2)])
+
+
+def test_a_resumed_turn_saves_the_session_as_no_longer_paused(tmp_path):
+    store, tools = JsonFileSessionStore(tmp_path), Tools()
+    r = runtime([tc("write", x=2)], tools, store=store).run(AgentRequest("go", session_id="s"))
+    assert store.load("s").paused is not None
+    runtime([final("written")], tools, store=store).run(
+        AgentRequest(None, session_id="s", approvals={r.pending[0].id: Approval(True)}))
+    assert store.load("s").paused is None
+
+
+def test_the_batches_after_a_resumed_one_are_guarded_again(tmp_path):
+    store, tools = JsonFileSessionStore(tmp_path), Tools()
+    policy = {"max_parallel_tools": 2}
+    r = runtime([tc("write", x=2)], tools, store=store, policy=policy).run(AgentRequest("go"))
+    too_many = batch(("e1", "echo", {"x": 1}), ("e2", "echo", {"x": 2}), ("e3", "echo", {"x": 3}))
+    r2 = runtime([too_many, final("done")], tools, store=store, policy=policy,
+                 mode="native").run(AgentRequest(None, approvals={r.pending[0].id: Approval(True)}))
+    assert tools.ran == [("write", 2)]   # the resumed batch ran; the next one, too big, did not
+    assert r2.finish_reason is FinishReason.FINAL
+    assert "this batch has 3 calls" in tool_messages(r2.history)[-1].content
 
 
 def test_a_call_left_without_a_decision_pauses_again(tmp_path):

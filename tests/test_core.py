@@ -290,6 +290,20 @@ def test_a_cancel_just_before_the_batch_runs_no_tool():
     assert not ran.wait(0.2), "the tool ran after the turn was cancelled"
 
 
+def test_a_cancel_during_a_batch_ends_the_turn_when_the_batch_ends():
+    token, sink = CancelToken(), ListSink()
+
+    def stop(x: int) -> str:
+        """Cancel the turn, then answer."""
+        token.cancel()
+        return "stopped"
+    rt = agent([tc("stop", x=1), final("never")], tools=bob.FunctionTools([stop]), events=sink)
+    r = rt.run(AgentRequest("go"), cancel=token)
+    assert r.finish_reason is FinishReason.CANCELLED and r.history[-1].content == "stopped"
+    assert [(e["from"], e["to"]) for e in sink.of("state")][-1] == ("call_tool", "done")
+    assert len(rt.llm.requests) == 1
+
+
 def test_a_cancelled_token_stops_before_any_llm_call():
     token = CancelToken()
     token.cancel()
@@ -790,6 +804,21 @@ def test_a_tool_port_returning_something_else_is_an_error_result():
     r = agent([tc("t"), final("ok")], tools=Sloppy()).run(AgentRequest("go"))
     assert r.finish_reason is FinishReason.FINAL
     assert r.history[2].is_error and "returned str, not a ToolResult" in r.history[2].content
+
+
+def test_a_tool_result_whose_content_is_not_text_is_an_error_result():
+    class Sloppy:
+        def list_tools(self):
+            return [bob.ToolDescriptor("t", "t", {"type": "object"})]
+
+        def call_tool(self, call, timeout_s, cancel=None):
+            return bob.ToolResult(call.id, call.name, 42)   # type: ignore[arg-type]
+
+    r = agent([tc("t"), final("ok")], tools=Sloppy()).run(AgentRequest("go"))
+    assert r.finish_reason is FinishReason.FINAL
+    assert r.history[2].is_error
+    assert "returned a ToolResult whose content is int, not a ToolResult with text" in (
+        r.history[2].content)
 
 
 def test_health_reports_a_hung_tool_listing_in_time(hang):
