@@ -1616,10 +1616,13 @@ class _Turn:
             worker = self._complete(prompt)
         if stop := self._end_if_failed(worker, "the model"):
             return stop
-        # The reply: unfit arguments are replaced once, and the trace records them so too
+        # The reply: unfit arguments are replaced once, and the trace records them so too; a
+        # custom port's reasoning that is not text is dropped (saved, it would not load)
         duration = _ms_since(t0)
         reply = worker.value
-        self.reply = dataclasses.replace(reply, tool_calls=tuple(map(_fit, reply.tool_calls)))
+        reasoning = reply.reasoning if isinstance(reply.reasoning, str) else None
+        self.reply = dataclasses.replace(reply, tool_calls=tuple(map(_fit, reply.tool_calls)),
+                                         reasoning=reasoning)
         self.usage += reply.usage
         self._emit("llm_call_completed", lambda: self._trace_reply(duration))
         return State.PARSE_ACTION
