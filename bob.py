@@ -143,18 +143,18 @@ class Cancelled(BobError):
 # JSON read back (a session file, a reply) is checked as it is read: a wrong type is a ValueError
 # naming the field, never a TypeError later (the store turns it into a StoreError naming the file).
 
-def _want(value: Any, kind: type, what: str) -> Any:
+def _want(value, kind, what):
     """`value` if it is a `kind` (dict: a JSON object, list: an array), else ValueError."""
     if not isinstance(value, kind):
         raise ValueError(f"{what} is not a JSON {'object' if kind is dict else 'array'}")
     return value
 
 
-def _excerpt(text: str, n: int = 200) -> str:
+def _excerpt(text, n=200):
     return text if len(text) <= n else text[:n] + f"... ({len(text)} chars)"
 
 
-def _field(d: dict[str, Any], key: str, kinds: tuple[type, ...], default: Any = None) -> Any:
+def _field(d, key, kinds, default=None):
     """`d[key]` (`default` when absent) if it is one of `kinds` (a bool is no int)."""
     value = d.get(key, default)
     if not isinstance(value, kinds) or (type(value) is bool and bool not in kinds):
@@ -212,7 +212,7 @@ class Message:
         """Plain JSON-ready dict; `Message.from_dict` reverses it exactly."""
         # role and content always; the others when set. Plain ifs, not a filter over vars():
         # a save of 100,000 messages spends most of its time here (bench/session_save.py)
-        d: dict[str, Any] = {"role": self.role, "content": self.content}
+        d = {"role": self.role, "content": self.content}
         if self.tool_calls:
             d["tool_calls"] = [c.to_dict() for c in self.tool_calls]
         if self.tool_call_id is not None:
@@ -325,7 +325,7 @@ class GuardReason(str, enum.Enum):
     STAGNATION = "stagnation"
 
 
-def _given(obj: Any, **kinds: tuple[type, ...]) -> None:
+def _given(obj, **kinds):
     """ConfigError naming the first field of `obj` that is none of its `kinds` (see _field)."""
     try:
         for key, kind in kinds.items():
@@ -372,7 +372,7 @@ class AgentRunResult:
     pending: tuple[ToolCall, ...] = ()  # the calls waiting for a decision (NEEDS_APPROVAL)
 
 
-def _paused(p: dict[str, Any], n: int) -> dict[str, Any]:
+def _paused(p, n):
     """A paused turn as AgentRuntime saved it (counts, decisions), checked; else ValueError
     naming the part that is not as bob saved it."""
     # the guard's counts: integers, or dicts of integers; never the policy or the deadline
@@ -454,7 +454,7 @@ class CancelToken:
         callback()
         return lambda: None
 
-    def _remove(self, callback: Callable[[], None]) -> None:
+    def _remove(self, callback):
         with self._lock, contextlib.suppress(ValueError):   # ValueError: removed already
             self._callbacks.remove(callback)
 
@@ -552,7 +552,7 @@ _MAX_DEPTH = 100  # of a model's JSON: no tool needs more, and a session holding
 #                   Python's recursion limit could not be saved and loaded again
 
 
-def _json_problem(value: Any) -> str | None:
+def _json_problem(value):
     """Why JSON from the model is unfit to keep (json could not write or read it back), or None."""
     stack = [(value, 0)]   # not recursive: the value may be as deep as json parses
     while stack:
@@ -572,14 +572,14 @@ def _json_problem(value: Any) -> str | None:
     return None
 
 
-def _required_str(obj: dict[str, Any], key: str, kind: str) -> str:
+def _required_str(obj, key, kind):
     value = obj.get(key)
     if not isinstance(value, str) or (key == "name" and not value):
         raise ActionParseError(f'a {kind} action needs a string "{key}" field')
     return value
 
 
-def _read_json(body: str) -> Any:
+def _read_json(body):
     """The JSON value of `body`; failing that, of `body` with HTML entities for its quotes
     (&#34;, &quot;: small models write them) and a trailing sentence after it, if that sentence
     holds no second object: unambiguous, so read rather than re-prompted."""
@@ -628,7 +628,7 @@ def parse_action(text: str, call_id: str = "call_1") -> AgentAction:
     raise ActionParseError(f'"type" must be "final", "tool_call" or "ask_user", got {kind!r}')
 
 
-def _parse_problem(text: str) -> ActionParseError | None:
+def _parse_problem(text):
     """Why `text` is not one valid action, or None."""
     try:
         parse_action(text)
@@ -637,7 +637,7 @@ def _parse_problem(text: str) -> ActionParseError | None:
     return None
 
 
-def _portable(schema: dict[str, Any]) -> dict[str, Any]:
+def _portable(schema):
     """A tool's schema as a part of another: one with a "$ref" (pydantic's "#/$defs/X") would
     point at nothing there, so such a tool's arguments are only asked to be an object (the
     tool still checks them)."""
@@ -730,7 +730,7 @@ _CONTEXT_TOO_LONG = re.compile(r"context.(length|window|size)|maximum context|to
                                r"prompt is too long|input is too long|reduce the length", re.I)
 
 
-def _action_text(m: Message) -> str:
+def _action_text(m):
     """An assistant message as the JSON action the model would have written."""
     if not m.tool_calls:
         return json.dumps({"type": "final", "content": m.content}, ensure_ascii=False)
@@ -880,7 +880,7 @@ _JSON_TYPES: dict[Any, str] = {str: "string", int: "integer", float: "number", b
                                list: "array", tuple: "array", dict: "object"}
 
 
-def _schema_for(tp: Any) -> dict[str, Any]:
+def _schema_for(tp):
     """JSON Schema for a type hint: str, int, float, bool, list[X], dict, Optional, Literal."""
     origin, args = typing.get_origin(tp), typing.get_args(tp)
     if tp in _JSON_TYPES:
@@ -896,7 +896,7 @@ def _schema_for(tp: Any) -> dict[str, Any]:
     return {"type": "object"} if origin is dict else {}  # Any or unannotated: accept anything
 
 
-def _matches(value: Any, schema: dict[str, Any]) -> bool:
+def _matches(value, schema):
     """A shallow check of a value against a schema made by _schema_for."""
     if "enum" in schema:  # True == 1 in Python, but not in JSON
         return any(value == e and type(value) is type(e) for e in schema["enum"])
@@ -910,7 +910,7 @@ def _matches(value: Any, schema: dict[str, Any]) -> bool:
     return want is None or isinstance(value, want)
 
 
-def _expected(schema: dict[str, Any]) -> str:
+def _expected(schema):
     """What a schema made by _schema_for accepts, in words for an error message."""
     if "enum" in schema:
         return "one of " + json.dumps(schema["enum"])
@@ -919,7 +919,7 @@ def _expected(schema: dict[str, Any]) -> str:
     return schema.get("type", "any value")
 
 
-def _ms_since(t0: float) -> float:
+def _ms_since(t0):
     return round((time.perf_counter() - t0) * 1000, 3)
 
 
@@ -950,7 +950,7 @@ class FunctionTools:
             hints, params = typing.get_type_hints(fn), inspect.signature(fn).parameters
         except (NameError, TypeError, ValueError) as e:
             raise ConfigError(f"FunctionTools: cannot read the signature of {name}: {e}") from e
-        props: dict[str, Any] = {}
+        props = {}
         required = []
         nullable = set()
         for p in params.values():
@@ -995,7 +995,7 @@ class FunctionTools:
         return ToolResult(call.id, call.name, text, False, _ms_since(t0))
 
     @staticmethod
-    def _check_args(f: _Function, args: dict[str, Any]) -> str | None:
+    def _check_args(f, args):
         schema = f.descriptor.input_schema
         unknown = sorted(set(args) - set(f.params))
         missing = [p for p in schema["required"] if p not in args]
@@ -1011,7 +1011,7 @@ class FunctionTools:
                 + f". Input schema: {json.dumps(schema, sort_keys=True)}")
 
 
-def _globs(what: str, patterns: Any) -> tuple[str, ...]:
+def _globs(what, patterns):
     """The patterns (a list, tuple or set of str) as a tuple, else ConfigError (a str would
     be read as one-letter globs)."""
     if isinstance(patterns, (list, tuple, set)) and all(
@@ -1021,8 +1021,8 @@ def _globs(what: str, patterns: Any) -> tuple[str, ...]:
                       f"got {patterns!r}")
 
 
-def _run_tool(port: ToolPort, call: ToolCall, timeout_s: float,
-              cancel: CancelToken | None) -> ToolResult:
+def _run_tool(port, call, timeout_s,
+              cancel):
     """port.call_tool, given `cancel` only if its signature names it (the first published form,
     call_tool(call, timeout_s), did not)."""
     if "cancel" in inspect.signature(port.call_tool).parameters:
@@ -1040,8 +1040,8 @@ class CompositeToolPort:
 
     def list_tools(self) -> list[ToolDescriptor]:
         """All tools of all ports, in port order; re-listed each call (ports may change)."""
-        owner: dict[str, int] = {}   # tool name -> the index of its port
-        tools: list[ToolDescriptor] = []
+        owner = {}   # tool name -> the index of its port
+        tools = []
         for i, port in enumerate(self._ports):
             for t in port.list_tools():
                 if t.name in owner:
@@ -1080,7 +1080,7 @@ def cut_output(text: str, limit: int) -> str:
 
 # ---- 7. Stores and event sinks ------------------------------------------------------------------
 
-def _check_newer(session_id: str, stored: int | None, state: SessionState) -> None:
+def _check_newer(session_id, stored, state):
     """A save must be newer than the stored version, else another turn saved in between."""
     if stored is not None and stored >= state.version:
         raise StoreError(f"session {session_id!r} was changed by another turn while this one ran "
@@ -1109,7 +1109,7 @@ class InMemorySessionStore:
             self._sessions[session_id] = dataclasses.replace(state, messages=list(state.messages))
 
 
-def _session_json(state: SessionState) -> str:
+def _session_json(state):
     """`state.to_dict()` as ASCII JSON, messages encoded a thousand at a time: their dicts die
     young, so the GC does not walk a big heap again and again (100,000: 125 ms, not 250-350)."""
     ms = state.messages
@@ -1123,7 +1123,7 @@ _SESSION_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 _HEAD = re.compile(rb'\{\s*"version":\s*(\d+)\s*[,}]')   # how to_dict's JSON begins
 
 
-def _read_file(path: Path, size: int = -1) -> bytes:
+def _read_file(path, size=-1):
     """A regular file's bytes, opened without blocking: a FIFO is an OSError, not a hang."""
     with open(os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0)), "rb") as f:
         if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
@@ -1188,7 +1188,7 @@ class JsonFileSessionStore:
         except OSError as e:
             raise StoreError(f"cannot save session file {path}: {e}") from e
 
-    def _lock(self) -> int:
+    def _lock(self):
         """The directory's lock (released at close, or when the process dies), as a descriptor."""
         import fcntl  # POSIX only; imported here so that `import bob` works anywhere
         lock = os.open(self.directory, os.O_RDONLY)
@@ -1207,7 +1207,7 @@ class JsonFileSessionStore:
             os.close(lock)
             raise
 
-    def _stored_version(self, session_id: str) -> int | None:
+    def _stored_version(self, session_id):
         """The saved state's version, from the head of its file (else by loading it all)."""
         with contextlib.suppress(FileNotFoundError):
             head = _HEAD.match(_read_file(self.path_for(session_id), 64))
@@ -1215,7 +1215,7 @@ class JsonFileSessionStore:
         return None  # no file yet
 
 
-def _data_json(data: Any) -> str:
+def _data_json(data):
     """Event data as ASCII JSON (lone surrogates too); unwritable data becomes a note of why."""
     try:
         return json.dumps(data, default=str, ensure_ascii=True)
@@ -1279,14 +1279,14 @@ _TEXT_KEY = re.compile(f'(\\\\{{0,31}}["\'])'
 
 
 @functools.lru_cache(maxsize=16)
-def _text_value(quote: str) -> re.Pattern[str]:
+def _text_value(quote):
     q = re.escape(quote)   # a string ends at the same quote, escaped as the key's was
     text = (f"{q}[^{q}\\\\]*(?:\\\\.[^{q}\\\\]*)*{q}?" if len(quote) == 1   # " or ' (a Python repr)
             else f"{q}(?:(?!{q}).)*(?:{q})?")
     return re.compile(f"{text}|\\[[^\\]]*\\]?|[^\\s,}}\\]\\\\]+", re.S)
 
 
-def _mask_text(text: str) -> str:
+def _mask_text(text):
     """The text with the value after each secret-looking "key": as "***"."""
     if '"' not in text and "'" not in text:
         return text
@@ -1321,7 +1321,7 @@ def redact(data: Any) -> Any:
 _SCHEMA_VALUES = ("default", "const", "enum", "examples")   # where a schema can quote a value
 
 
-def _masked_schema(schema: Any, secret: bool = False) -> Any:
+def _masked_schema(schema, secret=False):
     """A tool's input schema with the values it quotes for a secret-named property (its default,
     examples...) as "***" and its texts masked; still a schema a model can follow."""
     if isinstance(schema, list):
@@ -1332,7 +1332,7 @@ def _masked_schema(schema: Any, secret: bool = False) -> Any:
         secret_name(k) and k not in _SCHEMA_VALUES)) for k, v in schema.items()}
 
 
-def _masked_tool(d: ToolDescriptor) -> ToolDescriptor:
+def _masked_tool(d):
     """A tool as the model and the trace see it: no secret in its description or schema."""
     return ToolDescriptor(d.name, redact(d.description), _masked_schema(d.input_schema))
 
@@ -1350,7 +1350,7 @@ def request_digest(req: LlmRequest, cache: dict[int, tuple[Message, str]] | None
     return hashlib.sha256(text.encode()).hexdigest()
 
 
-def _fit(call: ToolCall) -> ToolCall:
+def _fit(call):
     """The call, or if its arguments are unfit to keep, the call with none and an `error`.
     What the server attached (`extra`), if unfit to keep, is dropped: saved, it would not load."""
     if call.extra is not None and (not isinstance(call.extra, dict) or _json_problem(call.extra)):
@@ -1384,7 +1384,7 @@ def abandoned_workers() -> int:
     return _abandoned
 
 
-def _serve(inbox: queue.SimpleQueue[Any]) -> None:
+def _serve(inbox):
     """A pool thread: run jobs from its inbox; exit when idle too long. Reuse saves ~100 us a
     call (bench/loop_overhead.py)."""
     while True:
@@ -1401,7 +1401,7 @@ def _serve(inbox: queue.SimpleQueue[Any]) -> None:
             _idle.append(inbox)
 
 
-def _submit(job: Callable[[], None]) -> None:
+def _submit(job):
     with _lock:
         inbox = _idle.pop() if _idle else None
     if inbox is None:
@@ -1421,7 +1421,7 @@ class _Worker:
         self.done = self._given_up = False
         _submit(self._run)
 
-    def _run(self) -> None:
+    def _run(self):
         global _abandoned
         try:
             self.value = self.fn()
@@ -1442,8 +1442,8 @@ class _Worker:
                 _abandoned += 1
 
 
-def _wait_all(workers: Sequence[_Worker], deadlines: Sequence[float],
-              wake: queue.SimpleQueue[None], cancel: CancelToken) -> None:
+def _wait_all(workers, deadlines,
+              wake, cancel):
     """Wait until each worker is done or past its deadline, or until cancel; give up the rest.
     Workers and the caller's cancel put a token in `wake`; a stale one costs one more look."""
     try:
@@ -1486,17 +1486,17 @@ TRANSITIONS: dict[State, frozenset[State]] = {
 }
 
 
-def _error(call: ToolCall, text: str) -> ToolResult:
+def _error(call, text):
     return ToolResult(call.id, call.name, text, True)
 
 
-def _too_long(e: BaseException | None) -> bool:
+def _too_long(e):
     """The endpoint refused the request as too long for the model's context."""
     return (isinstance(e, LlmError) and e.status_code == 400
             and bool(_CONTEXT_TOO_LONG.search(e.body)))
 
 
-def _raised(e: BaseException, state: State) -> BaseException:
+def _raised(e, state):
     """What a turn that raised `e` in `state` raises: a BobError, or a BaseException that
     is no Exception (Ctrl-C, SystemExit), as it is; anything else is a bug: an AgentError
     naming it."""
@@ -1707,19 +1707,19 @@ class _Turn:
             self.error = error
         return State.DONE
 
-    def _end_with_answer(self, finish: FinishReason, text: str) -> State:
+    def _end_with_answer(self, finish, text):
         """The model answered, or asked the user: its words end the turn and its history."""
         self.session.messages.append(Message("assistant", text))
         return self.end(finish, text)
 
-    def _end_on_trip(self, trip: Trip) -> State:
+    def _end_on_trip(self, trip):
         self._emit("guard_tripped", {"reason": trip.reason.value, "detail": trip.detail})
         return self.end(FinishReason.GUARD_EXCEEDED, f"Stopped: {trip.detail}.", trip.reason)
 
-    def _end_cancelled(self) -> State:
+    def _end_cancelled(self):
         return self.end(FinishReason.CANCELLED, "Cancelled.")
 
-    def _end_paused(self, waiting: list[ToolCall]) -> State:
+    def _end_paused(self, waiting):
         """End the turn NEEDS_APPROVAL with the batch unrun, saving what a resume needs."""
         self.session.paused = {"guard": self.guard.counts(), "input_index": self.input_index,
                                "approvals": {k: dataclasses.asdict(a)
@@ -1728,7 +1728,7 @@ class _Turn:
         names = ", ".join(c.name for c in waiting)
         return self.end(FinishReason.NEEDS_APPROVAL, f"Waiting for approval: {names}.")
 
-    def _end_if_failed(self, worker: _Worker, what: str) -> State | None:
+    def _end_if_failed(self, worker, what):
         """DONE if the port call was cancelled, timed out or raised; None if it answered."""
         if self.caller_cancel.cancelled:
             return self._end_cancelled()
@@ -1741,12 +1741,12 @@ class _Turn:
             e = AgentError(f"{what} failed: {type(e).__name__}: {e}")
         return self.end(error=e)
 
-    def _no_answer(self, what: str) -> Trip:
+    def _no_answer(self, what):
         """The turn deadline passed while `what` (a port, the approver) was still at work."""
         return Trip(GuardReason.TURN_TIMEOUT, f"{what} did not answer within "
                     f"turn_timeout_ms={self.policy.turn_timeout_ms}")
 
-    def _reprompt(self, reply: LlmResponse, raw: ActionParseError) -> State:
+    def _reprompt(self, reply, raw):
         """A reply that is no action: the model is told so and asked again, once; the second
         in a row ends the turn with an AgentError."""
         self.parse_failures += 1
@@ -1765,7 +1765,7 @@ class _Turn:
 
     # -- helpers of the states --
 
-    def _prompt(self, limit: int) -> LlmRequest:
+    def _prompt(self, limit):
         """System message + history cut to `limit`, in wire shape; each renders once."""
         messages = self.session.messages
         kept = self.units.read(messages).kept(limit, self.input_index)
@@ -1776,10 +1776,10 @@ class _Turn:
         return LlmRequest([typing.cast(Message, self.system), *(self.wire[i] for i in kept)],
                           self.tools, "json" if json_mode else None, self.guard.deadline)
 
-    def _complete(self, prompt: LlmRequest) -> _Worker:
+    def _complete(self, prompt):
         return self._call_port(lambda: self.rt.llm.complete(prompt, self.cancel, self._delta))
 
-    def _call_port(self, fn: Callable[[], Any]) -> _Worker:
+    def _call_port(self, fn):
         """Run a port call on a worker; wait until it ends, the turn deadline, or a cancel."""
         if abandoned_workers() >= _MAX_ABANDONED:  # a port that ignores cancel: stop leaking
             raise AgentError(f"{_MAX_ABANDONED} earlier port calls are still hung (a port "
@@ -1788,7 +1788,7 @@ class _Turn:
         _wait_all([worker], [self.guard.deadline], self.wake, self.cancel)
         return worker
 
-    def _to_action(self, reply: LlmResponse, call_id: str) -> AgentAction:
+    def _to_action(self, reply, call_id):
         if self.rt.action_mode == "json":
             return parse_action(reply.content, call_id)
         # Native: the reply's tool calls, or its text as the answer. More calls than a batch
@@ -1810,7 +1810,7 @@ class _Turn:
             raise ActionParseError("the reply was empty: no text and no tool calls")
         return Final(reply.content)
 
-    def _resume_or_add_input(self) -> bool:
+    def _resume_or_add_input(self):
         """Append the input (waiting calls get "not run" first), or for `input=None` take up
         the paused batch with its counts and decisions (True); call_tool answers the pause."""
         request = self.request
@@ -1842,17 +1842,17 @@ class _Turn:
         self.resumed = True
         return True
 
-    def _instructions(self) -> str:
+    def _instructions(self):
         return self.request.system_prompt or self.rt.system_prompt or DEFAULT_INSTRUCTIONS
 
-    def _delta(self, text: str) -> None:
+    def _delta(self, text):
         """Streamed text from the model; dropped once the turn gave the call up."""
         if not self.cancel.cancelled:
             self._emit("text_delta", {"text": text})
 
     # -- a batch of tool calls: approvals, refusals, running --
 
-    def _approved_batch(self, refusals: list[ToolResult | None]) -> State | list[ToolCall]:
+    def _approved_batch(self, refusals):
         """The batch as it runs: calls matching ask_tools (not refused) need a decision;
         declined ones get an error in `refusals`; without an approver, undecided calls pause
         the turn."""
@@ -1887,7 +1887,7 @@ class _Turn:
                                                             tool_calls=tuple(calls))
         return calls
 
-    def _ask_approver(self, call: ToolCall) -> Approval | State:
+    def _ask_approver(self, call):
         """The approver's decision, on a worker (the deadline and cancel hold); an approver
         that raises declines."""
         approver = typing.cast(Callable[[ToolCall], Approval], self.rt.approver)
@@ -1904,7 +1904,7 @@ class _Turn:
         return Approval(False, f"the approver returned {type(worker.value).__name__}, "
                                "not an Approval")
 
-    def _record_decision(self, call: ToolCall, approval: Approval) -> None:
+    def _record_decision(self, call, approval):
         """Keep a decision on `call` for this batch. Its arguments are checked as the model's
         are (they reach history and the wire): unfit ones decline the call."""
         args = approval.arguments   # a dict or None: Approval checks the type
@@ -1917,7 +1917,7 @@ class _Turn:
                                         "reason": approval.reason,
                                         "arguments": approval.arguments})
 
-    def _refusal_of_call(self, call: ToolCall) -> ToolResult | None:
+    def _refusal_of_call(self, call):
         """An error result for one call that must not run, or None."""
         if call.error:
             return _error(call, call.error)
@@ -1931,7 +1931,7 @@ class _Turn:
                                 "are still hung; restart the program")
         return None
 
-    def _refuse_oversize_batch(self, calls: Sequence[ToolCall]) -> State:
+    def _refuse_oversize_batch(self, calls):
         """A batch over max_parallel_tools runs not at all; it counts as one error and
         the loop goes on."""
         n = self.policy.max_parallel_tools
@@ -1941,33 +1941,33 @@ class _Turn:
         self.guard.record_refusal()
         return State.BUILD_PROMPT
 
-    def _stop_batch_on_guard(self, trip: Trip) -> State:
+    def _stop_batch_on_guard(self, trip):
         """A guard stopped the batch: each call gets a "not run" result; the turn ends."""
         assert isinstance(self.action, CallTools)
         self._answer_unrun(self.action.calls, f"not run: {trip.detail}")
         return self._end_on_trip(trip)
 
-    def _stop_batch_on_cancel(self) -> State:
+    def _stop_batch_on_cancel(self):
         """Cancelled with the batch unrun: each call gets an "interrupted" result."""
         assert isinstance(self.action, CallTools)
         self._answer_unrun(self.action.calls,
                            "interrupted: the turn was cancelled before this call started")
         return self._end_cancelled()
 
-    def _answer_unrun(self, calls: Sequence[ToolCall], text: str) -> None:
+    def _answer_unrun(self, calls, text):
         """Calls that never start get `text` as their result, so history stays well-formed."""
         for call in calls:  # the trace still says they were asked for
             self._trace_call(call, False)
         self._append_results([_error(c, text) for c in calls])
 
-    def _run_batch(self, calls: Sequence[ToolCall],
-                   refusals: list[ToolResult | None]) -> tuple[list[ToolResult], int]:
+    def _run_batch(self, calls,
+                   refusals):
         """Run the calls not refused, all at once, each with its timeout. Returns the results
         in call order and how many calls ran."""
         # Not None here: _refusal_of_call lets only listed tools through
         tools = typing.cast(ToolPort, self.rt.tools)
         results = list(refusals)
-        running: list[tuple[int, _Worker, float]] = []
+        running = []
         for i, call in enumerate(calls):
             self._trace_call(call, results[i] is None)
             if results[i] is None:
@@ -1982,7 +1982,7 @@ class _Turn:
             results[i] = self._result_of(calls[i], worker, timeout)
         return [r for r in results if r is not None], len(running)
 
-    def _result_of(self, call: ToolCall, worker: _Worker, timeout: float) -> ToolResult:
+    def _result_of(self, call, worker, timeout):
         """The result of one worker: its value, an error, a timeout or an interruption."""
         if not worker.done:
             if self.caller_cancel.cancelled:
@@ -2004,7 +2004,7 @@ class _Turn:
         content = cut_output(r.content, self.policy.max_tool_output_chars)
         return ToolResult(call.id, call.name, content, r.is_error, r.duration_ms)
 
-    def _append_results(self, results: Sequence[ToolResult]) -> None:
+    def _append_results(self, results):
         for r in results:
             self._emit("tool_call_completed", {"call_id": r.call_id, "name": r.name,
                                                "is_error": r.is_error, "content": r.content,
@@ -2014,20 +2014,20 @@ class _Turn:
 
     # -- the trace: what the events carry --
 
-    def _emit(self, kind: str, data: _EventData) -> None:
+    def _emit(self, kind, data):
         self.rt._emit(self, kind, data)
 
-    def _trace_reply(self, duration_ms: float) -> dict[str, Any]:
+    def _trace_reply(self, duration_ms):
         """llm_call_completed: the reply as the port gave it (ids before bob fixes them)."""
         reply = typing.cast(LlmResponse, self.reply)
         return {**vars(reply), "tool_calls": [c.to_dict() for c in reply.tool_calls],
                 "usage": vars(reply.usage), "duration_ms": duration_ms}
 
-    def _trace_call(self, call: ToolCall, runs: bool) -> None:
+    def _trace_call(self, call, runs):
         self._emit("tool_call_started", {"call_id": call.id, "name": call.name, "runs": runs,
                                          "arguments": call.arguments})
 
-    def _trace_loaded(self) -> None:
+    def _trace_loaded(self):
         """session_loaded unless the session is as this runtime's last turn left it: a trace
         begun mid-session (or after a failed save, or another writer) reads alone."""
         traced = self.rt._traced.get(self.request.session_id)
@@ -2035,7 +2035,7 @@ class _Turn:
             self._emit("session_loaded", lambda: {"paused": self.session.paused, "messages": [
                 m.to_dict() for m in self.session.messages]})
 
-    def _trace_start(self) -> None:
+    def _trace_start(self):
         """turn_started: all that decides the run."""
         rt = self.rt
         self._emit("turn_started", lambda: {
@@ -2126,7 +2126,7 @@ class AgentRuntime:
 
     def health(self, timeout_s: float = 5.0) -> dict[str, Any]:
         """A quick self-check: the tool listing (bounded by timeout_s) and hung workers."""
-        report: dict[str, Any] = {"ok": abandoned_workers() < _MAX_ABANDONED, "tools": 0,
+        report = {"ok": abandoned_workers() < _MAX_ABANDONED, "tools": 0,
                                   "action_mode": self.action_mode,
                                   "abandoned_workers": abandoned_workers()}
         if self.tools is None:
@@ -2147,7 +2147,7 @@ class AgentRuntime:
                           else f"list_tools did not answer in {timeout_s} s")
         return report
 
-    def _done(self, t: _Turn) -> AgentRunResult:
+    def _done(self, t):
         """Save the session, then report; a failed save raises StoreError after the events."""
         t.session.usage += t.usage
         t.session.version += 1
@@ -2179,7 +2179,7 @@ class AgentRuntime:
             raise failed
         return result
 
-    def _emit(self, t: _Turn, kind: str, data: _EventData) -> None:
+    def _emit(self, t, kind, data):
         """Send one event to every sink; a sink that raises is logged and ignored. Data given
         as a function is built only when a sink listens (trace data costs copies and hashes).
         Here, and only here, secrets are masked: every event once, as the trace has it."""
@@ -2248,7 +2248,7 @@ _CALL_EXTRAS = ("extra_content",)  # what a server attaches to a tool call and w
 _NO_ANSWER = "(no answer: the turn ended here)"  # Mistral takes no user message after a tool
 
 
-def _text(content: Any) -> str:
+def _text(content):
     """Message content as text: a string, null, or a list of {"type": "text"} parts."""
     if isinstance(content, list) and all(isinstance(p, dict) for p in content):
         return "".join(p["text"] for p in content if isinstance(p.get("text"), str))
@@ -2257,16 +2257,16 @@ def _text(content: Any) -> str:
     return content or ""
 
 
-def _usage(u: Any) -> Usage:
+def _usage(u):
     """Token counts; Usage() (unknown) when the server sent none or nonsense."""
     n = ([u.get("prompt_tokens") or 0, u.get("completion_tokens") or 0]
          if isinstance(u, dict) else [-1])
     return Usage(*n) if all(type(i) is int and 0 <= i < 1e15 for i in n) else Usage()
 
 
-def _message_to_wire(m: Message, ids: Callable[[Any], Any] = str) -> dict[str, Any]:
+def _message_to_wire(m, ids=str):
     """One message on the wire; `ids` renders tool-call ids (Mistral's: _short_id)."""
-    d: dict[str, Any] = {"role": m.role, "content": m.content or ""}  # "" not null: some reject
+    d = {"role": m.role, "content": m.content or ""}  # "" not null: some reject
     if m.tool_calls:
         d["tool_calls"] = [{**(c.extra or {}), "id": ids(c.id), "type": "function", "function": {
             "name": c.name, "arguments": json.dumps(c.arguments, ensure_ascii=False)}}
@@ -2280,12 +2280,12 @@ def _message_to_wire(m: Message, ids: Callable[[Any], Any] = str) -> dict[str, A
     return d
 
 
-def _short_id(call_id: Any) -> str:
+def _short_id(call_id):
     """A tool-call id as Mistral takes it: 9 letters or digits, the same for the same id."""
     return hashlib.sha256(str(call_id).encode()).hexdigest()[:9]
 
 
-def _json_forms(tools: Sequence[ToolDescriptor]) -> list[dict[str, Any]]:
+def _json_forms(tools):
     """json mode's response_format, best first: OpenAI's json_schema (vLLM, Ollama, LM Studio,
     OpenAI take it), llama.cpp's own json_object with a schema, plain json_object."""
     schema = action_schema(tools)
@@ -2293,18 +2293,18 @@ def _json_forms(tools: Sequence[ToolDescriptor]) -> list[dict[str, Any]]:
             {"type": "json_object", "schema": schema}, {"type": "json_object"}]
 
 
-def _function(c: Any) -> dict[str, Any]:
+def _function(c):
     """The `function` of a wire tool call ({} if absent); ValueError if either is no object."""
     fn = _want(c, dict, "a tool call").get("function")
     return {} if fn is None else _want(fn, dict, "its function")
 
 
-def _call_extra(c: dict[str, Any]) -> dict[str, Any]:
+def _call_extra(c):
     return {k: c[k] for k in _CALL_EXTRAS if k in c}
 
 
-def _call_from_wire(call_id: Any, name: Any, arguments: Any,
-                    extra: dict[str, Any] | None = None) -> ToolCall:
+def _call_from_wire(call_id, name, arguments,
+                    extra=None):
     """A ToolCall; arguments that are not a JSON object give one with `error` set (not run)."""
     # Why not {}: the model must learn its arguments were lost, not see the tool complain of
     # missing keys. A missing id stays "": the runtime gives it a unique one.
@@ -2327,7 +2327,7 @@ def _call_from_wire(call_id: Any, name: Any, arguments: Any,
                     extra or None)
 
 
-def _wire_call(c: Any) -> ToolCall:
+def _wire_call(c):
     """One tool call of a completion's message; ValueError when it is malformed."""
     fn = _function(c)
     return _call_from_wire(c.get("id"), fn.get("name"), fn.get("arguments"), _call_extra(c))
@@ -2394,11 +2394,11 @@ class _Stream:
                            "".join(self.reasoning) or None)
 
 
-def _sse_data(pieces: Iterable[bytes]) -> Iterator[str]:
+def _sse_data(pieces):
     """Yield the data of each Server-Sent Event (its `data:` lines joined), as soon as the blank
     line ending it arrives; an event the body ends in comes too."""
-    pending: list[bytes] = []  # a line not ended yet: joined once (bench/hostile_llm.py /stream)
-    data: list[bytes] = []     # the data lines of the event so far
+    pending = []  # a line not ended yet: joined once (bench/hostile_llm.py /stream)
+    data = []     # the data lines of the event so far
     for piece in pieces:
         pending.append(piece)
         if b"\n" not in piece:
@@ -2415,7 +2415,7 @@ def _sse_data(pieces: Iterable[bytes]) -> Iterator[str]:
         yield b"\n".join(data).decode("utf-8", "replace")
 
 
-def _retry_after(value: str | None) -> float | None:
+def _retry_after(value):
     """Retry-After in seconds: a number or an HTTP date; None when absent or unreadable."""
     with contextlib.suppress(TypeError, ValueError):
         return max(0.0, float(value or ""))
@@ -2424,19 +2424,19 @@ def _retry_after(value: str | None) -> float | None:
     return None
 
 
-def _hide_login(url: str) -> str:
+def _hide_login(url):
     """The URL with its user:password@ (a secret, and the password may hold '@') as ***@."""
     return re.sub(r"//[^/?#]*@", "//***@", url)
 
 
-def _cause(e: BaseException) -> str:
+def _cause(e):
     """The innermost reason of a transport error, short (requests nests them deeply)."""
     found = re.findall(r"\[Errno -?\d+\] [^'\")]+|Read timed out|Connection refused|"
                        r"Response ended prematurely|Remote end closed connection", str(e))
     return found[-1] if found else type(e).__name__
 
 
-def _abort(conn: Any) -> None:
+def _abort(conn):
     """Shut the socket of an in-flight connection: a thread blocked on it wakes up."""
     sock = getattr(conn, "sock", None)
     fd = getattr(conn, "bob_fd", None)
@@ -2454,14 +2454,14 @@ def _abort(conn: Any) -> None:
 # closes idle connections; so each thread's connection is noted, and _abort shuts its socket.
 # A cancel that comes before the connection is noted is seen through `cancels` instead.
 
-def _tracked(pool_cls: Any, inflight: dict[int, Any], cancels: dict[int, CancelToken]) -> Any:
+def _tracked(pool_cls, inflight, cancels):
     """A urllib3 pool class noting in `inflight` the connection each thread uses."""
     def cancelled_here() -> bool:
         token = cancels.get(threading.get_ident())
         return token is not None and token.cancelled
 
     class Connection(pool_cls.ConnectionCls):  # test_cancel_aborts_a_tls_handshake_...
-        def _new_conn(self) -> Any:
+        def _new_conn(self):
             sock = super()._new_conn()
             self.bob_fd = sock.fileno()  # TLS wrapping detaches `sock`; _abort needs this
             if cancelled_here():  # test_a_cancel_before_the_connection_is_taken_still_aborts_it
@@ -2471,7 +2471,7 @@ def _tracked(pool_cls: Any, inflight: dict[int, Any], cancels: dict[int, CancelT
     class Pool(pool_cls):
         ConnectionCls = Connection
 
-        def _make_request(self, conn: Any, *args: Any, **kwargs: Any) -> Any:
+        def _make_request(self, conn, *args, **kwargs):
             inflight[threading.get_ident()] = conn  # until _attempt ends
             if cancelled_here():  # the cancel came first and found nothing to shut (same test)
                 _abort(conn)
@@ -2482,8 +2482,8 @@ def _tracked(pool_cls: Any, inflight: dict[int, Any], cancels: dict[int, CancelT
     return Pool
 
 
-def _tracking_session(inflight: dict[int, Any], cancels: dict[int, CancelToken]
-                      ) -> tuple[Any, tuple[type[BaseException], ...]]:
+def _tracking_session(inflight, cancels
+                      ):
     """A requests.Session whose pools are _tracked, and the exceptions of a failed transport."""
     try:
         import requests
@@ -2504,8 +2504,8 @@ def _tracking_session(inflight: dict[int, Any], cancels: dict[int, CancelToken]
     return session, (requests.RequestException, urllib3.exceptions.HTTPError, OSError)
 
 
-def _check_settings(retry_max: Any, max_response_bytes: Any, tool_choice: Any,
-                    timeout_s: Any) -> None:
+def _check_settings(retry_max, max_response_bytes, tool_choice,
+                    timeout_s):
     """ConfigError naming the first of OpenAICompatLlm's settings out of its range; timeout_s
     is a number of seconds > 0 (not None, a str, nan or inf)."""
     for k, v, lo in ("retry_max", retry_max, 0), ("max_response_bytes", max_response_bytes, 1):
@@ -2571,7 +2571,7 @@ class OpenAICompatLlm:
         self._cancels: dict[int, CancelToken] = {}  # thread id -> the token of its call
         self._session, self._transport_errors = _tracking_session(self._inflight, self._cancels)
 
-    def _find_key(self, model: str, api_key: str | None) -> tuple[str | None, str]:
+    def _find_key(self, model, api_key):
         """The API key and where it came from; ConfigError naming the variable if it is bad."""
         env = self.api_key_env
         if api_key:
@@ -2589,7 +2589,7 @@ class OpenAICompatLlm:
                               "non-ASCII characters; set it again")
         return key or None, source
 
-    def _set_extras(self, headers: Any, extra_body: Any) -> None:
+    def _set_extras(self, headers, extra_body):
         """The request's headers (the user's win over bob's) and extra body fields, checked."""
         headers = headers or {}
         self.extra_body = extra_body or {}
@@ -2661,8 +2661,8 @@ class OpenAICompatLlm:
 
     # -- one HTTP exchange --
 
-    def _attempt(self, body: dict[str, Any], end: float, cancel: CancelToken,
-                 on_delta: Callable[[str], None] | None) -> LlmResponse | _Retry:
+    def _attempt(self, body, end, cancel,
+                 on_delta):
         """Send once, done by `end`. The reply or a _Retry; LlmError when retrying is useless."""
         timeout = end - time.monotonic()
         if timeout <= 0:
@@ -2697,7 +2697,7 @@ class OpenAICompatLlm:
             watchdog.cancel()
             self._inflight.pop(me, None)
 
-    def _transport_error(self, e: BaseException, late: bool) -> LlmError:
+    def _transport_error(self, e, late):
         """What failed on the wire, in words; `late`: the watchdog shut the socket."""
         import requests  # already loaded by _tracking_session
         if isinstance(e, requests.ConnectTimeout):
@@ -2712,7 +2712,7 @@ class OpenAICompatLlm:
                 if isinstance(e, requests.ConnectionError) and not late else "")
         return LlmError(f"{what} {self._shown}: {_cause(e)}{hint}")
 
-    def _http_failure(self, resp: Any, body: dict[str, Any], end: float) -> _Retry:
+    def _http_failure(self, resp, body, end):
         """A non-200 answer: a _Retry when the status may pass, else raise LlmError at once."""
         if resp.is_redirect:   # not followed (see _tracking_session)
             raise LlmError(f"{self._shown} redirected (HTTP {resp.status_code}) to "
@@ -2747,7 +2747,7 @@ class OpenAICompatLlm:
             return _Retry(error, _retry_after(resp.headers.get("Retry-After")))
         raise error
 
-    def _error(self, status: int, what: str, text: str | bytes) -> LlmError:
+    def _error(self, status, what, text):
         """LlmError "<endpoint> <what>: '<what the server sent>'", with the API key masked."""
         text = text.decode("utf-8", "replace") if isinstance(text, bytes) else text
         text = " ".join(w.group() for w in itertools.islice(re.finditer(r"\S+", text), 300))
@@ -2759,15 +2759,15 @@ class OpenAICompatLlm:
 
     # -- wire format --
 
-    def _to_wire(self, req: LlmRequest) -> dict[str, Any]:
+    def _to_wire(self, req):
         """The request body; optional fields only when set (and not refused by the server)."""
         mistral = "mistral" in self.describe().lower()  # its API, or its models on vLLM
-        messages: list[dict[str, Any]] = []
+        messages = []
         for m in req.messages:  # Mistral takes ids of 9 letters, no user right after a tool
             if mistral and m.role == "user" and messages and messages[-1]["role"] == "tool":
                 messages.append({"role": "assistant", "content": _NO_ANSWER})
             messages.append(_message_to_wire(m, _short_id if mistral else str))
-        body: dict[str, Any] = {"model": self.model, "messages": messages}
+        body = {"model": self.model, "messages": messages}
         if req.tools and req.response_format != "json":
             for t in req.tools:
                 if not TOOL_NAME.fullmatch(t.name):
@@ -2791,7 +2791,7 @@ class OpenAICompatLlm:
         body.update((k, v) for k, v in options.items() if v is not None and k not in self._rejected)
         return {**body, **self.extra_body}
 
-    def _from_wire(self, raw: bytes) -> LlmResponse:
+    def _from_wire(self, raw):
         """A non-streamed completion body -> LlmResponse; LlmError saying what is malformed."""
         try:
             data = _want(_json(raw), dict, "the body")
@@ -2811,7 +2811,7 @@ class OpenAICompatLlm:
                            finish if isinstance(finish, str) else None,
                            reasoning if isinstance(reasoning, str) else None)
 
-    def _body(self, resp: Any, end: float) -> Iterator[bytes]:
+    def _body(self, resp, end):
         """The inflated body in pieces as they come; LlmError past max_response_bytes or `end`."""
         total = 0
         while True:
@@ -2833,7 +2833,7 @@ class OpenAICompatLlm:
                 return
             yield piece
 
-    def _read_stream(self, resp: Any, acc: _Stream, end: float) -> None:
+    def _read_stream(self, resp, acc, end):
         """Fold Server-Sent Events into `acc` until [DONE] or the end of the body."""
         for payload in _sse_data(self._body(resp, end)):
             if payload == "[DONE]":  # the end (test_done_ends_the_stream_even_when_...)
@@ -2863,7 +2863,7 @@ class TraceError(BobError):
     """A trace that cannot be read or was cut short; the message names the line."""
 
 
-def _turn_start(turn: list[_Event]) -> _Event | None:
+def _turn_start(turn):
     """The data of a turn's turn_started, if it has one yet."""
     return next((e["data"] for e in turn if e["kind"] == "turn_started"), None)
 
@@ -2927,7 +2927,7 @@ class _Replay:
             raise TraceError(f"line {e['line']}: this {e['kind']} is not as bob writes it "
                              f"({type(x).__name__}: {x})") from None
 
-    def _read(self, e: _Event, asked: Any, started: dict[str, _Event]) -> Any:
+    def _read(self, e, asked, started):
         """Take in one event; the line of the request not answered yet, if any."""
         kind, d = e["kind"], e["data"]
         # a request with no reply, yet the turn went on or ended other than cancelled
@@ -3061,14 +3061,14 @@ _COMPARED = {"turn_started": (), "state": ("from", "to"), "llm_call_started": ("
              "turn_completed": ("finish_reason", "guard_reason", "content")}
 
 
-def _shown(e: _Event) -> _Event:
+def _shown(e):
     """An event (a trace's, or an AgentEvent's fields) as replay compares it and a report shows
     it: kind, step, compared fields."""
     fields = _COMPARED[e["kind"]]
     return {"kind": e["kind"], "step": e["step"], **{f: e["data"].get(f) for f in fields}}
 
 
-def _turns(events: list[_Event]) -> list[list[_Event]]:
+def _turns(events):
     """The events grouped by turn (session_loaded included); TraceError for a turn cut short."""
     turns = []
     open_turns = {}   # session -> its turn so far
@@ -3090,7 +3090,7 @@ def _turns(events: list[_Event]) -> list[list[_Event]]:
     return turns
 
 
-def _cancel_point(events: list[_Event]) -> int | None:
+def _cancel_point(events):
     """The index (among compared events) of the event a recorded cancel came right after; None
     when the turn was not cancelled or a tool was interrupted (ReplayTools cancels then)."""
     texts = " ".join(e["content"] for e in events if e["kind"] == "tool_call_completed")
@@ -3124,7 +3124,7 @@ class _Recorder:
                 self.cancel.cancel()
 
 
-def _first_difference(recorded: list[_Event], new: list[_Event]) -> tuple[Any, ...] | None:
+def _first_difference(recorded, new):
     """(step, what, recorded, new) of the first compared event that differs, or None."""
     for a, b in itertools.zip_longest(recorded, new):
         if a != b and b is not None:   # the new event as a trace would have it (lists, not tuples)
@@ -3149,8 +3149,8 @@ class _FailedSave:
         raise StoreError("replay: the recorded save failed")
 
 
-def _replay_turn(events: list[_Event], state: SessionState | None, given: dict[str, Any]
-                 ) -> tuple[_Recorder, _Replay, SessionState | None]:
+def _replay_turn(events, state, given
+                 ):
     """Run a recorded turn again from `state` with replay()'s settings: its events (recorded and
     new), its ports and the session after it."""
     start = _turn_start(events)
@@ -3192,7 +3192,7 @@ def _replay_turn(events: list[_Event], state: SessionState | None, given: dict[s
     return sink, port, store.load(sid)
 
 
-def _request_diff(llm: _Replay, ref: _Replay) -> str:
+def _request_diff(llm, ref):
     """Where `llm`'s last request first differs from the recorded one: `ref`'s, rebuilt by
     replaying the turn as recorded (the digests it matched prove it). The index and role of the
     first message that differs (the report has the two digests)."""
@@ -3204,7 +3204,7 @@ def _request_diff(llm: _Replay, ref: _Replay) -> str:
                 "  the messages are the same: the tools or the response format differ")
 
 
-def _tools_changed(recorded: list[_Event], new: list[_Event]) -> str:
+def _tools_changed(recorded, new):
     """How two lists of tools differ, by name: "removed: a; added: b; changed: c
     (input_schema)", or "" when they are the same."""
     old = {d["name"]: d for d in recorded}
@@ -3215,8 +3215,8 @@ def _tools_changed(recorded: list[_Event], new: list[_Event]) -> str:
                         for n, d in old.items() if n in now and d != now[n]])
 
 
-def _check_turn(events: list[_Event], states: dict[str, SessionState | None],
-                given: dict[str, Any]) -> str | tuple[Any, ...]:
+def _check_turn(events, states,
+                given):
     """Replay one turn from its session's state in `states` (updated): "same (...)", or the
     step, what, recorded and new values and detail of its first divergence."""
     sid = events[0]["session_id"]

@@ -29,7 +29,6 @@ import json
 import logging
 import math
 import os
-import re
 import signal
 import threading
 import time
