@@ -906,7 +906,7 @@ def _matches(value, schema):
     if isinstance(value, bool) and kind in ("integer", "number"):
         return False
     want = {"string": str, "boolean": bool, "array": list, "object": dict, "integer": int,
-            "number": (int, float)}.get(kind or "")
+            "number": (int, float)}.get(kind)
     return want is None or isinstance(value, want)
 
 
@@ -964,7 +964,7 @@ class FunctionTools:
             if p.default is p.empty:
                 required.append(p.name)
             elif isinstance(p.default, (str, int, float, bool)) and not secret_name(p.name):
-                props[p.name] = {**props[p.name], "default": p.default}
+                props[p.name]["default"] = p.default   # _schema_for's dict: fresh each time
         schema = {"type": "object", "properties": props, "required": required,
                   "additionalProperties": False}
         desc = description or (inspect.getdoc(fn) or "").split("\n\n")[0].strip() or name
@@ -990,9 +990,8 @@ class FunctionTools:
                                                                        default=str)
         except Exception as e:
             problem = f"{type(e).__name__}: {e}"
-        if problem is not None:   # bad arguments, or the function raised: an error result
-            return ToolResult(call.id, call.name, problem, True, _ms_since(t0))
-        return ToolResult(call.id, call.name, text, False, _ms_since(t0))
+        # bad arguments, or the function raised: an error result
+        return ToolResult(call.id, call.name, problem or text, problem is not None, _ms_since(t0))
 
     @staticmethod
     def _check_args(f, args):
@@ -1007,8 +1006,8 @@ class FunctionTools:
         parts = [f"{what}: {', '.join(names)}" for what, names in problems.items() if names]
         if not parts:
             return None
-        return (f"invalid arguments for {f.descriptor.name}: " + "; ".join(parts)
-                + f". Input schema: {json.dumps(schema, sort_keys=True)}")
+        return (f"invalid arguments for {f.descriptor.name}: {'; '.join(parts)}. "
+                f"Input schema: {json.dumps(schema, sort_keys=True)}")
 
 
 def _globs(what, patterns):
@@ -1035,7 +1034,6 @@ class CompositeToolPort:
 
     def __init__(self, ports: Sequence[ToolPort]):
         self._ports = list(ports)
-        self._owner: dict[str, ToolPort] = {}
         self.list_tools()  # refuse duplicates now, not in the middle of a turn
 
     def list_tools(self) -> list[ToolDescriptor]:
@@ -1051,7 +1049,7 @@ class CompositeToolPort:
                                       f"{type(port).__name__}; rename one or leave one out")
                 owner[t.name] = i
                 tools.append(t)
-        self._owner = {name: self._ports[i] for name, i in owner.items()}
+        self._owner: dict[str, ToolPort] = {name: self._ports[i] for name, i in owner.items()}
         return tools
 
     def call_tool(self, call: ToolCall, timeout_s: float,
@@ -1505,10 +1503,6 @@ def _raised(e, state):
     error = AgentError(f"internal error in {state.value}: {type(e).__name__}: {e}")
     error.__cause__ = e
     return error
-
-
-# An event's data, or a function that builds it (called only when a sink listens)
-_EventData = Union[dict[str, Any], Callable[[], dict[str, Any]]]
 
 
 @dataclass
@@ -2014,6 +2008,7 @@ class _Turn:
 
     # -- the trace: what the events carry --
 
+    # An event's data, or a function that builds it (called only when a sink listens)
     def _emit(self, kind, data):
         self.rt._emit(self, kind, data)
 
@@ -2081,12 +2076,9 @@ class AgentRuntime:
         self.tools = tools
         self.action_mode = action_mode
         self.store: SessionStore = store if store is not None else InMemorySessionStore()
-        if events is None:
-            self.sinks: list[EventSink] = []
-        elif isinstance(events, (list, tuple)):
-            self.sinks = list(events)
-        else:
-            self.sinks = [typing.cast(EventSink, events)]
+        if not isinstance(events, (list, tuple)):
+            events = [] if events is None else [events]
+        self.sinks: list[EventSink] = list(events)
         self.policy = policy or TurnPolicy()
         self.system_prompt = system_prompt
         self.deny_tools = _globs("deny_tools", deny_tools)
