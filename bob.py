@@ -155,7 +155,9 @@ def _excerpt(text, n=200):
 
 
 def _field(d, key, kinds, default=None):
-    """`d[key]` (`default` when absent) if it is one of `kinds` (a bool is no int)."""
+    """`d[key]` (`default` when absent) if it is one of `kinds`, a type or a tuple of types
+    (a bool is no int)."""
+    kinds = kinds if isinstance(kinds, tuple) else (kinds,)
     value = d.get(key, default)
     if not isinstance(value, kinds) or (type(value) is bool and bool not in kinds):
         got = type(value).__name__ if key in d else "nothing"
@@ -228,19 +230,19 @@ class Message:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Message:
         """Build a Message from `to_dict` output; ValueError naming a field that is wrong."""
-        role = _field(_want(d, dict, "a message"), "role", (str,))
+        role = _field(_want(d, dict, "a message"), "role", str)
         if role not in ("system", "user", "assistant", "tool"):
             raise ValueError(f"a message has the unknown role {_excerpt(role)!r}")
         text = (str, type(None))
         calls = []
-        for c in _field(d, "tool_calls", (list,), []):
+        for c in _field(d, "tool_calls", list, []):
             c = _want(c, dict, "a tool call")
-            calls.append(ToolCall(_field(c, "id", (str,)), _field(c, "name", (str,)),
-                                  _field(c, "arguments", (dict,)), _field(c, "error", text),
+            calls.append(ToolCall(_field(c, "id", str), _field(c, "name", str),
+                                  _field(c, "arguments", dict), _field(c, "error", text),
                                   _field(c, "extra", (dict, type(None)))))
-        return cls(role, _field(d, "content", (str,)), tuple(calls),
+        return cls(role, _field(d, "content", str), tuple(calls),
                    _field(d, "tool_call_id", text), _field(d, "name", text),
-                   _field(d, "is_error", (bool,), False), _field(d, "reasoning", text))
+                   _field(d, "is_error", bool, False), _field(d, "reasoning", text))
 
 
 @dataclass(frozen=True)
@@ -342,7 +344,7 @@ class Approval:
     arguments: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
-        _given(self, allow=(bool,), reason=(str,), arguments=(dict, type(None)))
+        _given(self, allow=bool, reason=str, arguments=(dict, type(None)))
 
 
 @dataclass
@@ -356,7 +358,7 @@ class AgentRequest:
     approvals: dict[str, Approval] | None = None
 
     def __post_init__(self) -> None:   # a bad value saved would make the session unloadable
-        _given(self, input=(str, type(None)), session_id=(str,), policy=(TurnPolicy, type(None)))
+        _given(self, input=(str, type(None)), session_id=str, policy=(TurnPolicy, type(None)))
 
 
 @dataclass
@@ -376,18 +378,18 @@ def _paused(p, n):
     """A paused turn as AgentRuntime saved it (counts, decisions), checked; else ValueError
     naming the part that is not as bob saved it."""
     # the guard's counts: integers, or dicts of integers; never the policy or the deadline
-    counts = _field(p, "guard", (dict,))
+    counts = _field(p, "guard", dict)
     numbers = [i for v in counts.values() for i in (v.values() if isinstance(v, dict) else [v])]
     if {"policy", "deadline"} & set(counts) or not all(type(i) is int for i in numbers):
         raise ValueError("the paused turn's guard counts are not as bob saved them")
     # each decision: what Approval takes (it checks the types itself: a ConfigError)
-    for decision in _field(p, "approvals", (dict,)).values():
+    for decision in _field(p, "approvals", dict).values():
         try:
             Approval(**decision)
         except TypeError:   # not an object, or a field missing or unknown
             raise ValueError("a decision of the paused turn is not as bob saved it") from None
     # the input the turn answers: one of the messages
-    if not 0 <= _field(p, "input_index", (int,)) < n:
+    if not 0 <= _field(p, "input_index", int) < n:
         raise ValueError("the paused turn's input_index is past its messages")
     return p
 
@@ -408,12 +410,12 @@ class SessionState:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> SessionState:
         """Reverse of `to_dict`; ValueError naming what is wrong."""
-        u = _field(_want(d, dict, "the session"), "usage", (dict,), {})
-        messages = [Message.from_dict(m) for m in _field(d, "messages", (list,))]
+        u = _field(_want(d, dict, "the session"), "usage", dict, {})
+        messages = [Message.from_dict(m) for m in _field(d, "messages", list)]
         paused = _field(d, "paused", (dict, type(None)))
-        return cls(messages, Usage(_field(u, "prompt_tokens", (int,), 0),
-                                   _field(u, "completion_tokens", (int,), 0)),
-                   _field(d, "version", (int,), 0),
+        return cls(messages, Usage(_field(u, "prompt_tokens", int, 0),
+                                   _field(u, "completion_tokens", int, 0)),
+                   _field(d, "version", int, 0),
                    None if paused is None else _paused(paused, len(messages)))
 
 
