@@ -1632,9 +1632,8 @@ class _Turn:
             return self._reprompt(reply, e)
         self.action = action
         self.parse_failures = 0
-        kind = {Final: "final", AskUser: "ask_user", CallTools: "tool_call"}[type(action)]
         self._emit("action_parsed", {
-            "type": kind,
+            "type": {Final: "final", AskUser: "ask_user", CallTools: "tool_call"}[type(action)],
             "tools": [c.name for c in action.calls] if isinstance(action, CallTools) else []})
         # An answer or a question ends the turn
         if isinstance(action, Final):
@@ -1852,7 +1851,6 @@ class _Turn:
         """The batch as it runs: calls matching ask_tools (not refused) need a decision;
         declined ones get an error in `refusals`; without an approver, undecided calls pause
         the turn."""
-        assert isinstance(self.action, CallTools)
         calls = list(self.action.calls)
         waiting = []
         for i, call in enumerate(calls):
@@ -1939,13 +1937,11 @@ class _Turn:
 
     def _stop_batch_on_guard(self, trip):
         """A guard stopped the batch: each call gets a "not run" result; the turn ends."""
-        assert isinstance(self.action, CallTools)
         self._answer_unrun(self.action.calls, f"not run: {trip.detail}")
         return self._end_on_trip(trip)
 
     def _stop_batch_on_cancel(self):
         """Cancelled with the batch unrun: each call gets an "interrupted" result."""
-        assert isinstance(self.action, CallTools)
         self._answer_unrun(self.action.calls,
                            "interrupted: the turn was cancelled before this call started")
         return self._end_cancelled()
@@ -1986,8 +1982,7 @@ class _Turn:
                               "interrupted: the turn was cancelled before this call ended")
             return _error(call, f"tool {call.name!r} timed out after "
                                 f"{round(timeout * 1000)} ms")
-        if worker.error is not None:
-            e = worker.error
+        if (e := worker.error) is not None:
             return _error(call, f"executor unavailable: {type(e).__name__}: {e}")
         r = worker.value
         if not isinstance(r, ToolResult) or not isinstance(r.content, str):
