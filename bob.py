@@ -1594,7 +1594,7 @@ class _Turn:
         if trip := self.guard.before_llm_call():
             return self._end_on_trip(trip)
         # The call
-        prompt = typing.cast(LlmRequest, self.prompt)
+        prompt = self.prompt
         self._emit("llm_call_started", lambda: {"messages": len(prompt.messages),
                                                 "digest": request_digest(prompt, self.parts)})
         t0 = time.perf_counter()
@@ -1625,7 +1625,7 @@ class _Turn:
 
     def parse_action(self) -> State:
         """Turn the reply into an action; one corrective re-prompt, then AgentError."""
-        reply = typing.cast(LlmResponse, self.reply)
+        reply = self.reply
         try:
             action = self._to_action(reply, f"call_{len(self.session.messages)}")
         except ActionParseError as e:
@@ -1768,7 +1768,7 @@ class _Turn:
             if i not in self.wire:
                 self.wire[i] = render_for_wire(messages[i], self.rt.action_mode)
         json_mode = self.rt.action_mode == "json"
-        return LlmRequest([typing.cast(Message, self.system), *(self.wire[i] for i in kept)],
+        return LlmRequest([self.system, *(self.wire[i] for i in kept)],
                           self.tools, "json" if json_mode else None, self.guard.deadline)
 
     def _complete(self, prompt):
@@ -1884,8 +1884,7 @@ class _Turn:
     def _ask_approver(self, call):
         """The approver's decision, on a worker (the deadline and cancel hold); an approver
         that raises declines."""
-        approver = typing.cast(Callable[[ToolCall], Approval], self.rt.approver)
-        worker = self._call_port(lambda: approver(call))
+        worker = self._call_port(lambda: self.rt.approver(call))
         if self.caller_cancel.cancelled or isinstance(worker.error, Cancelled):
             return self._stop_batch_on_cancel()
         if not worker.done:
@@ -1956,15 +1955,14 @@ class _Turn:
                    refusals):
         """Run the calls not refused, all at once, each with its timeout. Returns the results
         in call order and how many calls ran."""
-        # Not None here: _refusal_of_call lets only listed tools through
-        tools = typing.cast(ToolPort, self.rt.tools)
         results = list(refusals)
         running = []
         for i, call in enumerate(calls):
             self._trace_call(call, results[i] is None)
             if results[i] is None:
                 timeout = min(self.policy.tool_timeout_ms / 1000, self.guard.remaining_s())
-                job = functools.partial(_run_tool, tools, call, timeout, self.cancel)
+                # rt.tools is not None here: _refusal_of_call lets only listed tools through
+                job = functools.partial(_run_tool, self.rt.tools, call, timeout, self.cancel)
                 running.append((i, _Worker(job, self.wake), timeout))
         t0 = time.monotonic()
         _wait_all([w for _, w, _ in running], [t0 + s for _, _, s in running], self.wake,
@@ -2011,7 +2009,7 @@ class _Turn:
 
     def _trace_reply(self, duration_ms):
         """llm_call_completed: the reply as the port gave it (ids before bob fixes them)."""
-        reply = typing.cast(LlmResponse, self.reply)
+        reply = self.reply
         return {**vars(reply), "tool_calls": [c.to_dict() for c in reply.tool_calls],
                 "usage": vars(reply.usage), "duration_ms": duration_ms}
 
