@@ -190,6 +190,11 @@ class ToolResult:
     duration_ms: float = 0.0
 
 
+def _error(call, text):
+    """An error result for `call`."""
+    return ToolResult(call.id, call.name, text, True)
+
+
 @dataclass(frozen=True)
 class ToolDescriptor:
     """A tool as the model sees it; `input_schema` is a JSON Schema object."""
@@ -1059,7 +1064,7 @@ class CompositeToolPort:
         """Route the call to the port that listed the tool."""
         port = self._owner.get(call.name)
         if port is None:
-            return ToolResult(call.id, call.name, f"unknown tool {call.name!r}", True)
+            return _error(call, f"unknown tool {call.name!r}")
         return _run_tool(port, call, timeout_s, cancel)
 
 
@@ -1486,10 +1491,6 @@ TRANSITIONS: dict[State, frozenset[State]] = {
 }
 
 
-def _error(call, text):
-    return ToolResult(call.id, call.name, text, True)
-
-
 def _too_long(e):
     """The endpoint refused the request as too long for the model's context."""
     return (isinstance(e, LlmError) and e.status_code == 400
@@ -1616,9 +1617,9 @@ class _Turn:
         # custom port's reasoning that is not text is dropped (saved, it would not load)
         duration = _ms_since(t0)
         reply = worker.value
-        reasoning = reply.reasoning if isinstance(reply.reasoning, str) else None
-        self.reply = dataclasses.replace(reply, tool_calls=tuple(map(_fit, reply.tool_calls)),
-                                         reasoning=reasoning)
+        self.reply = dataclasses.replace(
+            reply, tool_calls=tuple(map(_fit, reply.tool_calls)),
+            reasoning=reply.reasoning if isinstance(reply.reasoning, str) else None)
         self.usage += reply.usage
         self._emit("llm_call_completed", lambda: self._trace_reply(duration))
         return State.PARSE_ACTION
@@ -1995,9 +1996,7 @@ class _Turn:
 
     def _append_results(self, results):
         for r in results:
-            self._emit("tool_call_completed", {"call_id": r.call_id, "name": r.name,
-                                               "is_error": r.is_error, "content": r.content,
-                                               "duration_ms": r.duration_ms})
+            self._emit("tool_call_completed", vars(r))   # every field; _emit masks a copy
             self.session.messages.append(Message("tool", r.content, tool_call_id=r.call_id,
                                                  name=r.name, is_error=r.is_error))
 
