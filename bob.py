@@ -151,7 +151,7 @@ def _want(value, kind, what):
 
 
 def _excerpt(text, n=200):
-    return text if len(text) <= n else text[:n] + f"... ({len(text)} chars)"
+    return text if len(text) <= n else f"{text[:n]}... ({len(text)} chars)"
 
 
 def _field(d, key, kinds, default=None):
@@ -920,7 +920,7 @@ def _matches(value, schema):
 def _expected(schema):
     """What a schema made by _schema_for accepts, in words for an error message."""
     if "enum" in schema:
-        return "one of " + json.dumps(schema["enum"])
+        return f"one of {json.dumps(schema['enum'])}"
     if "anyOf" in schema:
         return " or ".join(_expected(s) for s in schema["anyOf"])
     return schema.get("type", "any value")
@@ -1581,8 +1581,8 @@ class _Turn:
     def build_prompt(self) -> State:
         """System message + history cut to max_history_messages, in the mode's wire shape."""
         if self.system is None:
-            text = build_system_prompt(self._instructions(), self.tools, self.rt.action_mode)
-            self.system = Message("system", text)
+            self.system = Message("system", build_system_prompt(
+                self._instructions(), self.tools, self.rt.action_mode))
         self.prompt = self._prompt(self.policy.max_history_messages)
         return State.LLM_INFER
 
@@ -1676,8 +1676,8 @@ class _Turn:
         # Claim a resumed pause before its calls run: another process resuming it too gets a
         # StoreError and runs nothing
         if resumed:
-            claimed = dataclasses.replace(self.session, version=self.session.version + 1)
-            self.rt.store.save(self.request.session_id, claimed)
+            self.rt.store.save(self.request.session_id, dataclasses.replace(
+                self.session, version=self.session.version + 1))
             self.session.version += 1
         # Run the batch, count it, append its results
         results, ran = self._run_batch(decided, refusals)
@@ -1870,7 +1870,7 @@ class _Turn:
             approval = self.approvals[call.id]
             if not approval.allow:
                 because = f": {approval.reason}" if approval.reason else ""
-                refusals[i] = _error(call, "the user declined this call" + because)
+                refusals[i] = _error(call, f"the user declined this call{because}")
             elif approval.arguments is not None:
                 calls[i] = dataclasses.replace(call, arguments=dict(approval.arguments))
         if waiting:
