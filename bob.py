@@ -2039,15 +2039,6 @@ class _Turn:
                 for k, a in (self.request.approvals or {}).items()}})
 
 
-# Each state's work: a method of the turn that returns the next state (DONE has none).
-_WORK = {
-    State.START: _Turn.start,
-    State.BUILD_PROMPT: _Turn.build_prompt,
-    State.LLM_INFER: _Turn.llm_infer,
-    State.PARSE_ACTION: _Turn.parse_action,
-    State.CALL_TOOL: _Turn.call_tool,
-}
-
 _OWN_DATA = frozenset({"state", "llm_call_started", "history_truncated"})  # nothing to mask
 
 
@@ -2096,7 +2087,9 @@ class AgentRuntime:
         state = State.START
         try:
             while state is not State.DONE:
-                nxt = _WORK[state](turn)
+                # Each state's work: the method of the turn named by the state's value (START:
+                # _Turn.start, ...), which returns the next state (DONE has none)
+                nxt = getattr(turn, state.value)()
                 if nxt not in TRANSITIONS[state]:
                     raise AgentError(f"bug: illegal transition {state.value} -> {nxt.value}")
                 self._emit(turn, "state", {"from": state.value, "to": nxt.value})
