@@ -151,11 +151,13 @@ def _want(value, kind, what):
 
 
 def _excerpt(text, n=200):
-    return text if len(text) <= n else text[:n] + f"... ({len(text)} chars)"
+    return text if len(text) <= n else f"{text[:n]}... ({len(text)} chars)"
 
 
 def _field(d, key, kinds, default=None):
-    """`d[key]` (`default` when absent) if it is one of `kinds` (a bool is no int)."""
+    """`d[key]` (`default` when absent) if it is one of `kinds`, a type or a tuple of types
+    (a bool is no int)."""
+    kinds = kinds if isinstance(kinds, tuple) else (kinds,)
     value = d.get(key, default)
     if not isinstance(value, kinds) or (type(value) is bool and bool not in kinds):
         got = type(value).__name__ if key in d else "nothing"
@@ -186,6 +188,11 @@ class ToolResult:
     content: str
     is_error: bool = False
     duration_ms: float = 0.0
+
+
+def _error(call, text):
+    """An error result for `call`."""
+    return ToolResult(call.id, call.name, text, True)
 
 
 @dataclass(frozen=True)
@@ -228,19 +235,19 @@ class Message:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Message:
         """Build a Message from `to_dict` output; ValueError naming a field that is wrong."""
-        role = _field(_want(d, dict, "a message"), "role", (str,))
+        role = _field(_want(d, dict, "a message"), "role", str)
         if role not in ("system", "user", "assistant", "tool"):
             raise ValueError(f"a message has the unknown role {_excerpt(role)!r}")
         text = (str, type(None))
         calls = []
-        for c in _field(d, "tool_calls", (list,), []):
+        for c in _field(d, "tool_calls", list, []):
             c = _want(c, dict, "a tool call")
-            calls.append(ToolCall(_field(c, "id", (str,)), _field(c, "name", (str,)),
-                                  _field(c, "arguments", (dict,)), _field(c, "error", text),
+            calls.append(ToolCall(_field(c, "id", str), _field(c, "name", str),
+                                  _field(c, "arguments", dict), _field(c, "error", text),
                                   _field(c, "extra", (dict, type(None)))))
-        return cls(role, _field(d, "content", (str,)), tuple(calls),
+        return cls(role, _field(d, "content", str), tuple(calls),
                    _field(d, "tool_call_id", text), _field(d, "name", text),
-                   _field(d, "is_error", (bool,), False), _field(d, "reasoning", text))
+                   _field(d, "is_error", bool, False), _field(d, "reasoning", text))
 
 
 @dataclass(frozen=True)
@@ -342,7 +349,7 @@ class Approval:
     arguments: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
-        _given(self, allow=(bool,), reason=(str,), arguments=(dict, type(None)))
+        _given(self, allow=bool, reason=str, arguments=(dict, type(None)))
 
 
 @dataclass
@@ -356,7 +363,7 @@ class AgentRequest:
     approvals: dict[str, Approval] | None = None
 
     def __post_init__(self) -> None:   # a bad value saved would make the session unloadable
-        _given(self, input=(str, type(None)), session_id=(str,), policy=(TurnPolicy, type(None)))
+        _given(self, input=(str, type(None)), session_id=str, policy=(TurnPolicy, type(None)))
 
 
 @dataclass
@@ -376,18 +383,18 @@ def _paused(p, n):
     """A paused turn as AgentRuntime saved it (counts, decisions), checked; else ValueError
     naming the part that is not as bob saved it."""
     # the guard's counts: integers, or dicts of integers; never the policy or the deadline
-    counts = _field(p, "guard", (dict,))
+    counts = _field(p, "guard", dict)
     numbers = [i for v in counts.values() for i in (v.values() if isinstance(v, dict) else [v])]
     if {"policy", "deadline"} & set(counts) or not all(type(i) is int for i in numbers):
         raise ValueError("the paused turn's guard counts are not as bob saved them")
     # each decision: what Approval takes (it checks the types itself: a ConfigError)
-    for decision in _field(p, "approvals", (dict,)).values():
+    for decision in _field(p, "approvals", dict).values():
         try:
             Approval(**decision)
         except TypeError:   # not an object, or a field missing or unknown
             raise ValueError("a decision of the paused turn is not as bob saved it") from None
     # the input the turn answers: one of the messages
-    if not 0 <= _field(p, "input_index", (int,)) < n:
+    if not 0 <= _field(p, "input_index", int) < n:
         raise ValueError("the paused turn's input_index is past its messages")
     return p
 
@@ -408,12 +415,12 @@ class SessionState:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> SessionState:
         """Reverse of `to_dict`; ValueError naming what is wrong."""
-        u = _field(_want(d, dict, "the session"), "usage", (dict,), {})
-        messages = [Message.from_dict(m) for m in _field(d, "messages", (list,))]
+        u = _field(_want(d, dict, "the session"), "usage", dict, {})
+        messages = [Message.from_dict(m) for m in _field(d, "messages", list)]
         paused = _field(d, "paused", (dict, type(None)))
-        return cls(messages, Usage(_field(u, "prompt_tokens", (int,), 0),
-                                   _field(u, "completion_tokens", (int,), 0)),
-                   _field(d, "version", (int,), 0),
+        return cls(messages, Usage(_field(u, "prompt_tokens", int, 0),
+                                   _field(u, "completion_tokens", int, 0)),
+                   _field(d, "version", int, 0),
                    None if paused is None else _paused(paused, len(messages)))
 
 
@@ -906,14 +913,14 @@ def _matches(value, schema):
     if isinstance(value, bool) and kind in ("integer", "number"):
         return False
     want = {"string": str, "boolean": bool, "array": list, "object": dict, "integer": int,
-            "number": (int, float)}.get(kind or "")
+            "number": (int, float)}.get(kind)
     return want is None or isinstance(value, want)
 
 
 def _expected(schema):
     """What a schema made by _schema_for accepts, in words for an error message."""
     if "enum" in schema:
-        return "one of " + json.dumps(schema["enum"])
+        return f"one of {json.dumps(schema['enum'])}"
     if "anyOf" in schema:
         return " or ".join(_expected(s) for s in schema["anyOf"])
     return schema.get("type", "any value")
@@ -964,7 +971,7 @@ class FunctionTools:
             if p.default is p.empty:
                 required.append(p.name)
             elif isinstance(p.default, (str, int, float, bool)) and not secret_name(p.name):
-                props[p.name] = {**props[p.name], "default": p.default}
+                props[p.name]["default"] = p.default   # _schema_for's dict: fresh each time
         schema = {"type": "object", "properties": props, "required": required,
                   "additionalProperties": False}
         desc = description or (inspect.getdoc(fn) or "").split("\n\n")[0].strip() or name
@@ -990,9 +997,8 @@ class FunctionTools:
                                                                        default=str)
         except Exception as e:
             problem = f"{type(e).__name__}: {e}"
-        if problem is not None:   # bad arguments, or the function raised: an error result
-            return ToolResult(call.id, call.name, problem, True, _ms_since(t0))
-        return ToolResult(call.id, call.name, text, False, _ms_since(t0))
+        # bad arguments, or the function raised: an error result
+        return ToolResult(call.id, call.name, problem or text, problem is not None, _ms_since(t0))
 
     @staticmethod
     def _check_args(f, args):
@@ -1007,8 +1013,8 @@ class FunctionTools:
         parts = [f"{what}: {', '.join(names)}" for what, names in problems.items() if names]
         if not parts:
             return None
-        return (f"invalid arguments for {f.descriptor.name}: " + "; ".join(parts)
-                + f". Input schema: {json.dumps(schema, sort_keys=True)}")
+        return (f"invalid arguments for {f.descriptor.name}: {'; '.join(parts)}. "
+                f"Input schema: {json.dumps(schema, sort_keys=True)}")
 
 
 def _globs(what, patterns):
@@ -1035,7 +1041,6 @@ class CompositeToolPort:
 
     def __init__(self, ports: Sequence[ToolPort]):
         self._ports = list(ports)
-        self._owner: dict[str, ToolPort] = {}
         self.list_tools()  # refuse duplicates now, not in the middle of a turn
 
     def list_tools(self) -> list[ToolDescriptor]:
@@ -1051,7 +1056,7 @@ class CompositeToolPort:
                                       f"{type(port).__name__}; rename one or leave one out")
                 owner[t.name] = i
                 tools.append(t)
-        self._owner = {name: self._ports[i] for name, i in owner.items()}
+        self._owner: dict[str, ToolPort] = {name: self._ports[i] for name, i in owner.items()}
         return tools
 
     def call_tool(self, call: ToolCall, timeout_s: float,
@@ -1059,7 +1064,7 @@ class CompositeToolPort:
         """Route the call to the port that listed the tool."""
         port = self._owner.get(call.name)
         if port is None:
-            return ToolResult(call.id, call.name, f"unknown tool {call.name!r}", True)
+            return _error(call, f"unknown tool {call.name!r}")
         return _run_tool(port, call, timeout_s, cancel)
 
 
@@ -1486,10 +1491,6 @@ TRANSITIONS: dict[State, frozenset[State]] = {
 }
 
 
-def _error(call, text):
-    return ToolResult(call.id, call.name, text, True)
-
-
 def _too_long(e):
     """The endpoint refused the request as too long for the model's context."""
     return (isinstance(e, LlmError) and e.status_code == 400
@@ -1505,10 +1506,6 @@ def _raised(e, state):
     error = AgentError(f"internal error in {state.value}: {type(e).__name__}: {e}")
     error.__cause__ = e
     return error
-
-
-# An event's data, or a function that builds it (called only when a sink listens)
-_EventData = Union[dict[str, Any], Callable[[], dict[str, Any]]]
 
 
 @dataclass
@@ -1584,8 +1581,8 @@ class _Turn:
     def build_prompt(self) -> State:
         """System message + history cut to max_history_messages, in the mode's wire shape."""
         if self.system is None:
-            text = build_system_prompt(self._instructions(), self.tools, self.rt.action_mode)
-            self.system = Message("system", text)
+            self.system = Message("system", build_system_prompt(
+                self._instructions(), self.tools, self.rt.action_mode))
         self.prompt = self._prompt(self.policy.max_history_messages)
         return State.LLM_INFER
 
@@ -1598,7 +1595,7 @@ class _Turn:
         if trip := self.guard.before_llm_call():
             return self._end_on_trip(trip)
         # The call
-        prompt = typing.cast(LlmRequest, self.prompt)
+        prompt = self.prompt
         self._emit("llm_call_started", lambda: {"messages": len(prompt.messages),
                                                 "digest": request_digest(prompt, self.parts)})
         t0 = time.perf_counter()
@@ -1620,25 +1617,24 @@ class _Turn:
         # custom port's reasoning that is not text is dropped (saved, it would not load)
         duration = _ms_since(t0)
         reply = worker.value
-        reasoning = reply.reasoning if isinstance(reply.reasoning, str) else None
-        self.reply = dataclasses.replace(reply, tool_calls=tuple(map(_fit, reply.tool_calls)),
-                                         reasoning=reasoning)
+        self.reply = dataclasses.replace(
+            reply, tool_calls=tuple(map(_fit, reply.tool_calls)),
+            reasoning=reply.reasoning if isinstance(reply.reasoning, str) else None)
         self.usage += reply.usage
         self._emit("llm_call_completed", lambda: self._trace_reply(duration))
         return State.PARSE_ACTION
 
     def parse_action(self) -> State:
         """Turn the reply into an action; one corrective re-prompt, then AgentError."""
-        reply = typing.cast(LlmResponse, self.reply)
+        reply = self.reply
         try:
             action = self._to_action(reply, f"call_{len(self.session.messages)}")
         except ActionParseError as e:
             return self._reprompt(reply, e)
         self.action = action
         self.parse_failures = 0
-        kind = {Final: "final", AskUser: "ask_user", CallTools: "tool_call"}[type(action)]
         self._emit("action_parsed", {
-            "type": kind,
+            "type": {Final: "final", AskUser: "ask_user", CallTools: "tool_call"}[type(action)],
             "tools": [c.name for c in action.calls] if isinstance(action, CallTools) else []})
         # An answer or a question ends the turn
         if isinstance(action, Final):
@@ -1680,8 +1676,8 @@ class _Turn:
         # Claim a resumed pause before its calls run: another process resuming it too gets a
         # StoreError and runs nothing
         if resumed:
-            claimed = dataclasses.replace(self.session, version=self.session.version + 1)
-            self.rt.store.save(self.request.session_id, claimed)
+            self.rt.store.save(self.request.session_id, dataclasses.replace(
+                self.session, version=self.session.version + 1))
             self.session.version += 1
         # Run the batch, count it, append its results
         results, ran = self._run_batch(decided, refusals)
@@ -1773,7 +1769,7 @@ class _Turn:
             if i not in self.wire:
                 self.wire[i] = render_for_wire(messages[i], self.rt.action_mode)
         json_mode = self.rt.action_mode == "json"
-        return LlmRequest([typing.cast(Message, self.system), *(self.wire[i] for i in kept)],
+        return LlmRequest([self.system, *(self.wire[i] for i in kept)],
                           self.tools, "json" if json_mode else None, self.guard.deadline)
 
     def _complete(self, prompt):
@@ -1856,7 +1852,6 @@ class _Turn:
         """The batch as it runs: calls matching ask_tools (not refused) need a decision;
         declined ones get an error in `refusals`; without an approver, undecided calls pause
         the turn."""
-        assert isinstance(self.action, CallTools)
         calls = list(self.action.calls)
         waiting = []
         for i, call in enumerate(calls):
@@ -1875,7 +1870,7 @@ class _Turn:
             approval = self.approvals[call.id]
             if not approval.allow:
                 because = f": {approval.reason}" if approval.reason else ""
-                refusals[i] = _error(call, "the user declined this call" + because)
+                refusals[i] = _error(call, f"the user declined this call{because}")
             elif approval.arguments is not None:
                 calls[i] = dataclasses.replace(call, arguments=dict(approval.arguments))
         if waiting:
@@ -1890,8 +1885,7 @@ class _Turn:
     def _ask_approver(self, call):
         """The approver's decision, on a worker (the deadline and cancel hold); an approver
         that raises declines."""
-        approver = typing.cast(Callable[[ToolCall], Approval], self.rt.approver)
-        worker = self._call_port(lambda: approver(call))
+        worker = self._call_port(lambda: self.rt.approver(call))
         if self.caller_cancel.cancelled or isinstance(worker.error, Cancelled):
             return self._stop_batch_on_cancel()
         if not worker.done:
@@ -1943,13 +1937,11 @@ class _Turn:
 
     def _stop_batch_on_guard(self, trip):
         """A guard stopped the batch: each call gets a "not run" result; the turn ends."""
-        assert isinstance(self.action, CallTools)
         self._answer_unrun(self.action.calls, f"not run: {trip.detail}")
         return self._end_on_trip(trip)
 
     def _stop_batch_on_cancel(self):
         """Cancelled with the batch unrun: each call gets an "interrupted" result."""
-        assert isinstance(self.action, CallTools)
         self._answer_unrun(self.action.calls,
                            "interrupted: the turn was cancelled before this call started")
         return self._end_cancelled()
@@ -1964,15 +1956,14 @@ class _Turn:
                    refusals):
         """Run the calls not refused, all at once, each with its timeout. Returns the results
         in call order and how many calls ran."""
-        # Not None here: _refusal_of_call lets only listed tools through
-        tools = typing.cast(ToolPort, self.rt.tools)
         results = list(refusals)
         running = []
         for i, call in enumerate(calls):
             self._trace_call(call, results[i] is None)
             if results[i] is None:
                 timeout = min(self.policy.tool_timeout_ms / 1000, self.guard.remaining_s())
-                job = functools.partial(_run_tool, tools, call, timeout, self.cancel)
+                # rt.tools is not None here: _refusal_of_call lets only listed tools through
+                job = functools.partial(_run_tool, self.rt.tools, call, timeout, self.cancel)
                 running.append((i, _Worker(job, self.wake), timeout))
         t0 = time.monotonic()
         _wait_all([w for _, w, _ in running], [t0 + s for _, _, s in running], self.wake,
@@ -1990,8 +1981,7 @@ class _Turn:
                               "interrupted: the turn was cancelled before this call ended")
             return _error(call, f"tool {call.name!r} timed out after "
                                 f"{round(timeout * 1000)} ms")
-        if worker.error is not None:
-            e = worker.error
+        if (e := worker.error) is not None:
             return _error(call, f"executor unavailable: {type(e).__name__}: {e}")
         r = worker.value
         if not isinstance(r, ToolResult) or not isinstance(r.content, str):
@@ -2006,20 +1996,19 @@ class _Turn:
 
     def _append_results(self, results):
         for r in results:
-            self._emit("tool_call_completed", {"call_id": r.call_id, "name": r.name,
-                                               "is_error": r.is_error, "content": r.content,
-                                               "duration_ms": r.duration_ms})
+            self._emit("tool_call_completed", vars(r))   # every field; _emit masks a copy
             self.session.messages.append(Message("tool", r.content, tool_call_id=r.call_id,
                                                  name=r.name, is_error=r.is_error))
 
     # -- the trace: what the events carry --
 
+    # An event's data, or a function that builds it (called only when a sink listens)
     def _emit(self, kind, data):
         self.rt._emit(self, kind, data)
 
     def _trace_reply(self, duration_ms):
         """llm_call_completed: the reply as the port gave it (ids before bob fixes them)."""
-        reply = typing.cast(LlmResponse, self.reply)
+        reply = self.reply
         return {**vars(reply), "tool_calls": [c.to_dict() for c in reply.tool_calls],
                 "usage": vars(reply.usage), "duration_ms": duration_ms}
 
@@ -2050,15 +2039,6 @@ class _Turn:
                 for k, a in (self.request.approvals or {}).items()}})
 
 
-# Each state's work: a method of the turn that returns the next state (DONE has none).
-_WORK = {
-    State.START: _Turn.start,
-    State.BUILD_PROMPT: _Turn.build_prompt,
-    State.LLM_INFER: _Turn.llm_infer,
-    State.PARSE_ACTION: _Turn.parse_action,
-    State.CALL_TOOL: _Turn.call_tool,
-}
-
 _OWN_DATA = frozenset({"state", "llm_call_started", "history_truncated"})  # nothing to mask
 
 
@@ -2081,12 +2061,9 @@ class AgentRuntime:
         self.tools = tools
         self.action_mode = action_mode
         self.store: SessionStore = store if store is not None else InMemorySessionStore()
-        if events is None:
-            self.sinks: list[EventSink] = []
-        elif isinstance(events, (list, tuple)):
-            self.sinks = list(events)
-        else:
-            self.sinks = [typing.cast(EventSink, events)]
+        if not isinstance(events, (list, tuple)):
+            events = [] if events is None else [events]
+        self.sinks: list[EventSink] = list(events)
         self.policy = policy or TurnPolicy()
         self.system_prompt = system_prompt
         self.deny_tools = _globs("deny_tools", deny_tools)
@@ -2110,7 +2087,9 @@ class AgentRuntime:
         state = State.START
         try:
             while state is not State.DONE:
-                nxt = _WORK[state](turn)
+                # Each state's work: the method of the turn named by the state's value (START:
+                # _Turn.start, ...), which returns the next state (DONE has none)
+                nxt = getattr(turn, state.value)()
                 if nxt not in TRANSITIONS[state]:
                     raise AgentError(f"bug: illegal transition {state.value} -> {nxt.value}")
                 self._emit(turn, "state", {"from": state.value, "to": nxt.value})
