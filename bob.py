@@ -2257,6 +2257,11 @@ def _text(content):
     return content or ""
 
 
+def _str(value):
+    """`value` if it is a str, else None (a server may send anything where text belongs)."""
+    return value if isinstance(value, str) else None
+
+
 def _usage(u):
     """Token counts; Usage() (unknown) when the server sent none or nonsense."""
     n = ([u.get("prompt_tokens") or 0, u.get("completion_tokens") or 0]
@@ -2319,12 +2324,13 @@ def _call_from_wire(call_id, name, arguments,
         if isinstance(args, str):  # some models double-encode
             with contextlib.suppress(*_BAD_JSON):
                 args = _json(args)
-    if isinstance(args, dict):
-        return ToolCall(str(call_id or ""), name, args, extra=extra or None)
-    shown = _excerpt(arguments if isinstance(arguments, str) else repr(arguments))
-    return ToolCall(str(call_id or ""), name, {}, f"the arguments of {name!r} {problem}: "
-                    f"{shown!r}; call it again with one JSON object that fits its schema",
-                    extra or None)
+    error = None
+    if not isinstance(args, dict):
+        shown = _excerpt(arguments if isinstance(arguments, str) else repr(arguments))
+        error = (f"the arguments of {name!r} {problem}: {shown!r}; call it again with one JSON "
+                 "object that fits its schema")
+        args = {}
+    return ToolCall(str(call_id or ""), name, args, error, extra or None)
 
 
 def _wire_call(c):
@@ -2366,7 +2372,7 @@ class _Stream:
             for i, tc in enumerate(_want(delta.get("tool_calls") or [], list, "tool_calls")):
                 fn = _function(tc)
                 index = tc.get("index", i)
-                call_id = tc.get("id") if isinstance(tc.get("id"), str) else None
+                call_id = _str(tc.get("id"))
                 if type(index) is not int:
                     raise ValueError(f"a tool call's index is {index!r}, not an integer")
                 slot = self.ids.get(call_id) or self.at.get(index)
@@ -2389,9 +2395,8 @@ class _Stream:
         if not (self.done or self.finish_reason):
             raise LlmError(f"the stream from {url} was cut before it finished "
                            f"({sum(map(len, self.text))} chars received)")
-        calls = tuple(_call_from_wire(*c) for c in self.calls)
-        return LlmResponse("".join(self.text), calls, self.usage, self.finish_reason,
-                           "".join(self.reasoning) or None)
+        return LlmResponse("".join(self.text), tuple(_call_from_wire(*c) for c in self.calls),
+                           self.usage, self.finish_reason, "".join(self.reasoning) or None)
 
 
 def _sse_data(pieces):
@@ -2490,17 +2495,15 @@ def _tracking_session(inflight, cancels
         import urllib3
     except ImportError as e:
         raise ConfigError(f"OpenAICompatLlm needs requests ({e}): pip install requests") from e
-    adapter = requests.adapters.HTTPAdapter()
-    adapter.poolmanager.pool_classes_by_scheme = {
-        "http": _tracked(urllib3.HTTPConnectionPool, inflight, cancels),
-        "https": _tracked(urllib3.HTTPSConnectionPool, inflight, cancels)}
     class Session(requests.Session):
         def resolve_redirects(self, *args: Any, **kwargs: Any) -> Iterator[Any]:
             return iter(())  # none followed: requests reads a 3xx body whole, even not following
 
     session = Session()
-    session.mount("http://", adapter)
-    session.mount("https://", adapter)
+    pools = {"http": _tracked(urllib3.HTTPConnectionPool, inflight, cancels),
+             "https": _tracked(urllib3.HTTPSConnectionPool, inflight, cancels)}
+    for adapter in session.adapters.values():   # requests' own, for http:// and https://
+        adapter.poolmanager.pool_classes_by_scheme = pools
     return session, (requests.RequestException, urllib3.exceptions.HTTPError, OSError)
 
 
@@ -2564,7 +2567,7 @@ class OpenAICompatLlm:
         self.max_response_bytes = max_response_bytes
         self._api_key, self._key_source = self._find_key(model, api_key)
         self._set_extras(headers, extra_body)
-        self._url = self.base_url + "/chat/completions"
+        self._url = f"{self.base_url}/chat/completions"
         self._shown = _hide_login(self._url)   # as errors show it
         self._rejected: set[str] = set()       # optional fields this server refused
         self._inflight: dict[int, Any] = {}    # thread id -> connection it is using
@@ -2667,14 +2670,14 @@ class OpenAICompatLlm:
         timeout = end - time.monotonic()
         if timeout <= 0:
             raise LlmError(f"no time left for a request to {self._shown}")
-        data = json.dumps(body, separators=(",", ":")).encode()
         acc = _Stream(on_delta)
         me = threading.get_ident()  # a socket timeout bounds one read: headers dripped a byte
         watchdog = threading.Timer(timeout, lambda: _abort(self._inflight.get(me)))  # at a time
         watchdog.start()           # are bounded by this (the body by _body's clock)
         try:
-            resp = self._session.post(self._url, data=data, headers=self._headers,
-                                      timeout=(timeout, timeout), stream=True)
+            resp = self._session.post(self._url, json.dumps(body, separators=(",", ":")).encode(),
+                                      headers=self._headers, timeout=(timeout, timeout),
+                                      stream=True)
             try:
                 if resp.status_code != 200:
                     return self._http_failure(resp, body, end)
@@ -2719,13 +2722,12 @@ class OpenAICompatLlm:
                            f"{_hide_login(_excerpt(resp.headers['Location']))}; set base_url "
                            "to where it points")
         status = resp.status_code
-        raw = b"".join(self._body(resp, end))
-        text = raw.decode("utf-8", "replace")
+        text = b"".join(self._body(resp, end)).decode("utf-8", "replace")
         hint = ""
         if status in (401, 403):
             checks = [f"the key in {self._key_source}"] if self._key_source else []
             checks += [f"the header {k!r}" for k in self._secret_headers]
-            fix = ("check " + " and ".join(checks) if checks
+            fix = (f"check {' and '.join(checks)}" if checks
                    else "this server wants a key: set api_key_env")
             hint = f" (the credentials were refused: {fix})"
         elif status == 400 and _CONTEXT_TOO_LONG.search(text):
@@ -2749,7 +2751,6 @@ class OpenAICompatLlm:
 
     def _error(self, status, what, text):
         """LlmError "<endpoint> <what>: '<what the server sent>'", with the API key masked."""
-        text = text.decode("utf-8", "replace") if isinstance(text, bytes) else text
         text = " ".join(w.group() for w in itertools.islice(re.finditer(r"\S+", text), 300))
         for key in self._secrets:   # the longest first: no half-masked forms
             for shown in key, key.replace("/", "\\/"):  # as sent; as JSON escaping "/" echoes it
@@ -2802,14 +2803,12 @@ class OpenAICompatLlm:
             msg = _want(choice.get("message"), dict, "the message")
             calls = tuple(map(_wire_call, _want(msg.get("tool_calls") or [], list, "tool_calls")))
             content = _text(msg.get("content"))
-            reasoning = msg.get("reasoning_content")
         except _BAD_JSON as e:  # the decoder's own words say where, not what
             what = "the body is not JSON" if isinstance(e, json.JSONDecodeError) else e
-            raise self._error(200, f"answered HTTP 200 but {what}", raw) from None
-        finish = choice.get("finish_reason")
+            raise self._error(200, f"answered HTTP 200 but {what}",
+                              raw.decode("utf-8", "replace")) from None
         return LlmResponse(content, calls, _usage(data.get("usage")),
-                           finish if isinstance(finish, str) else None,
-                           reasoning if isinstance(reasoning, str) else None)
+                           _str(choice.get("finish_reason")), _str(msg.get("reasoning_content")))
 
     def _body(self, resp, end):
         """The inflated body in pieces as they come; LlmError past max_response_bytes or `end`."""
@@ -2857,6 +2856,7 @@ class OpenAICompatLlm:
 _Event = dict[str, Any]   # one event of a trace, as JSON has it, with its `line`
 _Trace = Union[str, os.PathLike, Sequence[_Event]]   # a JSONL file, or its events
 _TIMED_OUT = "the recorded turn ran out of time waiting for this reply"
+_MALFORMED = (LookupError, TypeError, ValueError, AttributeError)  # a field missing or mistyped
 
 
 class TraceError(BobError):
@@ -2873,13 +2873,12 @@ def read_trace(trace: _Trace) -> list[_Event]:
     if isinstance(trace, (str, os.PathLike)):
         try:   # a FIFO or a device (/dev/zero) is an error, not a hang or all the memory
             raw = _read_file(Path(trace))
-            text = raw.decode("utf-8")
+            lines = raw.decode("utf-8").splitlines()
         except UnicodeDecodeError as e:
             n = raw.count(b"\n", 0, e.start) + 1
             raise TraceError(f"{trace} line {n} is not UTF-8 text: not a trace") from None
         except OSError as e:
             raise TraceError(f"cannot read the trace {trace}: {e}") from None
-        lines = text.splitlines()
         try:   # all lines in one parse, 2.5 times as fast as one at a time
             events = _json("[" + ",\n".join(lines) + "]")
         except _BAD_JSON as e:   # a RecursionError has no line
@@ -2923,7 +2922,7 @@ class _Replay:
         try:   # a field missing or of a wrong type: a TraceError naming the line, below
             for e in events:
                 asked = self._read(e, asked, started)
-        except (KeyError, TypeError, ValueError, AttributeError, IndexError) as x:
+        except _MALFORMED as x:
             raise TraceError(f"line {e['line']}: this {e['kind']} is not as bob writes it "
                              f"({type(x).__name__}: {x})") from None
 
@@ -2938,13 +2937,13 @@ class _Replay:
                              "llm_call_completed, yet the turn went on: the trace was edited")
         if kind == "llm_call_started":
             self._script.append([d["digest"], None])
-            asked = e.get("line", "?")
+            asked = e["line"]
         elif kind == "llm_call_completed":
             _field(d, "content", (str,))
             _field(d, "finish_reason", (str, type(None)))
-            for c in d["tool_calls"]:
-                _given(ToolCall(**c), id=(str,), name=(str,), arguments=(dict,))
             calls = tuple(ToolCall(**c) for c in d["tool_calls"])
+            for c in calls:
+                _given(c, id=(str,), name=(str,), arguments=(dict,))
             self._script[-1][1] = LlmResponse(d["content"], calls, Usage(**d["usage"]),
                                               d["finish_reason"], d.get("reasoning"))
             asked = None
@@ -2975,8 +2974,8 @@ class _Replay:
         self.requests.append(req)
         digest, answer = self._script[n] if n < len(self._script) else (None, None)
         if digest is None or request_digest(req, self._parts) != digest:
-            self.divergence = self.divergence or f"LLM request {n + 1} " + (
-                "differs from the recorded" if digest else "has no recorded reply")
+            what = "differs from the recorded" if digest else "has no recorded reply"
+            self.divergence = self.divergence or f"LLM request {n + 1} {what}"
             raise LlmError(f"replay: {self.divergence}")
         if isinstance(answer, LlmResponse):
             return answer
@@ -3257,8 +3256,8 @@ def replay(trace: _Trace, *,
     for n, events in enumerate(turns, 1):
         try:
             outcome = _check_turn(events, states, given)
-        except (TypeError, LookupError, ValueError, AttributeError) as e:
-            raise TraceError(f"the turn that starts at line {events[0].get('line')} cannot "
+        except _MALFORMED as e:
+            raise TraceError(f"the turn that starts at line {events[0]['line']} cannot "
                              f"be replayed: {type(e).__name__}: {e}") from None
         if not isinstance(outcome, str):
             return ReplayReport(False, [*lines, f"turn {n}: DIFFERENT"], n, *outcome)
