@@ -2342,18 +2342,18 @@ def _wire_call(c):
 class _Stream:
     """A streamed reply being put together: text, tool calls by index, usage, finish_reason."""
 
-    def __init__(self, on_delta: Callable[[str], None] | None):
+    def __init__(self, on_delta):
         self.on_delta = on_delta
-        self.text: list[str] = []
-        self.reasoning: list[str] = []
-        self.calls: list[list[Any]] = []  # [id, name, arguments, extra], in order
-        self.at: dict[int, list[Any]] = {}  # index -> the call being streamed there
-        self.ids: dict[str, list[Any]] = {}  # id -> its call: a piece may come back to it later
+        self.text = []        # str pieces
+        self.reasoning = []   # str pieces
+        self.calls = []  # [id, name, arguments, extra], in order
+        self.at = {}   # index -> the call being streamed there
+        self.ids = {}  # id -> its call: a piece may come back to it later
         self.usage = Usage()
-        self.finish_reason: str | None = None
+        self.finish_reason = None   # a str once the server says
         self.done = False  # [DONE] was seen
 
-    def add(self, chunk: dict[str, Any]) -> None:
+    def add(self, chunk):
         """Fold one chat.completion.chunk in; text deltas go to on_delta. Raises if malformed."""
         usage = chunk.get("usage")
         groq = chunk.get("x_groq")  # Groq's usage, when stream_options was refused
@@ -2390,7 +2390,7 @@ class _Stream:
                 slot[2] += args if isinstance(args, str) else json.dumps(args)
             self.finish_reason = choice.get("finish_reason") or self.finish_reason
 
-    def response(self, url: str) -> LlmResponse:
+    def response(self, url):
         """The reply; LlmError if the stream ended before it said it was finished."""
         if not (self.done or self.finish_reason):
             raise LlmError(f"the stream from {url} was cut before it finished "
@@ -2461,7 +2461,7 @@ def _abort(conn):
 
 def _tracked(pool_cls, inflight, cancels):
     """A urllib3 pool class noting in `inflight` the connection each thread uses."""
-    def cancelled_here() -> bool:
+    def cancelled_here():
         token = cancels.get(threading.get_ident())
         return token is not None and token.cancelled
 
@@ -2569,9 +2569,9 @@ class OpenAICompatLlm:
         self._set_extras(headers, extra_body)
         self._url = f"{self.base_url}/chat/completions"
         self._shown = _hide_login(self._url)   # as errors show it
-        self._rejected: set[str] = set()       # optional fields this server refused
-        self._inflight: dict[int, Any] = {}    # thread id -> connection it is using
-        self._cancels: dict[int, CancelToken] = {}  # thread id -> the token of its call
+        self._rejected = set()   # optional fields this server refused
+        self._inflight = {}      # thread id -> connection it is using
+        self._cancels = {}       # thread id -> the CancelToken of its call
         self._session, self._transport_errors = _tracking_session(self._inflight, self._cancels)
 
     def _find_key(self, model, api_key):
@@ -3107,7 +3107,7 @@ class _Recorder:
     """The replay's event sink: the recorded events (compared and shown) and the new ones; it
     fires `cancel` where the recorded cancel came."""
 
-    def __init__(self, cancel: CancelToken, recorded: list[_Event]):
+    def __init__(self, cancel, recorded):
         self.recorded = recorded
         self.events = []   # the new run's, compared and shown
         self.tools = []    # those the new run offered, as a trace has them
@@ -3141,7 +3141,7 @@ def _first_difference(recorded, new):
 class _FailedSave:
     """A store whose save fails, as the recorded one did (the session stays as it was)."""
 
-    def __init__(self, store: SessionStore):
+    def __init__(self, store):
         self.load = store.load
 
     def save(self, session_id: str, state: SessionState) -> None:
