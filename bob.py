@@ -2355,10 +2355,8 @@ class _Stream:
 
     def add(self, chunk):
         """Fold one chat.completion.chunk in; text deltas go to on_delta. Raises if malformed."""
-        usage = chunk.get("usage")
         groq = chunk.get("x_groq")  # Groq's usage, when stream_options was refused
-        if not usage and isinstance(groq, dict):
-            usage = groq.get("usage")
+        usage = chunk.get("usage") or (isinstance(groq, dict) and groq.get("usage"))
         if usage:
             self.usage = _usage(usage)
         for choice in _want(chunk.get("choices") or [], list, "'choices'"):
@@ -2367,8 +2365,8 @@ class _Stream:
                 self.text.append(piece)
                 if self.on_delta:
                     self.on_delta(piece)
-            if isinstance(delta.get("reasoning_content"), str):
-                self.reasoning.append(delta["reasoning_content"])
+            if reasoning := _str(delta.get("reasoning_content")):
+                self.reasoning.append(reasoning)
             for i, tc in enumerate(_want(delta.get("tool_calls") or [], list, "tool_calls")):
                 fn = _function(tc)
                 index = tc.get("index", i)
@@ -2380,9 +2378,9 @@ class _Stream:
                     slot = ["", "", "", {}]  # Gemini and Ollama stream parallel calls at one
                     self.calls.append(slot)  # index, each with its own id
                 self.at[index] = slot
-                if call_id:
+                if call_id:   # ids may repeat: keep one
                     self.ids[call_id] = slot
-                slot[0] = call_id or slot[0]           # ids may repeat: keep one
+                    slot[0] = call_id
                 slot[3].update(_call_extra(tc))
                 if fn.get("name") and fn["name"] != slot[1]:  # names may repeat: keep one
                     slot[1] += fn["name"]
@@ -2590,7 +2588,7 @@ class OpenAICompatLlm:
         if key and (not key.isascii() or any(c.isspace() for c in key)):  # a pasted newline
             raise ConfigError(f"the API key for {model!r} in {source} contains spaces or "
                               "non-ASCII characters; set it again")
-        return key or None, source
+        return key, source
 
     def _set_extras(self, headers, extra_body):
         """The request's headers (the user's win over bob's) and extra body fields, checked."""
@@ -3114,11 +3112,12 @@ class _Recorder:
         self.cancel = cancel
         self.cancel_at = _cancel_point(recorded)
 
-    def emit(self, event: AgentEvent) -> None:
+    def emit(self, event):
         if event.kind == "turn_started":
             self.tools = json.loads(_data_json(event.data["tools"]))
         if event.kind in _COMPARED:
-            self.events.append(_shown(vars(event)))
+            # as a trace would have it (lists, not tuples)
+            self.events.append(json.loads(_data_json(_shown(vars(event)))))
             if len(self.events) - 1 == self.cancel_at:
                 self.cancel.cancel()
 
@@ -3126,8 +3125,6 @@ class _Recorder:
 def _first_difference(recorded, new):
     """(step, what, recorded, new) of the first compared event that differs, or None."""
     for a, b in itertools.zip_longest(recorded, new):
-        if a != b and b is not None:   # the new event as a trace would have it (lists, not tuples)
-            b = json.loads(_data_json(b))
         if a == b:
             continue
         if not (a and b and a["kind"] == b["kind"]):   # (one is None where its run ended)
@@ -3144,7 +3141,7 @@ class _FailedSave:
     def __init__(self, store):
         self.load = store.load
 
-    def save(self, session_id: str, state: SessionState) -> None:
+    def save(self, session_id, state):
         raise StoreError("replay: the recorded save failed")
 
 
@@ -3235,8 +3232,8 @@ def _check_turn(events, states,
     tools = _tools_changed(_turn_start(events)["tools"], sink.tools)
     if tools:
         return step, f"the tools offered differ: {tools}", old, value
-    ref = _replay_turn(events, before, {})[1]
-    return step, port.divergence or what, old, value, _request_diff(port, ref)
+    return (step, port.divergence or what, old, value,
+            _request_diff(port, _replay_turn(events, before, {})[1]))
 
 
 def replay(trace: _Trace, *,
