@@ -2421,7 +2421,7 @@ def _sse_data(pieces):
 def _retry_after(value):
     """Retry-After in seconds: a number or an HTTP date; None when absent or unreadable."""
     with contextlib.suppress(TypeError, ValueError):
-        return max(0.0, float(value or ""))
+        return max(0.0, float(value))
     with contextlib.suppress(TypeError, ValueError):
         return max(0.0, email.utils.parsedate_to_datetime(value).timestamp() - time.time())
     return None
@@ -2575,16 +2575,15 @@ class OpenAICompatLlm:
     def _find_key(self, model, api_key):
         """The API key and where it came from; ConfigError naming the variable if it is bad."""
         env = self.api_key_env
+        key, source = None, ""   # a local server: no key
         if api_key:
             key, source = api_key, "the api_key given"
         elif env:
             key, source = os.environ.get(env), f"the environment variable {env}"
-        else:   # a local server: no key
-            key, source = None, ""
-        if not key and env:
-            raise ConfigError(f"no API key for {model!r}: set the environment variable {env} "
-                              "(or name another one with api_key_env, in agent.toml under "
-                              "[llm]; local servers such as ollama:... need none)")
+            if not key:
+                raise ConfigError(f"no API key for {model!r}: set the environment variable "
+                                  f"{env} (or name another one with api_key_env, in agent.toml "
+                                  "under [llm]; local servers such as ollama:... need none)")
         if key and (not key.isascii() or any(c.isspace() for c in key)):  # a pasted newline
             raise ConfigError(f"the API key for {model!r} in {source} contains spaces or "
                               "non-ASCII characters; set it again")
