@@ -2502,7 +2502,7 @@ def _tracking_session(inflight, cancels
              "https": _tracked(urllib3.HTTPSConnectionPool, inflight, cancels)}
     for adapter in session.adapters.values():   # requests' own, for http:// and https://
         adapter.poolmanager.pool_classes_by_scheme = pools
-    return session, (requests.RequestException, urllib3.exceptions.HTTPError, OSError)
+    return session, (urllib3.exceptions.HTTPError, OSError)  # requests' RequestException is one
 
 
 def _check_settings(retry_max, max_response_bytes, tool_choice,
@@ -3039,11 +3039,10 @@ class ReplayReport:
     detail: str = ""
 
     def __str__(self) -> str:
-        if self.ok:
-            return "\n".join(self.turns)
-        lines = [*self.turns, f"turn {self.turn}, step {self.step}: {self.what}",
-                 f"  recorded: {json.dumps(self.recorded, default=str)}",
-                 f"  new:      {json.dumps(self.new, default=str)}", self.detail]
+        lines = self.turns if self.ok else [
+            *self.turns, f"turn {self.turn}, step {self.step}: {self.what}",
+            f"  recorded: {json.dumps(self.recorded, default=str)}",
+            f"  new:      {json.dumps(self.new, default=str)}", self.detail]
         return "\n".join(filter(None, lines))   # (no detail, no line)
 
 
@@ -3159,7 +3158,7 @@ def _replay_turn(events, state, given
             state = SessionState.from_dict(d)
         elif e["kind"] == "approval_decided":
             decided[d["call_id"]] = Approval(d["allow"], d["reason"], d["arguments"])
-        failed = failed or d.get("where") == "store.save"
+        failed |= d.get("where") == "store.save"
     store = InMemorySessionStore()
     if state is not None:
         store.save(sid, state)
