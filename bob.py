@@ -2236,6 +2236,11 @@ def _text(content):
     return content or ""
 
 
+def _str(value):
+    """`value` if it is a str, else None (a server may send anything where text belongs)."""
+    return value if isinstance(value, str) else None
+
+
 def _usage(u):
     """Token counts; Usage() (unknown) when the server sent none or nonsense."""
     n = ([u.get("prompt_tokens") or 0, u.get("completion_tokens") or 0]
@@ -2298,12 +2303,13 @@ def _call_from_wire(call_id, name, arguments,
         if isinstance(args, str):  # some models double-encode
             with contextlib.suppress(*_BAD_JSON):
                 args = _json(args)
-    if isinstance(args, dict):
-        return ToolCall(str(call_id or ""), name, args, extra=extra or None)
-    shown = _excerpt(arguments if isinstance(arguments, str) else repr(arguments))
-    return ToolCall(str(call_id or ""), name, {}, f"the arguments of {name!r} {problem}: "
-                    f"{shown!r}; call it again with one JSON object that fits its schema",
-                    extra or None)
+    error = None
+    if not isinstance(args, dict):
+        shown = _excerpt(arguments if isinstance(arguments, str) else repr(arguments))
+        error = (f"the arguments of {name!r} {problem}: {shown!r}; call it again with one JSON "
+                 "object that fits its schema")
+        args = {}
+    return ToolCall(str(call_id or ""), name, args, error, extra or None)
 
 
 def _wire_call(c):
@@ -2315,23 +2321,21 @@ def _wire_call(c):
 class _Stream:
     """A streamed reply being put together: text, tool calls by index, usage, finish_reason."""
 
-    def __init__(self, on_delta: Callable[[str], None] | None):
+    def __init__(self, on_delta):
         self.on_delta = on_delta
-        self.text: list[str] = []
-        self.reasoning: list[str] = []
-        self.calls: list[list[Any]] = []  # [id, name, arguments, extra], in order
-        self.at: dict[int, list[Any]] = {}  # index -> the call being streamed there
-        self.ids: dict[str, list[Any]] = {}  # id -> its call: a piece may come back to it later
+        self.text = []        # str pieces
+        self.reasoning = []   # str pieces
+        self.calls = []  # [id, name, arguments, extra], in order
+        self.at = {}   # index -> the call being streamed there
+        self.ids = {}  # id -> its call: a piece may come back to it later
         self.usage = Usage()
-        self.finish_reason: str | None = None
+        self.finish_reason = None   # a str once the server says
         self.done = False  # [DONE] was seen
 
-    def add(self, chunk: dict[str, Any]) -> None:
+    def add(self, chunk):
         """Fold one chat.completion.chunk in; text deltas go to on_delta. Raises if malformed."""
-        usage = chunk.get("usage")
         groq = chunk.get("x_groq")  # Groq's usage, when stream_options was refused
-        if not usage and isinstance(groq, dict):
-            usage = groq.get("usage")
+        usage = chunk.get("usage") or (isinstance(groq, dict) and groq.get("usage"))
         if usage:
             self.usage = _usage(usage)
         for choice in _want(chunk.get("choices") or [], list, "'choices'"):
@@ -2340,12 +2344,12 @@ class _Stream:
                 self.text.append(piece)
                 if self.on_delta:
                     self.on_delta(piece)
-            if isinstance(delta.get("reasoning_content"), str):
-                self.reasoning.append(delta["reasoning_content"])
+            if reasoning := _str(delta.get("reasoning_content")):
+                self.reasoning.append(reasoning)
             for i, tc in enumerate(_want(delta.get("tool_calls") or [], list, "tool_calls")):
                 fn = _function(tc)
                 index = tc.get("index", i)
-                call_id = tc.get("id") if isinstance(tc.get("id"), str) else None
+                call_id = _str(tc.get("id"))
                 if type(index) is not int:
                     raise ValueError(f"a tool call's index is {index!r}, not an integer")
                 slot = self.ids.get(call_id) or self.at.get(index)
@@ -2353,9 +2357,9 @@ class _Stream:
                     slot = ["", "", "", {}]  # Gemini and Ollama stream parallel calls at one
                     self.calls.append(slot)  # index, each with its own id
                 self.at[index] = slot
-                if call_id:
+                if call_id:   # ids may repeat: keep one
                     self.ids[call_id] = slot
-                slot[0] = call_id or slot[0]           # ids may repeat: keep one
+                    slot[0] = call_id
                 slot[3].update(_call_extra(tc))
                 if fn.get("name") and fn["name"] != slot[1]:  # names may repeat: keep one
                     slot[1] += fn["name"]
@@ -2363,14 +2367,13 @@ class _Stream:
                 slot[2] += args if isinstance(args, str) else json.dumps(args)
             self.finish_reason = choice.get("finish_reason") or self.finish_reason
 
-    def response(self, url: str) -> LlmResponse:
+    def response(self, url):
         """The reply; LlmError if the stream ended before it said it was finished."""
         if not (self.done or self.finish_reason):
             raise LlmError(f"the stream from {url} was cut before it finished "
                            f"({sum(map(len, self.text))} chars received)")
-        calls = tuple(_call_from_wire(*c) for c in self.calls)
-        return LlmResponse("".join(self.text), calls, self.usage, self.finish_reason,
-                           "".join(self.reasoning) or None)
+        return LlmResponse("".join(self.text), tuple(_call_from_wire(*c) for c in self.calls),
+                           self.usage, self.finish_reason, "".join(self.reasoning) or None)
 
 
 def _sse_data(pieces):
@@ -2397,7 +2400,7 @@ def _sse_data(pieces):
 def _retry_after(value):
     """Retry-After in seconds: a number or an HTTP date; None when absent or unreadable."""
     with contextlib.suppress(TypeError, ValueError):
-        return max(0.0, float(value or ""))
+        return max(0.0, float(value))
     with contextlib.suppress(TypeError, ValueError):
         return max(0.0, email.utils.parsedate_to_datetime(value).timestamp() - time.time())
     return None
@@ -2435,7 +2438,7 @@ def _abort(conn):
 
 def _tracked(pool_cls, inflight, cancels):
     """A urllib3 pool class noting in `inflight` the connection each thread uses."""
-    def cancelled_here() -> bool:
+    def cancelled_here():
         token = cancels.get(threading.get_ident())
         return token is not None and token.cancelled
 
@@ -2469,18 +2472,16 @@ def _tracking_session(inflight, cancels
         import urllib3
     except ImportError as e:
         raise ConfigError(f"OpenAICompatLlm needs requests ({e}): pip install requests") from e
-    adapter = requests.adapters.HTTPAdapter()
-    adapter.poolmanager.pool_classes_by_scheme = {
-        "http": _tracked(urllib3.HTTPConnectionPool, inflight, cancels),
-        "https": _tracked(urllib3.HTTPSConnectionPool, inflight, cancels)}
     class Session(requests.Session):
         def resolve_redirects(self, *args: Any, **kwargs: Any) -> Iterator[Any]:
             return iter(())  # none followed: requests reads a 3xx body whole, even not following
 
     session = Session()
-    session.mount("http://", adapter)
-    session.mount("https://", adapter)
-    return session, (requests.RequestException, urllib3.exceptions.HTTPError, OSError)
+    pools = {"http": _tracked(urllib3.HTTPConnectionPool, inflight, cancels),
+             "https": _tracked(urllib3.HTTPSConnectionPool, inflight, cancels)}
+    for adapter in session.adapters.values():   # requests' own, for http:// and https://
+        adapter.poolmanager.pool_classes_by_scheme = pools
+    return session, (urllib3.exceptions.HTTPError, OSError)  # requests' RequestException is one
 
 
 def _check_settings(retry_max, max_response_bytes, tool_choice,
@@ -2543,30 +2544,29 @@ class OpenAICompatLlm:
         self.max_response_bytes = max_response_bytes
         self._api_key, self._key_source = self._find_key(model, api_key)
         self._set_extras(headers, extra_body)
-        self._url = self.base_url + "/chat/completions"
+        self._url = f"{self.base_url}/chat/completions"
         self._shown = _hide_login(self._url)   # as errors show it
-        self._rejected: set[str] = set()       # optional fields this server refused
-        self._inflight: dict[int, Any] = {}    # thread id -> connection it is using
-        self._cancels: dict[int, CancelToken] = {}  # thread id -> the token of its call
+        self._rejected = set()   # optional fields this server refused
+        self._inflight = {}      # thread id -> connection it is using
+        self._cancels = {}       # thread id -> the CancelToken of its call
         self._session, self._transport_errors = _tracking_session(self._inflight, self._cancels)
 
     def _find_key(self, model, api_key):
         """The API key and where it came from; ConfigError naming the variable if it is bad."""
         env = self.api_key_env
+        key, source = None, ""   # a local server: no key
         if api_key:
             key, source = api_key, "the api_key given"
         elif env:
             key, source = os.environ.get(env), f"the environment variable {env}"
-        else:   # a local server: no key
-            key, source = None, ""
-        if not key and env:
-            raise ConfigError(f"no API key for {model!r}: set the environment variable {env} "
-                              "(or name another one with api_key_env, in agent.toml under "
-                              "[llm]; local servers such as ollama:... need none)")
+            if not key:
+                raise ConfigError(f"no API key for {model!r}: set the environment variable "
+                                  f"{env} (or name another one with api_key_env, in agent.toml "
+                                  "under [llm]; local servers such as ollama:... need none)")
         if key and (not key.isascii() or any(c.isspace() for c in key)):  # a pasted newline
             raise ConfigError(f"the API key for {model!r} in {source} contains spaces or "
                               "non-ASCII characters; set it again")
-        return key or None, source
+        return key, source
 
     def _set_extras(self, headers, extra_body):
         """The request's headers (the user's win over bob's) and extra body fields, checked."""
@@ -2646,14 +2646,14 @@ class OpenAICompatLlm:
         timeout = end - time.monotonic()
         if timeout <= 0:
             raise LlmError(f"no time left for a request to {self._shown}")
-        data = json.dumps(body, separators=(",", ":")).encode()
         acc = _Stream(on_delta)
         me = threading.get_ident()  # a socket timeout bounds one read: headers dripped a byte
         watchdog = threading.Timer(timeout, lambda: _abort(self._inflight.get(me)))  # at a time
         watchdog.start()           # are bounded by this (the body by _body's clock)
         try:
-            resp = self._session.post(self._url, data=data, headers=self._headers,
-                                      timeout=(timeout, timeout), stream=True)
+            resp = self._session.post(self._url, json.dumps(body, separators=(",", ":")).encode(),
+                                      headers=self._headers, timeout=(timeout, timeout),
+                                      stream=True)
             try:
                 if resp.status_code != 200:
                     return self._http_failure(resp, body, end)
@@ -2698,13 +2698,12 @@ class OpenAICompatLlm:
                            f"{_hide_login(_excerpt(resp.headers['Location']))}; set base_url "
                            "to where it points")
         status = resp.status_code
-        raw = b"".join(self._body(resp, end))
-        text = raw.decode("utf-8", "replace")
+        text = b"".join(self._body(resp, end)).decode("utf-8", "replace")
         hint = ""
         if status in (401, 403):
             checks = [f"the key in {self._key_source}"] if self._key_source else []
             checks += [f"the header {k!r}" for k in self._secret_headers]
-            fix = ("check " + " and ".join(checks) if checks
+            fix = (f"check {' and '.join(checks)}" if checks
                    else "this server wants a key: set api_key_env")
             hint = f" (the credentials were refused: {fix})"
         elif status == 400 and _CONTEXT_TOO_LONG.search(text):
@@ -2728,7 +2727,6 @@ class OpenAICompatLlm:
 
     def _error(self, status, what, text):
         """LlmError "<endpoint> <what>: '<what the server sent>'", with the API key masked."""
-        text = text.decode("utf-8", "replace") if isinstance(text, bytes) else text
         text = " ".join(w.group() for w in itertools.islice(re.finditer(r"\S+", text), 300))
         for key in self._secrets:   # the longest first: no half-masked forms
             for shown in key, key.replace("/", "\\/"):  # as sent; as JSON escaping "/" echoes it
@@ -2781,14 +2779,12 @@ class OpenAICompatLlm:
             msg = _want(choice.get("message"), dict, "the message")
             calls = tuple(map(_wire_call, _want(msg.get("tool_calls") or [], list, "tool_calls")))
             content = _text(msg.get("content"))
-            reasoning = msg.get("reasoning_content")
         except _BAD_JSON as e:  # the decoder's own words say where, not what
             what = "the body is not JSON" if isinstance(e, json.JSONDecodeError) else e
-            raise self._error(200, f"answered HTTP 200 but {what}", raw) from None
-        finish = choice.get("finish_reason")
+            raise self._error(200, f"answered HTTP 200 but {what}",
+                              raw.decode("utf-8", "replace")) from None
         return LlmResponse(content, calls, _usage(data.get("usage")),
-                           finish if isinstance(finish, str) else None,
-                           reasoning if isinstance(reasoning, str) else None)
+                           _str(choice.get("finish_reason")), _str(msg.get("reasoning_content")))
 
     def _body(self, resp, end):
         """The inflated body in pieces as they come; LlmError past max_response_bytes or `end`."""
@@ -2836,6 +2832,7 @@ class OpenAICompatLlm:
 _Event = dict[str, Any]   # one event of a trace, as JSON has it, with its `line`
 _Trace = Union[str, os.PathLike, Sequence[_Event]]   # a JSONL file, or its events
 _TIMED_OUT = "the recorded turn ran out of time waiting for this reply"
+_MALFORMED = (LookupError, TypeError, ValueError, AttributeError)  # a field missing or mistyped
 
 
 class TraceError(BobError):
@@ -2852,13 +2849,12 @@ def read_trace(trace: _Trace) -> list[_Event]:
     if isinstance(trace, (str, os.PathLike)):
         try:   # a FIFO or a device (/dev/zero) is an error, not a hang or all the memory
             raw = _read_file(Path(trace))
-            text = raw.decode("utf-8")
+            lines = raw.decode("utf-8").splitlines()
         except UnicodeDecodeError as e:
             n = raw.count(b"\n", 0, e.start) + 1
             raise TraceError(f"{trace} line {n} is not UTF-8 text: not a trace") from None
         except OSError as e:
             raise TraceError(f"cannot read the trace {trace}: {e}") from None
-        lines = text.splitlines()
         try:   # all lines in one parse, 2.5 times as fast as one at a time
             events = _json("[" + ",\n".join(lines) + "]")
         except _BAD_JSON as e:   # a RecursionError has no line
@@ -2902,7 +2898,7 @@ class _Replay:
         try:   # a field missing or of a wrong type: a TraceError naming the line, below
             for e in events:
                 asked = self._read(e, asked, started)
-        except (KeyError, TypeError, ValueError, AttributeError, IndexError) as x:
+        except _MALFORMED as x:
             raise TraceError(f"line {e['line']}: this {e['kind']} is not as bob writes it "
                              f"({type(x).__name__}: {x})") from None
 
@@ -2917,13 +2913,13 @@ class _Replay:
                              "llm_call_completed, yet the turn went on: the trace was edited")
         if kind == "llm_call_started":
             self._script.append([d["digest"], None])
-            asked = e.get("line", "?")
+            asked = e["line"]
         elif kind == "llm_call_completed":
             _field(d, "content", (str,))
             _field(d, "finish_reason", (str, type(None)))
-            for c in d["tool_calls"]:
-                _given(ToolCall(**c), id=(str,), name=(str,), arguments=(dict,))
             calls = tuple(ToolCall(**c) for c in d["tool_calls"])
+            for c in calls:
+                _given(c, id=(str,), name=(str,), arguments=(dict,))
             self._script[-1][1] = LlmResponse(d["content"], calls, Usage(**d["usage"]),
                                               d["finish_reason"], d.get("reasoning"))
             asked = None
@@ -2954,8 +2950,8 @@ class _Replay:
         self.requests.append(req)
         digest, answer = self._script[n] if n < len(self._script) else (None, None)
         if digest is None or request_digest(req, self._parts) != digest:
-            self.divergence = self.divergence or f"LLM request {n + 1} " + (
-                "differs from the recorded" if digest else "has no recorded reply")
+            what = "differs from the recorded" if digest else "has no recorded reply"
+            self.divergence = self.divergence or f"LLM request {n + 1} {what}"
             raise LlmError(f"replay: {self.divergence}")
         if isinstance(answer, LlmResponse):
             return answer
@@ -3022,11 +3018,10 @@ class ReplayReport:
     detail: str = ""
 
     def __str__(self) -> str:
-        if self.ok:
-            return "\n".join(self.turns)
-        lines = [*self.turns, f"turn {self.turn}, step {self.step}: {self.what}",
-                 f"  recorded: {json.dumps(self.recorded, default=str)}",
-                 f"  new:      {json.dumps(self.new, default=str)}", self.detail]
+        lines = self.turns if self.ok else [
+            *self.turns, f"turn {self.turn}, step {self.step}: {self.what}",
+            f"  recorded: {json.dumps(self.recorded, default=str)}",
+            f"  new:      {json.dumps(self.new, default=str)}", self.detail]
         return "\n".join(filter(None, lines))   # (no detail, no line)
 
 
@@ -3087,18 +3082,19 @@ class _Recorder:
     """The replay's event sink: the recorded events (compared and shown) and the new ones; it
     fires `cancel` where the recorded cancel came."""
 
-    def __init__(self, cancel: CancelToken, recorded: list[_Event]):
+    def __init__(self, cancel, recorded):
         self.recorded = recorded
         self.events = []   # the new run's, compared and shown
         self.tools = []    # those the new run offered, as a trace has them
         self.cancel = cancel
         self.cancel_at = _cancel_point(recorded)
 
-    def emit(self, event: AgentEvent) -> None:
+    def emit(self, event):
         if event.kind == "turn_started":
             self.tools = json.loads(_data_json(event.data["tools"]))
         if event.kind in _COMPARED:
-            self.events.append(_shown(vars(event)))
+            # as a trace would have it (lists, not tuples)
+            self.events.append(json.loads(_data_json(_shown(vars(event)))))
             if len(self.events) - 1 == self.cancel_at:
                 self.cancel.cancel()
 
@@ -3106,8 +3102,6 @@ class _Recorder:
 def _first_difference(recorded, new):
     """(step, what, recorded, new) of the first compared event that differs, or None."""
     for a, b in itertools.zip_longest(recorded, new):
-        if a != b and b is not None:   # the new event as a trace would have it (lists, not tuples)
-            b = json.loads(_data_json(b))
         if a == b:
             continue
         if not (a and b and a["kind"] == b["kind"]):   # (one is None where its run ended)
@@ -3121,10 +3115,10 @@ def _first_difference(recorded, new):
 class _FailedSave:
     """A store whose save fails, as the recorded one did (the session stays as it was)."""
 
-    def __init__(self, store: SessionStore):
+    def __init__(self, store):
         self.load = store.load
 
-    def save(self, session_id: str, state: SessionState) -> None:
+    def save(self, session_id, state):
         raise StoreError("replay: the recorded save failed")
 
 
@@ -3143,7 +3137,7 @@ def _replay_turn(events, state, given
             state = SessionState.from_dict(d)
         elif e["kind"] == "approval_decided":
             decided[d["call_id"]] = Approval(d["allow"], d["reason"], d["arguments"])
-        failed = failed or d.get("where") == "store.save"
+        failed |= d.get("where") == "store.save"
     store = InMemorySessionStore()
     if state is not None:
         store.save(sid, state)
@@ -3215,8 +3209,8 @@ def _check_turn(events, states,
     tools = _tools_changed(_turn_start(events)["tools"], sink.tools)
     if tools:
         return step, f"the tools offered differ: {tools}", old, value
-    ref = _replay_turn(events, before, {})[1]
-    return step, port.divergence or what, old, value, _request_diff(port, ref)
+    return (step, port.divergence or what, old, value,
+            _request_diff(port, _replay_turn(events, before, {})[1]))
 
 
 def replay(trace: _Trace, *,
@@ -3236,8 +3230,8 @@ def replay(trace: _Trace, *,
     for n, events in enumerate(turns, 1):
         try:
             outcome = _check_turn(events, states, given)
-        except (TypeError, LookupError, ValueError, AttributeError) as e:
-            raise TraceError(f"the turn that starts at line {events[0].get('line')} cannot "
+        except _MALFORMED as e:
+            raise TraceError(f"the turn that starts at line {events[0]['line']} cannot "
                              f"be replayed: {type(e).__name__}: {e}") from None
         if not isinstance(outcome, str):
             return ReplayReport(False, [*lines, f"turn {n}: DIFFERENT"], n, *outcome)
