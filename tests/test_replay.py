@@ -17,37 +17,10 @@ from bob import (AgentRequest, AgentRuntime, CancelToken, FinishReason, Function
                  GuardReason, JsonlEventSink, LlmResponse, ReplayLlm, ReplayTools,
                  ScriptedLlm, ToolCall, TraceError, TurnPolicy)
 from fake_openai import FakeOpenAI, tool_calls_reply
+from test_trace import calls, of, shout, tools   # the helpers the two files share
 
 
 # ---- 1. Helpers ---------------------------------------------------------------------------------
-
-def add(a: int, b: int) -> int:
-    """Add two integers."""
-    return a + b
-
-
-def shout(text: str) -> str:
-    """Upper-case a text."""
-    return text.upper()
-
-
-def tools() -> FunctionTools:
-    return FunctionTools([add, shout])
-
-
-def calls(*specs: tuple[str, str, dict], text: str = "") -> LlmResponse:
-    """A native-mode reply with tool calls (id, name, arguments)."""
-    return LlmResponse(text, tuple(ToolCall(i, n, a) for i, n, a in specs),
-                       finish_reason="tool_calls")
-
-
-def events(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines()]
-
-
-def of(path: Path, kind: str) -> list[dict]:
-    return [e["data"] for e in events(path) if e["kind"] == kind]
-
 
 def record(path: Path, replies, inputs, *, mode="native", policy=None, tools_port=None,
            cancel_on=None, **kw) -> list:
@@ -93,27 +66,6 @@ def big_run(path: Path) -> list:
 
 
 # ---- 2. The trace -------------------------------------------------------------------------------
-
-def test_the_trace_is_a_complete_record(tmp_path):
-    path = tmp_path / "t.jsonl"
-    r = record(path, [calls(("c1", "add", {"a": 1, "b": 2})), "3"], ["sum"],
-               policy=TurnPolicy(max_steps=5), system_prompt="Be brief.")[0]
-    [start] = of(path, "turn_started")
-    assert start["format"] == bob.TRACE_FORMAT and start["version"] == bob.__version__
-    assert start["model"] == "ScriptedLlm" and start["action_mode"] == "native"
-    assert start["policy"]["max_steps"] == 5 and start["system_prompt"] == "Be brief."
-    assert start["input"] == "sum" and start["tools"][0] == {
-        "name": "add", "description": "Add two integers.",
-        "input_schema": tools().list_tools()[0].input_schema}
-    assert of(path, "session_loaded") == [{"paused": None, "messages": []}]
-    digests = [d["digest"] for d in of(path, "llm_call_started")]
-    assert len(digests) == 2 and all(len(d) == 64 for d in digests)
-    first = of(path, "llm_call_completed")[0]
-    assert first["tool_calls"] == [{"id": "c1", "name": "add", "arguments": {"a": 1, "b": 2}}]
-    assert first["finish_reason"] == "tool_calls" and "usage" in first
-    assert of(path, "tool_call_completed")[0]["content"] == "3"
-    assert of(path, "turn_completed")[0]["content"] == r.content == "3"
-
 
 def test_refused_calls_are_started_too_and_secrets_stay_masked(tmp_path):
     path = tmp_path / "t.jsonl"
