@@ -217,19 +217,12 @@ class Message:
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-ready dict; `Message.from_dict` reverses it exactly."""
-        # role and content always; the others when set. Plain ifs, not a filter over vars():
-        # a save of 100,000 messages spends most of its time here (bench/session_save.py)
-        d = {"role": self.role, "content": self.content}
+        # role and content always; the others when set (not None, False or no calls). A save
+        # of loaded messages does not come here (the file store writes their text again)
+        d = {k: v for k, v in vars(self).items()
+             if k in ("role", "content") or v not in (None, False, ())}
         if self.tool_calls:
             d["tool_calls"] = [c.to_dict() for c in self.tool_calls]
-        if self.tool_call_id is not None:
-            d["tool_call_id"] = self.tool_call_id
-        if self.name is not None:
-            d["name"] = self.name
-        if self.is_error:
-            d["is_error"] = True
-        if self.reasoning is not None:
-            d["reasoning"] = self.reasoning
         return d
 
     @classmethod
@@ -683,13 +676,13 @@ class _Units:
     after it, or one other message; a result whose call is not right before it is in none.
     Kept up to date as messages are appended, so a step costs what it sends, not the history."""
 
-    def __init__(self) -> None:
+    def __init__(self):
         self.units: list[list[int]] = []
         self.system: list[int] = []               # indices of system messages
         self.open_ids: set[str | None] = set()    # calls of the last unit still without a result
         self.seen = 0                             # messages read so far
 
-    def read(self, messages: Sequence[Message]) -> _Units:
+    def read(self, messages):
         """Take in the messages appended since the last call."""
         for i in range(self.seen, len(messages)):
             m = messages[i]
@@ -706,7 +699,7 @@ class _Units:
         self.seen = len(messages)
         return self
 
-    def kept(self, limit: int, keep: int | None) -> list[int]:
+    def kept(self, limit, keep):
         """Indices of what `truncate_history` sends, in order."""
         units = self.units   # in order of their first index: the unit holding `keep` is found
         at = bisect.bisect_right(units, -1 if keep is None else keep, key=lambda u: u[0]) - 1
@@ -1436,7 +1429,7 @@ def _submit(job):
 class _Worker:
     """One call on a pool thread; `done` turns True when it returns or raises."""
 
-    def __init__(self, fn: Callable[[], Any], wake: queue.SimpleQueue[None]):
+    def __init__(self, fn, wake):
         self.fn = fn
         self.wake = wake
         self.value: Any = None
@@ -1456,7 +1449,7 @@ class _Worker:
                 _abandoned -= 1
         self.wake.put(None)
 
-    def give_up(self) -> None:
+    def give_up(self):
         """Stop caring about the result; the thread is counted until it ends."""
         global _abandoned
         with _lock:
@@ -1707,9 +1700,9 @@ class _Turn:
 
     # -- ending the turn: `end` writes the outcome, the others say why --
 
-    def end(self, finish: FinishReason = FinishReason.FINAL, content: str = "",
-            guard_reason: GuardReason | None = None,
-            error: BaseException | None = None) -> State:
+    def end(self, finish=FinishReason.FINAL, content="",
+            guard_reason=None,
+            error=None):
         """The one place a turn's outcome is written: how it finished, its content and the
         guard that stopped it; or the error it raises (the rest is left as it was: a turn that
         raises has no finish reason)."""
