@@ -1176,7 +1176,7 @@ class JsonFileSessionStore:
             raise StoreError(f"session file {path} is corrupt ({why}); move it away to start "
                              "that session afresh") from e
         head = _head(state).encode()
-        if raw.startswith(head) and raw.endswith(b"]}"):   # as _session_json wrote it
+        if raw.startswith(head):   # as _session_json wrote it (so it ends in "]}": it parsed)
             self._known = {session_id: (list(state.messages), raw[len(head):-2].decode())}
         return state
 

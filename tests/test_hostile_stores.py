@@ -9,6 +9,7 @@ Sections: 1. Helpers  2. Sloppy and huge JSON  3. Corrupt session files  4. Even
 """
 from __future__ import annotations
 
+import dataclasses
 import gc
 import json
 import logging
@@ -488,3 +489,32 @@ def test_a_directory_locked_by_another_process_fails_the_save_in_bounded_time(tm
         locker.kill()
         locker.wait(10)
     assert JsonFileSessionStore(tmp_path).lock_timeout_s == 5.0
+
+
+def test_a_save_after_a_load_writes_what_the_state_holds_not_what_was_read(tmp_path):
+    """The file store writes a loaded session's text again only while the state still begins
+    with those very messages: a loaded message replaced (an approval's new arguments), or
+    messages dropped, is encoded anew."""
+    store = JsonFileSessionStore(tmp_path)
+    store.save("s", bob.SessionState([bob.Message("user", "a"), bob.Message("assistant", "b")],
+                                     bob.Usage(1, 1), 1))
+    grown = store.load("s")                          # the usual turn: the loaded text, one more
+    grown.messages.append(bob.Message("user", "c"))
+    grown.version += 1
+    store.save("s", grown)
+    assert [m.content for m in store.load("s").messages] == ["a", "b", "c"]
+    changed = store.load("s")                        # a loaded message replaced
+    changed.messages[1] = dataclasses.replace(changed.messages[1], content="B")
+    changed.version += 1
+    store.save("s", changed)
+    assert [m.content for m in store.load("s").messages] == ["a", "B", "c"]
+    cut = store.load("s")                            # fewer messages than were loaded
+    cut.messages = cut.messages[:1]
+    cut.version += 1
+    store.save("s", cut)
+    assert [m.content for m in store.load("s").messages] == ["a"]
+    other = store.load("s")                          # another session's save in between
+    store.save("t", bob.SessionState([bob.Message("user", "x")], bob.Usage(), 1))
+    other.version += 1
+    store.save("s", other)
+    assert [m.content for m in store.load("s").messages] == ["a"]
