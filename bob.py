@@ -91,7 +91,7 @@ __all__ = [
     "FunctionTools",
     "CompositeToolPort", "InMemorySessionStore", "JsonFileSessionStore", "LoggingEventSink",
     "JsonlEventSink", "AgentRuntime", "ScriptedLlm", "OpenAICompatLlm", "PROVIDERS",
-    "RETRYABLE_STATUSES", "TOOL_NAME",
+    "RETRYABLE_STATUSES", "TOOL_NAME", "HEADER_NAME",
     # the trace and replay
     "request_digest", "replay", "ReplayReport", "ReplayLlm", "ReplayTools", "read_trace",
 ]
@@ -152,6 +152,11 @@ def _want(value, kind, what):
 
 def _excerpt(text, n=200):
     return text if len(text) <= n else f"{text[:n]}... ({len(text)} chars)"
+
+
+def _str(value):
+    """`value` if it is a str, else None (a server may send anything where text belongs)."""
+    return value if isinstance(value, str) else None
 
 
 def _field(d, key, kinds, default=None):
@@ -1020,8 +1025,7 @@ def _globs(what, patterns):
                       f"got {patterns!r}")
 
 
-def _run_tool(port, call, timeout_s,
-              cancel):
+def _run_tool(port, call, timeout_s, cancel):
     """port.call_tool, given `cancel` only if its signature names it (the first published form,
     call_tool(call, timeout_s), did not)."""
     if "cancel" in inspect.signature(port.call_tool).parameters:
@@ -1458,8 +1462,7 @@ class _Worker:
                 _abandoned += 1
 
 
-def _wait_all(workers, deadlines,
-              wake, cancel):
+def _wait_all(workers, deadlines, wake, cancel):
     """Wait until each worker is done or past its deadline, or until cancel; give up the rest.
     Workers and the caller's cancel put a token in `wake`; a stale one costs one more look."""
     try:
@@ -1630,7 +1633,7 @@ class _Turn:
         reply = worker.value
         self.reply = dataclasses.replace(
             reply, tool_calls=tuple(map(_fit, reply.tool_calls)),
-            reasoning=reply.reasoning if isinstance(reply.reasoning, str) else None)
+            reasoning=_str(reply.reasoning))
         self.usage += reply.usage
         self._emit("llm_call_completed", lambda: self._trace_reply(duration))
         return State.PARSE_ACTION
@@ -1963,8 +1966,7 @@ class _Turn:
             self._trace_call(call, False)
         self._append_results([_error(c, text) for c in calls])
 
-    def _run_batch(self, calls,
-                   refusals):
+    def _run_batch(self, calls, refusals):
         """Run the calls not refused, all at once, each with its timeout. Returns the results
         in call order and how many calls ran."""
         results = list(refusals)
@@ -2117,8 +2119,7 @@ class AgentRuntime:
     def health(self, timeout_s: float = 5.0) -> dict[str, Any]:
         """A quick self-check: the tool listing (bounded by timeout_s) and hung workers."""
         report = {"ok": abandoned_workers() < _MAX_ABANDONED, "tools": 0,
-                                  "action_mode": self.action_mode,
-                                  "abandoned_workers": abandoned_workers()}
+                  "action_mode": self.action_mode, "abandoned_workers": abandoned_workers()}
         if self.tools is None:
             return report
         # one at a time: no thread leak if it hangs
@@ -2233,7 +2234,7 @@ PROVIDERS: dict[str, tuple[str, str | None]] = {  # (default base_url, API key v
 RETRYABLE_STATUSES = frozenset({408, 409, 429, 500, 502, 503, 504})
 TOOL_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")   # the tool names every provider takes (fullmatch)
 _OPTIONAL_FIELDS = ("response_format", "stream_options")  # dropped if a server rejects them
-_HEADER_NAME = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")   # an HTTP token (RFC 9110)
+HEADER_NAME = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")   # an HTTP token (RFC 9110); bob_cli too
 _CALL_EXTRAS = ("extra_content",)  # what a server attaches to a tool call and wants back
 _NO_ANSWER = "(no answer: the turn ended here)"  # Mistral takes no user message after a tool
 
@@ -2245,11 +2246,6 @@ def _text(content):
     if content is not None and not isinstance(content, str):
         raise ValueError("the content is neither text nor a list of parts")
     return content or ""
-
-
-def _str(value):
-    """`value` if it is a str, else None (a server may send anything where text belongs)."""
-    return value if isinstance(value, str) else None
 
 
 def _usage(u):
@@ -2298,8 +2294,7 @@ def _call_extra(c):
     return {k: c[k] for k in _CALL_EXTRAS if k in c}
 
 
-def _call_from_wire(call_id, name, arguments,
-                    extra=None):
+def _call_from_wire(call_id, name, arguments, extra=None):
     """A ToolCall; arguments that are not a JSON object give one with `error` set (not run)."""
     # Why not {}: the model must learn its arguments were lost, not see the tool complain of
     # missing keys. A missing id stays "": the runtime gives it a unique one.
@@ -2495,8 +2490,7 @@ def _tracking_session(inflight, cancels
     return session, (urllib3.exceptions.HTTPError, OSError)  # requests' RequestException is one
 
 
-def _check_settings(retry_max, max_response_bytes, tool_choice,
-                    timeout_s):
+def _check_settings(retry_max, max_response_bytes, tool_choice, timeout_s):
     """ConfigError naming the first of OpenAICompatLlm's settings out of its range; timeout_s
     is a number of seconds > 0 (not None, a str, nan or inf)."""
     for k, v, lo in ("retry_max", retry_max, 0), ("max_response_bytes", max_response_bytes, 1):
@@ -2587,7 +2581,7 @@ class OpenAICompatLlm:
         # ASCII without spaces around it (else every call failed as an internal error), and no
         # header that frames the body (bob sets those)
         if not isinstance(headers, dict) or not all(
-                isinstance(k, str) and _HEADER_NAME.fullmatch(k) and isinstance(v, str)
+                isinstance(k, str) and HEADER_NAME.fullmatch(k) and isinstance(v, str)
                 and v.isascii() and v.isprintable() and v == v.strip()
                 and k.lower() not in ("content-length", "transfer-encoding")
                 for k, v in headers.items()):
@@ -2651,8 +2645,7 @@ class OpenAICompatLlm:
 
     # -- one HTTP exchange --
 
-    def _attempt(self, body, end, cancel,
-                 on_delta):
+    def _attempt(self, body, end, cancel, on_delta):
         """Send once, done by `end`. The reply or a _Retry; LlmError when retrying is useless."""
         timeout = end - time.monotonic()
         if timeout <= 0:
@@ -2872,13 +2865,12 @@ def read_trace(trace: _Trace) -> list[_Event]:
             n = getattr(e, "lineno", "?")
             raise TraceError(f"{trace} line {n} is not a trace event (cut short?)") from None
     else:
-        events = list(trace)
-        lines = events
+        events = lines = list(trace)   # one list: a line is an event
+        trace = "event list"   # how errors name it
     for n, e in enumerate(events, 1):
         if not (isinstance(e, dict) and isinstance(e.get("kind"), str)
                 and isinstance(e.get("data"), dict)):
-            raise TraceError(f"{trace if lines is not events else 'event'} line {n} is not a "
-                             "trace event (cut short?)")
+            raise TraceError(f"{trace} line {n} is not a trace event (cut short?)")
         e["line"] = n
     if len(events) != len(lines):   # more events than lines: a line holds two
         raise TraceError(f"{trace} holds more events than lines: not a trace")
@@ -2926,11 +2918,11 @@ class _Replay:
             self._script.append([d["digest"], None])
             asked = e["line"]
         elif kind == "llm_call_completed":
-            _field(d, "content", (str,))
+            _field(d, "content", str)
             _field(d, "finish_reason", (str, type(None)))
             calls = tuple(ToolCall(**c) for c in d["tool_calls"])
             for c in calls:
-                _given(c, id=(str,), name=(str,), arguments=(dict,))
+                _given(c, id=str, name=str, arguments=dict)
             self._script[-1][1] = LlmResponse(d["content"], calls, Usage(**d["usage"]),
                                               d["finish_reason"], d.get("reasoning"))
             asked = None
@@ -3199,8 +3191,7 @@ def _tools_changed(recorded, new):
                         for n, d in old.items() if n in now and d != now[n]])
 
 
-def _check_turn(events, states,
-                given):
+def _check_turn(events, states, given):
     """Replay one turn from its session's state in `states` (updated): "same (...)", or the
     step, what, recorded and new values and detail of its first divergence."""
     sid = events[0]["session_id"]

@@ -69,7 +69,7 @@ _SCHEMA = {   # a table -> its keys -> their kinds
 _RANGES = {"retry_max": (0, 10), "max_tokens": (1, 10**7), "temperature": (0, 2)}  # [llm]
 _VAR = re.compile(r"\$\{([^}]*)\}")   # any ${...}; of them bob expands the forms below
 _FORM = re.compile(r"([A-Za-z_][A-Za-z0-9_]*)(:-[^${]*)?")   # ${VAR}, ${VAR:-default}
-_NAMES = {"env": r"[^=\0]+", "headers": r"[-!#$%&'*+.^_`|~0-9A-Za-z]+"}   # env, header names
+_NAMES = {"env": r"[^=\0]+", "headers": bob.HEADER_NAME.pattern}   # env, header names
 
 
 @dataclass(frozen=True)
