@@ -12,14 +12,14 @@
     print(result.content, result.finish_reason)
 
 Sections:
-    1. Errors                 6. Tools: functions, composite, policy
-    2. Domain types           7. Stores and event sinks
-    3. Ports                  8. Workers: threads with deadlines and cancel
-    4. Actions and prompts    9. The scheduler: State, _Turn, AgentRuntime
-    5. LoopGuard             10. LLM adapters: ScriptedLlm, OpenAICompatLlm
-                             11. Replay
+    1. Errors                 7. Session stores
+    2. Domain types           8. Masking, event sinks and the trace
+    3. Ports                  9. Workers: threads with deadlines and cancel
+    4. Actions and prompts   10. The scheduler: State, _Turn, AgentRuntime
+    5. LoopGuard             11. LLM adapters: ScriptedLlm, OpenAICompatLlm
+    6. Tools                 12. Replay
 
-A turn in brief (section 9). AgentRuntime.run walks one _Turn through these states,
+A turn in brief (section 10). AgentRuntime.run walks one _Turn through these states,
 checking each step against TRANSITIONS and emitting it. Each state is one method of _Turn
 that does its work and returns the next state; the guards it checks are LoopGuard's
 (section 5). A tripped guard, a cancel, an answer, a question or a pause ends the turn
@@ -867,20 +867,6 @@ class LoopGuard:
 
 # ---- 6. Tools: functions, composite, policy -----------------------------------------------------
 
-# The one secret-name rule, for argument names, JSON keys, env variables and HTTP headers alike
-# (bob_mcp uses it too): "token" but not "max_tokens", "auth" but not "author", and "key" only
-# as the last part of a longer name ("OPENAI_API_KEY", "x-api-key"), not "key" or "monkey".
-_SECRETS = (r"api[_-]?key|[_-]key(?![a-z])|password|passwd|secret|token(?!s)|authoriz|auth(?!or)|"
-            r"cookie|credential")
-_SECRET_KEY = re.compile(f"(?i){_SECRETS}")
-
-
-@functools.lru_cache(maxsize=4096)  # keys repeat across calls: 20,000 calls mask in milliseconds
-def secret_name(key: Any) -> bool:
-    """True when a name (argument, JSON key, env variable, header) says its value is a secret."""
-    return isinstance(key, str) and bool(_SECRET_KEY.search(key))
-
-
 _JSON_TYPES: dict[Any, str] = {str: "string", int: "integer", float: "number", bool: "boolean",
                                list: "array", tuple: "array", dict: "object"}
 
@@ -1080,7 +1066,7 @@ def cut_output(text: str, limit: int) -> str:
     return f"{head}\n[... {cut} of {len(text)} characters cut ...]\n{tail}"
 
 
-# ---- 7. Stores and event sinks ------------------------------------------------------------------
+# ---- 7. Session stores --------------------------------------------------------------------------
 
 def _check_newer(session_id, stored, state):
     """A save must be newer than the stored version, else another turn saved in between."""
@@ -1235,57 +1221,24 @@ class JsonFileSessionStore:
         return None  # no file yet
 
 
-def _data_json(data):
-    """Event data as ASCII JSON (lone surrogates too); unwritable data becomes a note of why."""
-    try:
-        return json.dumps(data, default=str, ensure_ascii=True)
-    except Exception as e:  # also a str() that raises, from default=str
-        return json.dumps({"unwritable": f"{type(e).__name__}: {_excerpt(str(e), 100)}"},
-                          ensure_ascii=True)
+# ---- 8. Masking, event sinks and the trace ------------------------------------------------------
+# Everything bob shows or keeps (events, the trace, what the model sees of the tools) passes one
+# secret-name rule and one text mask. Every event is masked once, where it is emitted
+# (AgentRuntime._emit); a sink writes what it is given. Replay compares and digests that masked
+# form, so a run whose secrets differ replays the same.
+
+# The one secret-name rule, for argument names, JSON keys, env variables and HTTP headers alike
+# (bob_mcp uses it too): "token" but not "max_tokens", "auth" but not "author", and "key" only
+# as the last part of a longer name ("OPENAI_API_KEY", "x-api-key"), not "key" or "monkey".
+_SECRETS = (r"api[_-]?key|[_-]key(?![a-z])|password|passwd|secret|token(?!s)|authoriz|auth(?!or)|"
+            r"cookie|credential")
+_SECRET_KEY = re.compile(f"(?i){_SECRETS}")
 
 
-class LoggingEventSink:
-    """Events as log lines on the `bob.events` logger (or the one given)."""
-
-    def __init__(self, logger: logging.Logger | None = None, level: int = logging.INFO):
-        self.logger = logger or logging.getLogger("bob.events")
-        self.level = level
-
-    def emit(self, event: AgentEvent) -> None:
-        """One line: kind, session, step, data as JSON (not text_delta: see JsonlEventSink)."""
-        if self.logger.isEnabledFor(self.level) and event.kind != "text_delta":
-            self.logger.log(self.level, "%s session=%s step=%d %s", event.kind, event.session_id,
-                            event.step, _data_json(event.data))
-
-
-class JsonlEventSink:
-    """Events appended to a file, one JSON object per line, flushed per event."""
-
-    def __init__(self, path: str | os.PathLike[str]):
-        self.path = Path(path)
-        self._lock = threading.Lock()
-        self._file: Any = None
-
-    def emit(self, event: AgentEvent) -> None:
-        """Append the event as one JSON line and flush it."""
-        if event.kind == "text_delta":   # pieces cannot be masked (a secret pair spans several);
-            return                        # llm_call_completed has the whole reply, masked
-        head = json.dumps({"kind": event.kind, "session_id": event.session_id, "step": event.step,
-                           "ts": event.ts}, default=str, ensure_ascii=True)
-        line = f'{head[:-1]}, "data": {_data_json(event.data)}}}'  # the data as encoded
-        with self._lock:
-            if self._file is None:   # opened on the first event, never blocking (a FIFO nobody
-                flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | getattr(os, "O_NONBLOCK", 0)
-                self._file = open(os.open(self.path, flags, 0o600), "a", encoding="utf-8")  # reads)
-            self._file.write(line + "\n")
-            self._file.flush()
-
-    def close(self) -> None:
-        """Close the file (a later event reopens it)."""
-        with self._lock:
-            if self._file is not None:
-                self._file.close()
-                self._file = None
+@functools.lru_cache(maxsize=4096)  # keys repeat across calls: 20,000 calls mask in milliseconds
+def secret_name(key: Any) -> bool:
+    """True when a name (argument, JSON key, env variable, header) says its value is a secret."""
+    return isinstance(key, str) and bool(_SECRET_KEY.search(key))
 
 
 # Secret keys in text (a reply, a tool result): "key":, \"key\": in JSON inside a JSON string, and
@@ -1294,16 +1247,28 @@ class JsonlEventSink:
 # the escape before a key is at most 31 backslashes (JSON five levels deep): 32,000 took seconds.
 # Compiled without (?i) on purpose: _mask_text runs it over the lowered text (twice as fast), so
 # it is as case-blind as secret_name ("API_KEY", "Password"; tests/test_replay_record.py pins it).
-_TEXT_KEY = re.compile(f'(\\\\{{0,31}}["\'])'
-                       f'([^"\\n]{{0,64}}?(?:{_SECRETS})[^"\\n]{{0,64}}?)\\1\\s*:\\s*')
+_TEXT_KEY = re.compile(rf"""
+    ( \\{{0,31}} ["'] )            # 1: the key's opening quote, after up to 31 backslashes
+    ( [^"\n]{{0,64}}?                # 2: the key: up to 64 chars on one line, no quote,
+      (?:{_SECRETS})                # holding a secret name,
+      [^"\n]{{0,64}}? )              # and up to 64 more
+    \1 \s* : \s*                    # closed by the same quote, then the colon
+""", re.X)
 
 
 @functools.lru_cache(maxsize=16)
 def _text_value(quote):
+    """The value after a key whose quote was `quote`: a string, a list or a scalar."""
     q = re.escape(quote)   # a string ends at the same quote, escaped as the key's was
-    text = (f"{q}[^{q}\\\\]*(?:\\\\.[^{q}\\\\]*)*{q}?" if len(quote) == 1   # " or ' (a Python repr)
-            else f"{q}(?:(?!{q}).)*(?:{q})?")
-    return re.compile(f"{text}|\\[[^\\]]*\\]?|[^\\s,}}\\]\\\\]+", re.S)
+    if len(quote) == 1:    # " or ' (a Python repr): up to that quote, skipping escaped chars
+        text = rf"{q} [^{q}\\]* (?: \\. [^{q}\\]* )* {q}?"
+    else:                  # \" and deeper (JSON inside a JSON string): up to that same escape
+        text = rf"{q} (?: (?!{q}) . )* (?:{q})?"
+    return re.compile(rf"""
+        {text}            # a string, to its closing quote or to the text's end (a cut reply)
+      | \[ [^\]]* \]?     # a list, to its first closing bracket
+      | [^\s,}}\]\\]+     # a scalar: up to a space, comma, closing brace or bracket, backslash
+    """, re.S | re.X)
 
 
 def _mask_text(text):
@@ -1357,6 +1322,71 @@ def _masked_tool(d):
     return ToolDescriptor(d.name, redact(d.description), _masked_schema(d.input_schema))
 
 
+def _fit(call):
+    """The call, or if its arguments are unfit to keep, the call with none and an `error`.
+    What the server attached (`extra`), if unfit to keep, is dropped: saved, it would not load."""
+    if call.extra is not None and (not isinstance(call.extra, dict) or _json_problem(call.extra)):
+        call = dataclasses.replace(call, extra=None)
+    problem = _json_problem(call.arguments)
+    if problem is None:
+        return call
+    return dataclasses.replace(call, arguments={}, error=f"the arguments of {call.name!r} "
+                               f"{problem}; call it again with smaller arguments")
+
+
+def _data_json(data):
+    """Event data as ASCII JSON (lone surrogates too); unwritable data becomes a note of why."""
+    try:
+        return json.dumps(data, default=str, ensure_ascii=True)
+    except Exception as e:  # also a str() that raises, from default=str
+        return json.dumps({"unwritable": f"{type(e).__name__}: {_excerpt(str(e), 100)}"},
+                          ensure_ascii=True)
+
+
+class LoggingEventSink:
+    """Events as log lines on the `bob.events` logger (or the one given)."""
+
+    def __init__(self, logger: logging.Logger | None = None, level: int = logging.INFO):
+        self.logger = logger or logging.getLogger("bob.events")
+        self.level = level
+
+    def emit(self, event: AgentEvent) -> None:
+        """One line: kind, session, step, data as JSON (not text_delta: see JsonlEventSink)."""
+        if self.logger.isEnabledFor(self.level) and event.kind != "text_delta":
+            self.logger.log(self.level, "%s session=%s step=%d %s", event.kind, event.session_id,
+                            event.step, _data_json(event.data))
+
+
+class JsonlEventSink:
+    """Events appended to a file, one JSON object per line, flushed per event."""
+
+    def __init__(self, path: str | os.PathLike[str]):
+        self.path = Path(path)
+        self._lock = threading.Lock()
+        self._file: Any = None
+
+    def emit(self, event: AgentEvent) -> None:
+        """Append the event as one JSON line and flush it."""
+        if event.kind == "text_delta":   # pieces cannot be masked (a secret pair spans several);
+            return                        # llm_call_completed has the whole reply, masked
+        head = json.dumps({"kind": event.kind, "session_id": event.session_id, "step": event.step,
+                           "ts": event.ts}, default=str, ensure_ascii=True)
+        line = f'{head[:-1]}, "data": {_data_json(event.data)}}}'  # the data as encoded
+        with self._lock:
+            if self._file is None:   # opened on the first event, never blocking (a FIFO nobody
+                flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | getattr(os, "O_NONBLOCK", 0)
+                self._file = open(os.open(self.path, flags, 0o600), "a", encoding="utf-8")  # reads)
+            self._file.write(line + "\n")
+            self._file.flush()
+
+    def close(self) -> None:
+        """Close the file (a later event reopens it)."""
+        with self._lock:
+            if self._file is not None:
+                self._file.close()
+                self._file = None
+
+
 def request_digest(req: LlmRequest, cache: dict[int, tuple[Message, str]] | None = None) -> str:
     """sha256 of the canonical JSON of {"messages" (masked), "response_format", "tools"};
     `cache` keeps each message's part (and the message, so its id stays its own)."""
@@ -1370,19 +1400,7 @@ def request_digest(req: LlmRequest, cache: dict[int, tuple[Message, str]] | None
     return hashlib.sha256(text.encode()).hexdigest()
 
 
-def _fit(call):
-    """The call, or if its arguments are unfit to keep, the call with none and an `error`.
-    What the server attached (`extra`), if unfit to keep, is dropped: saved, it would not load."""
-    if call.extra is not None and (not isinstance(call.extra, dict) or _json_problem(call.extra)):
-        call = dataclasses.replace(call, extra=None)
-    problem = _json_problem(call.arguments)
-    if problem is None:
-        return call
-    return dataclasses.replace(call, arguments={}, error=f"the arguments of {call.name!r} "
-                               f"{problem}; call it again with smaller arguments")
-
-
-# ---- 8. Workers: threads with deadlines and cancel ----------------------------------------------
+# ---- 9. Workers: threads with deadlines and cancel ----------------------------------------------
 # A port may block forever. Each LLM or tool call runs on a daemon pool thread; the loop waits on a
 # wake-up queue with the remaining time, so cancel and deadlines hold while the port is stuck.
 # A worker given up on keeps running until its port returns: it is counted, and past
@@ -1478,7 +1496,7 @@ def _wait_all(workers, deadlines, wake, cancel):
             w.give_up()
 
 
-# ---- 9. The scheduler: State, _Turn, AgentRuntime -----------------------------------------------
+# ---- 10. The scheduler: State, _Turn, AgentRuntime ----------------------------------------------
 # A turn is a walk through six explicit states. Each state's work is one method of _Turn that
 # returns the next state; AgentRuntime.run checks every transition against TRANSITIONS and
 # emits it. AgentRuntime holds the settings and ports, saves the session and emits the events;
@@ -2191,7 +2209,7 @@ class AgentRuntime:
                         "event sink %r failed on %s; ignored", sink, kind, exc_info=first)
 
 
-# ---- 10. LLM adapters: ScriptedLlm, OpenAICompatLlm ---------------------------------------------
+# ---- 11. LLM adapters: ScriptedLlm, OpenAICompatLlm ---------------------------------------------
 
 class ScriptedLlm:
     """A test double: replies from a list in order (a str, an LlmResponse, an exception to
@@ -2830,7 +2848,7 @@ class OpenAICompatLlm:
                 raise self._error(200, f"sent a bad stream event ({e})", payload) from None
 
 
-# ---- 11. Replay --------------------------------------------------------------------------------
+# ---- 12. Replay ---------------------------------------------------------------------------------
 # A JSONL trace is a complete record of a run; these ports answer from one, replay() compares.
 
 _Event = dict[str, Any]   # one event of a trace, as JSON has it, with its `line`
