@@ -28,6 +28,7 @@ import sys
 import threading
 import time
 import tomllib
+import unicodedata
 import uuid
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
@@ -277,7 +278,9 @@ _DEMO_REPLIES = (
                                     f"5 + 37 = {req.messages[-1].content.split()[-1]}."}),
 )
 
-_CONTROLS = dict.fromkeys([*range(32), *range(127, 160)], "\ufffd")
+# control characters made harmless; a tab or line break is a space (a display is one line)
+_CONTROLS = dict.fromkeys([*range(32), *range(127, 160)], "\ufffd") | dict.fromkeys(
+    map(ord, "\t\n\r"), " ")
 
 
 def _plain():
@@ -285,9 +288,26 @@ def _plain():
     return os.environ.get("TERM", "dumb") == "dumb" or "NO_COLOR" in os.environ
 
 
-def _cut(text, room):   # text from the model or a server must not drive
-    text = text.translate(_CONTROLS)   # the terminal: escape sequences are made harmless
-    return text if len(text) <= room else text[:room - 3] + "..."
+def _cells(char):
+    """The terminal columns a character takes: 2 when East Asian wide or fullwidth (CJK, most
+    emoji), 0 for a combining mark (the accent of e + U+0301), else 1."""
+    if unicodedata.category(char) in ("Mn", "Me"):
+        return 0
+    return 2 if unicodedata.east_asian_width(char) in "WF" else 1
+
+
+def _cut(text, reserve=0):
+    """One line of `text` that fits the terminal, less `reserve` columns: cut, with "...", by
+    the columns its characters take (60 CJK characters are 120 columns, not 60). Text from the
+    model or a server must not drive the terminal: control characters are made harmless."""
+    text, room = text.translate(_CONTROLS), shutil.get_terminal_size().columns - reserve
+    used = end = 0   # the columns so far; the characters that leave room for "..."
+    for i, char in enumerate(text):   # up to `room` only: a line may be a 20 MB message
+        used += _cells(char)
+        if used > room:
+            return text[:end] + "..."
+        end = i + 1 if used <= room - 3 else end
+    return text
 
 
 @dataclass
@@ -297,10 +317,10 @@ class _EventPrinter:
 
     def emit(self, event):
         """State transitions as `from -> to`, other data as JSON, cut to the terminal's width."""
-        d, room = event.data, max(40, shutil.get_terminal_size().columns - 29)
+        d = event.data
         text = (f"{d['from']} -> {d['to']}" if event.kind == "state"
-                else " ".join(json.dumps(d, default=str, ensure_ascii=False).split()))
-        print(f"  [{event.step}] {event.kind:<20} {_cut(text, room)}", file=self.out, flush=True)
+                else json.dumps(d, default=str, ensure_ascii=False))
+        print(_cut(f"  [{event.step}] {event.kind:<20} {text}"), file=self.out, flush=True)
 
 
 # ---- 3. The turn's view: streamed answer, status line, notes ------------------------------------
@@ -356,13 +376,13 @@ class _TurnView:
         elif kind == "state":
             self.state = d["to"]
         elif kind == "tool_call_started" and self.calls:
-            args = _cut(json.dumps(d["arguments"]), 100)
-            self._write(f"\r\x1b[K  -> {_cut(d['name'], 64)} {args}\n")
+            line = f"  -> {d['name']} {json.dumps(d['arguments'])}"
+            self._write(f"\r\x1b[K{_cut(line)}\n")
         elif kind == "tool_call_completed" and self.calls:
-            first = (str(d.get("content", "")).strip().splitlines() or [""])[0]
             mark = "error: " if d.get("is_error") else ""
-            self._write(f"\r\x1b[K  <- {_cut(d['name'], 64)}: {mark}{_cut(first, 60)} "
-                        f"({d['duration_ms']:.0f} ms)\n")
+            ms = f" ({d['duration_ms']:.0f} ms)"   # kept when the line is cut
+            line = f"  <- {d['name']}: {mark}{str(d.get('content', '')).strip()}"
+            self._write(f"\r\x1b[K{_cut(line, len(ms))}{ms}\n")
         elif kind == "error" and d.get("where") == "store.save":
             self.error = str(d.get("error", "")).removeprefix("StoreError: ")
         elif kind == "llm_call_completed" and d.get("finish_reason") == "length":
@@ -373,7 +393,7 @@ class _TurnView:
         A plain terminal (TERM=dumb, NO_COLOR) gets no status line, only the tool calls."""
         status = "" if stop or _plain() else (f"  {self.state}  step {self.step}/"
                                              f"{self.max_steps}  {time.monotonic() - self.t0:.1f}s")
-        self._write(f"\r\x1b[K{status}", stop)
+        self._write(f"\r\x1b[K{_cut(status)}", stop)   # a line that wraps is drawn again below
 
     def _write(self, text, stop=False):
         with self._lock:   # the worker's events and the main thread's ticks
@@ -449,9 +469,9 @@ class _Approvals:
 
     def ask(self, call):
         """On the main thread: show the call, read y / n (and a reason) / a; Ctrl-C cancels."""
-        lines = json.dumps(call.arguments, indent=2, ensure_ascii=False).splitlines()
-        shown = "\n    ".join([_cut(x, 96) for x in lines[:6]] + ["..."] * (len(lines) > 6))
-        print(f"bob: {call.name} wants to run with\n    {shown}", file=sys.stderr)
+        print(f"bob: {call.name} wants to run with", file=sys.stderr)
+        for name, value in call.arguments.items():   # an argument a line, cut to the terminal
+            print(_cut(f"    {name}: {json.dumps(value, ensure_ascii=False)}"), file=sys.stderr)
         import termios   # POSIX; the prompt runs on a terminal only
         termios.tcflush(sys.stdin, termios.TCIFLUSH)   # text typed ahead must not answer it
         previous = signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -476,11 +496,6 @@ def _calls(m):
     """A message's tool calls, each `-> name {arguments}`, secrets masked."""
     return [f"-> {c.name} {json.dumps(bob.redact(c.arguments), ensure_ascii=False)}"
             for c in m.tool_calls]
-
-
-def _flat(m):
-    """A message's text and its tool calls, on one line."""
-    return " ".join(" ".join([m.content, *_calls(m)]).split())
 
 
 def _resumed(store, session_id):
@@ -642,7 +657,7 @@ class Shell:
                 if not messages:
                     print(f"session {self.session_id} is empty: no messages yet")
                 for m in messages:
-                    print(_cut(f"{m.role}: {_flat(m)}", shutil.get_terminal_size().columns))
+                    print(_cut(" ".join([f"{m.role}:", m.content, *_calls(m)])))
             case "/model", True:
                 self.runtime.llm = self.llm_for(arg)
                 print(f"model: {self.runtime.llm.describe()}")
@@ -674,9 +689,8 @@ class Shell:
         width, deny = max((len(t.name) for t in tools), default=0), self.runtime.deny_tools
         for t in tools:
             mark = "  (denied by [policy])" if bob.is_denied(t.name, deny) else ""
-            about = (t.description.strip().splitlines() or [""])[0]
-            print(_cut(f"  {t.name:<{width}}  {sources.get(t.name, '?'):<12} {about}",
-                       max(40, shutil.get_terminal_size().columns - len(mark))) + mark)
+            print(_cut(f"  {t.name:<{width}}  {sources.get(t.name, '?'):<12} {t.description}",
+                       len(mark)) + mark)
         if not tools:
             print("no tools (MCP servers are listed under [[mcp.servers]])")
 
@@ -724,9 +738,8 @@ def _list_sessions(store):
         with contextlib.suppress(bob.StoreError):
             state = store.load(path.stem)
             users = [m.content for m in (state.messages if state else []) if m.role == "user"]
-            first = _cut(" ".join((users or [""])[0].split()), 60)
             used = time.strftime("%Y-%m-%d %H:%M", time.localtime(mtime))
-            print(f"{path.stem}  {used}  turns {len(users):>3}  {first}")
+            print(_cut(f"{path.stem}  {used}  turns {len(users):>3}  {(users or [''])[0]}"))
     return 0
 
 

@@ -1,0 +1,156 @@
+"""The CLI, fourth round (issue 22's known gaps): one-line displays measured in terminal cells
+(wide CJK text, emoji, combining marks), `/model` remembered with the session and `/resume`
+going back to the model a session ran with. Every run is a real subprocess or a pty against
+fake_openai, HOME and XDG_* in a temp dir."""
+from __future__ import annotations
+
+import fcntl
+import json
+import re
+import struct
+import subprocess
+import sys
+import termios
+import unicodedata
+from pathlib import Path
+
+from conftest import CLI, MCP_SERVER, Terminal, final, write_config, xdg_env
+from fake_openai import FakeOpenAI, completion
+
+WIDE = "漢字かな😀" * 40   # 2 cells a character: 400 cells
+COMBINED = "e\u0301" * 100   # é as e + a combining acute: 100 cells in 200 code points
+
+
+def bob(tmp_path: Path, *args: str, stdin: str = "") -> subprocess.CompletedProcess[str]:
+    """The CLI in tmp_path, stdin piped, HOME and XDG_* inside tmp_path."""
+    return subprocess.run([sys.executable, str(CLI), *args], cwd=tmp_path, input=stdin,
+                          env=xdg_env(tmp_path), capture_output=True, text=True, timeout=15,
+                          check=False)
+
+
+def narrow(tmp_path: Path, columns: int, *args: str, **env: str) -> Terminal:
+    """The CLI on a pty `columns` wide (set before the CLI draws anything)."""
+    term = Terminal(tmp_path, *args, env=xdg_env(tmp_path, **env))
+    fcntl.ioctl(term.fd, termios.TIOCSWINSZ, struct.pack("HHHH", 40, columns, 0, 0))
+    return term
+
+
+def cells(text: str) -> int:
+    """The columns a terminal gives `text`: wide and fullwidth 2, combining marks 0."""
+    return sum(0 if unicodedata.category(c) in ("Mn", "Me") else
+               2 if unicodedata.east_asian_width(c) in ("W", "F") else 1 for c in text)
+
+
+def screen_lines(raw: bytes) -> list[str]:
+    """What was drawn, split where the cursor goes back to column 0 (\\r or \\n)."""
+    text = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", raw.decode("utf-8", "replace"))
+    return re.split(r"[\r\n]", text)
+
+
+def assert_fits(raw: bytes, columns: int) -> None:
+    """No line bob cut wraps: each is at most `columns` cells. bob's notes (`bob: ...`, which
+    are never cut, and never drawn over) wrap as any text does."""
+    over = [line for line in screen_lines(raw) if cells(line) > columns
+            and not line.startswith("bob: ")]
+    assert not over, over
+
+
+def echo_config(tmp_path: Path, srv) -> None:
+    write_config(tmp_path, srv, extra=(
+        '[policy]\nask_tools = ["t__echo"]\n'
+        f'[[mcp.servers]]\nid = "t"\ncommand = "{sys.executable}"\nargs = ["{MCP_SERVER}"]\n'))
+
+
+# ---- 1. one-line displays are cut in terminal cells ----
+
+def test_wide_characters_never_wrap_a_one_line_display(tmp_path, srv):
+    # A line was cut by code points: 60 wide characters took 120 columns and wrapped.
+    call = json.dumps({"type": "tool_call", "name": "t__echo", "arguments": {"text": WIDE}})
+    srv.push(final("first"), call, final("done"))
+    echo_config(tmp_path, srv)
+    assert bob(tmp_path, "--session", "wide", "-p", COMBINED + WIDE).returncode == 0
+    term = narrow(tmp_path, 60)
+    try:
+        seen = term.expect(b"bob> ")
+        term.send(b"go\r")
+        seen += term.expect(b"this session? ", timeout=10)   # the approval prompt
+        term.send(b"y\r")
+        seen += term.expect(b"bob> ", timeout=10)            # the tool call lines, the stats
+        for command in (b"/history", b"/sessions", b"/tools", b"/resume wide", b"/history"):
+            term.send(command + b"\r")
+            seen += term.expect(b"bob> ")
+    finally:
+        term.close()
+    assert "漢字".encode() in seen and b"..." in seen, seen   # shown, and cut
+    assert "\u0301".encode() in seen                        # combining marks kept
+    assert_fits(seen, 60)
+
+
+def test_wide_characters_never_wrap_the_verbose_event_lines(tmp_path, srv):
+    srv.push(completion(WIDE))   # native mode: the model's text is the event's, unescaped
+    write_config(tmp_path, srv, runtime='action_mode = "native"\n')
+    term = narrow(tmp_path, 50, "-v", "--session", "v", "-p", "go")
+    try:
+        seen = term.expect(WIDE.encode() + b"\r\n", timeout=10)   # the answer, whole
+    finally:
+        term.close()
+    events = [line for line in screen_lines(seen) if line.startswith("  [")]
+    assert any("漢字" in line for line in events), events
+    assert_fits("\n".join(events).encode(), 50)
+
+
+def test_the_status_line_fits_a_narrow_terminal(tmp_path, srv):
+    # "  llm_infer  step 0/12  0.4s" wrapped on a 20-column terminal: each redraw a new line.
+    srv.push(FakeOpenAI.HANG)
+    write_config(tmp_path, srv)
+    term = narrow(tmp_path, 20, TERM="xterm")
+    try:
+        term.expect(b"bob> ")
+        term.send(b"go\r")
+        assert srv.wait_for_requests(1, timeout=10)
+        seen = b"llm_infer".join(term.expect(b"llm_infer") for _ in range(3))   # redrawn
+        srv.release()
+    finally:
+        term.close()
+    assert_fits(seen, 20)
+
+
+# ---- 2. /model is remembered with the session; /resume goes back to its model ----
+
+def test_model_switched_in_the_repl_is_remembered_by_the_session(tmp_path, srv):
+    srv.push(final("one"), final("two"), final("three"), final("four"))
+    term = Terminal(tmp_path, "--base-url", srv.url, "--model", "local:first",
+                    env=xdg_env(tmp_path))
+    try:
+        term.expect(b"bob> ")
+        term.send(b"/model local:second\r")
+        assert b"local:second" in term.expect(b"bob> ")
+        term.send(b"hi\r")
+        term.expect(b"bob> ", timeout=10)
+        term.send(b"/exit\r")
+        assert term.proc.wait(5) == 0
+    finally:
+        term.close()
+    assert srv.requests[0]["body"]["model"] == "second"
+    (session,) = [p.stem for p in (tmp_path / "xd" / "bob" / "sessions").glob("*.json")]
+    again = bob(tmp_path, "-c", "-p", "again")     # no flags: the session's own
+    assert again.returncode == 0 and again.stdout == "two\n", again.stderr
+    assert srv.requests[1]["body"]["model"] == "second"
+    # another REPL, on another model and session: /resume goes back to the session's model
+    term = Terminal(tmp_path, "--base-url", srv.url, "--model", "local:third",
+                    env=xdg_env(tmp_path))
+    try:
+        term.expect(b"bob> ")
+        term.send(f"/resume {session}\r".encode())
+        assert b"local:second" in term.expect(b"bob> ")   # what the session runs on, shown
+        term.send(b"more\r")
+        term.expect(b"bob> ", timeout=10)
+        term.send(b"/reset\r")
+        term.expect(b"bob> ")
+        term.send(b"new\r")
+        term.expect(b"bob> ", timeout=10)
+    finally:
+        term.close()
+    assert srv.requests[2]["body"]["model"] == "second"
+    assert "again" in json.dumps(srv.requests[2]["body"]["messages"])
+    assert srv.requests[3]["body"]["model"] == "second"   # a new session keeps the running one
