@@ -499,10 +499,15 @@ def _calls(m):
 
 
 def _resumed(store, session_id):
-    """Whether the session is stored; if so, say `resumed session ID (N messages)`."""
-    if (state := store.load(session_id)) is not None:   # a bad id is a StoreError
-        _note(f"resumed session {session_id} ({len(state.messages)} messages)")
-    return state is not None
+    """None when the session is not stored; else say `resumed session ID (N messages)` and
+    return the _STICKY flags it last ran with ({}: none kept, or a file not bob's)."""
+    if (state := store.load(session_id)) is None:   # a bad id is a StoreError
+        return None
+    _note(f"resumed session {session_id} ({len(state.messages)} messages)")
+    with contextlib.suppress(OSError, ValueError, AttributeError):
+        kept = json.loads(_flags_file(store, session_id).read_text())
+        return {key: kept[key] for key in _STICKY if isinstance(kept.get(key), str)}
+    return {}
 
 
 def _owner_only(path):
@@ -542,7 +547,7 @@ class Shell:
     view: _TurnView = field(default_factory=lambda: _TurnView(None, 0))
     cancel: bob.CancelToken = field(default_factory=bob.CancelToken)
     approvals: _Approvals = field(default_factory=lambda: _Approvals(False, False))
-    llm_for: Callable[[str], Any] | None = None   # a model name -> its adapter (/model)
+    llm_for: Callable[[dict[str, str]], Any] | None = None   # _STICKY flags -> their adapter
     flags: dict[str, str] = field(default_factory=dict)   # _STICKY's, kept beside the session
 
     def turn(self, text: str) -> bob.AgentRunResult:
@@ -648,10 +653,11 @@ class Shell:
             case "/sessions", _:
                 _list_sessions(store)
             case "/resume", True:
-                if _resumed(store, arg):
-                    self.session_id = arg
-                else:
+                if (kept := _resumed(store, arg)) is None:
                     print(f"no session {arg} in {store.directory}; /sessions lists them")
+                else:   # on the model and endpoint it ran with
+                    self._use(kept)
+                    self.session_id = arg
             case "/history", _:   # one line a message
                 messages = self._state().messages   # loaded once: a session may be 20 MB
                 if not messages:
@@ -659,8 +665,7 @@ class Shell:
                 for m in messages:
                     print(_cut(" ".join([f"{m.role}:", m.content, *_calls(m)])))
             case "/model", True:
-                self.runtime.llm = self.llm_for(arg)
-                print(f"model: {self.runtime.llm.describe()}")
+                self._use({"model": arg})
             case "/save", True:
                 self._save(_path(arg, "/save", Path()))   # ~nosuchuser: a ConfigError
             case "/exit" | "/quit", _:
@@ -670,6 +675,12 @@ class Shell:
             case _:
                 print(f"unknown command {line.strip()!r}; /help lists the commands")
         return True
+
+    def _use(self, flags):
+        """Run on these _STICKY flags from the next turn on; the session keeps them (turn)."""
+        self.runtime.llm = self.llm_for({**self.flags, **flags})
+        self.flags.update(flags)
+        print(f"model: {self.runtime.llm.describe()}")
 
     def _state(self):
         return self.runtime.store.load(self.session_id) or bob.SessionState()
@@ -963,12 +974,10 @@ def _store(cfg, args):
         store.path_for("x" if session_id is None else session_id)   # "": refused
     except bob.StoreError as e:
         raise bob.ConfigError(f"--session: {e}") from None
-    if session_id and _resumed(store, session_id):
-        with contextlib.suppress(OSError, ValueError, AttributeError):   # none kept, or not ours
-            kept = json.loads(_flags_file(store, session_id).read_text())
-            for key in _STICKY:   # a flag given again wins
-                if getattr(args, key) is None and isinstance(kept.get(key), str):
-                    setattr(args, key, kept[key])
+    kept = session_id and _resumed(store, session_id)
+    for key, value in (kept or {}).items():
+        if getattr(args, key) is None:   # a flag given again wins
+            setattr(args, key, value)
     return store, session_id or _new_session_id()
 
 
@@ -998,8 +1007,8 @@ def _build_shell(cfg, args):
                                action_mode=cfg.action_mode, deny_tools=cfg.deny_tools,
                                ask_tools=cfg.ask_tools, approver=approvals)
     return Shell(runtime, session_id, Path(cfg.path or "agent.toml").name, mcp, view,
-                 approvals=approvals, llm_for=lambda model: _llm(cfg, argparse.Namespace(
-                     **{**vars(args), "model": model})),
+                 approvals=approvals, llm_for=lambda flags: _llm(cfg, argparse.Namespace(
+                     **{**vars(args), **flags})),
                  flags={key: getattr(args, key) for key in _STICKY if getattr(args, key)})
 
 
