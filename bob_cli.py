@@ -367,8 +367,9 @@ class _TurnView:
             self.raw += d["text"]
             text = _final_so_far(self.raw) if self.json_mode else self.raw
             if len(text) > len(self.shown):
-                print(text[len(self.shown):], end="", file=self.stream, flush=True)
-                self.shown = text
+                with contextlib.suppress(BrokenPipeError):   # the reader left (`| head`):
+                    print(text[len(self.shown):], end="", file=self.stream, flush=True)
+                self.shown = text   # the answer's print after the turn says so (exit 141)
         elif kind == "llm_call_started":
             if self.shown:  # text shown before a tool call stays; the next goes below it
                 print(file=self.stream)

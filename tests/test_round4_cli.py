@@ -15,7 +15,7 @@ import unicodedata
 from pathlib import Path
 
 from conftest import CLI, MCP_SERVER, Terminal, final, write_config, xdg_env
-from fake_openai import FakeOpenAI, completion
+from fake_openai import FakeOpenAI, completion, stream_reply
 
 WIDE = "漢字かな😀" * 40   # 2 cells a character: 400 cells
 COMBINED = "e\u0301" * 100   # é as e + a combining acute: 100 cells in 200 code points
@@ -154,3 +154,24 @@ def test_model_switched_in_the_repl_is_remembered_by_the_session(tmp_path, srv):
     assert srv.requests[2]["body"]["model"] == "second"
     assert "again" in json.dumps(srv.requests[2]["body"]["messages"])
     assert srv.requests[3]["body"]["model"] == "second"   # a new session keeps the running one
+
+
+# ---- 3. other known gaps ----
+
+def test_stream_into_a_reader_that_left_is_141_without_a_warning(tmp_path, srv):
+    # `bob --stream -p ... | head -c 10`: "warning: event sink <_TurnView object at 0x...>
+    # failed on text_delta; ignored", then exit 141.
+    pieces = ['{"type": "final", "content": "'] + ["word " * 2000] * 40 + ['"}']
+    srv.push(stream_reply(pieces))   # 400 KB: more than a pipe holds
+    write_config(tmp_path, srv)
+    proc = subprocess.Popen([sys.executable, str(CLI), "--stream", "-p", "hi"], cwd=tmp_path,
+                            env=xdg_env(tmp_path), stdin=subprocess.DEVNULL,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        assert proc.stdout.read(10) == b"word word "
+        proc.stdout.close()          # the reader leaves, as head does
+        assert proc.wait(15) == 141
+        assert proc.stderr.read() == b""
+    finally:
+        proc.kill()
+        proc.wait()
