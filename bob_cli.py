@@ -608,6 +608,10 @@ class Shell:
                 outcome.put(self.runtime.run(bob.AgentRequest(text, self.session_id), cancel))
             except BaseException as e:  # re-raised on the main thread below
                 outcome.put(e)
+            if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+                # the turn ended (its time ran out) while the approval prompt, which reads with
+                # this handler, waits: the answer would go nowhere. A Ctrl-C ends the prompt.
+                signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
         worker = threading.Thread(target=work, name="bob-turn", daemon=True)
         previous = signal.signal(signal.SIGINT, lambda signum, frame: cancel.cancel())
         try:
@@ -679,8 +683,8 @@ class Shell:
 
     def _use(self, flags):
         """Run on these _STICKY flags from the next turn on; the session keeps them (turn)."""
-        self.runtime.llm = self.llm_for({**self.flags, **flags})
-        self.flags.update(flags)
+        self.runtime.llm = self.llm_for(self.flags | flags)
+        self.flags |= flags
         print(f"model: {self.runtime.llm.describe()}")
 
     def _state(self):
@@ -920,7 +924,7 @@ def _find_config(arg, verbose):
 
 def _llm(cfg, args):
     """The adapter: flags first, then the environment people already use, then [llm]."""
-    options, env = {k: v for k, v in cfg.llm.items() if k != "stream_default"}, os.environ
+    options, env = dict(cfg.llm), os.environ   # a copy: its base_url and api_key_env are set
     model = args.model or env.get("BOB_MODEL") or cfg.default_model
     provider = model.partition(":")[0]
     env_url = env.get("OPENAI_BASE_URL") if provider == "openai" or (
@@ -932,7 +936,9 @@ def _llm(cfg, args):
     key_env = args.api_key_env or options.get("api_key_env") or (
         "OPENAI_API_KEY" if provider not in bob.PROVIDERS and env.get("OPENAI_API_KEY") else None)
     options.update(base_url=url, api_key_env=key_env)
-    stream = cfg.llm.get("stream_default", False) if args.stream is None else args.stream
+    stream = options.pop("stream_default", False)   # [llm]'s, not an option of the adapter
+    if args.stream is not None:
+        stream = args.stream
     try:
         return bob.OpenAICompatLlm(model, stream=stream, **options)
     except bob.ConfigError as e:
@@ -967,9 +973,9 @@ def _store(cfg, args):
         store.directory.mkdir(0o700, parents=True, exist_ok=True)
     session_id = args.session
     if args.resume and not session_id:
-        recent = _by_use(store)
-        session_id = recent[-1][1].stem if recent else None
-        if not recent:
+        if recent := _by_use(store):
+            session_id = recent[-1][1].stem   # the last used
+        else:
             _note(f"--continue: no session in {store.directory} yet; starting a new one")
     try:  # a bad --session id is a usage error, found before any turn
         store.path_for("x" if session_id is None else session_id)   # "": refused
@@ -1009,7 +1015,7 @@ def _build_shell(cfg, args):
                                ask_tools=cfg.ask_tools, approver=approvals)
     return Shell(runtime, session_id, Path(cfg.path or "agent.toml").name, mcp, view,
                  approvals=approvals, llm_for=lambda flags: _llm(cfg, argparse.Namespace(
-                     **{**vars(args), **flags})),
+                     **vars(args) | flags)),
                  flags={key: getattr(args, key) for key in _STICKY if getattr(args, key)})
 
 

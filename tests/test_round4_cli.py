@@ -55,8 +55,8 @@ def assert_fits(raw: bytes, columns: int) -> None:
     assert not over, over
 
 
-def echo_config(tmp_path: Path, srv) -> None:
-    write_config(tmp_path, srv, extra=(
+def echo_config(tmp_path: Path, srv, runtime: str = "") -> None:
+    write_config(tmp_path, srv, runtime=runtime, extra=(
         '[policy]\nask_tools = ["t__echo"]\n'
         f'[[mcp.servers]]\nid = "t"\ncommand = "{sys.executable}"\nargs = ["{MCP_SERVER}"]\n'))
 
@@ -175,3 +175,25 @@ def test_stream_into_a_reader_that_left_is_141_without_a_warning(tmp_path, srv):
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_the_approval_prompt_ends_with_its_turn(tmp_path, srv):
+    # A turn that timed out while the person was away left "[y]es / [n]o / [a]lways ...?" up;
+    # the answer went nowhere and the REPL showed the turn's end only after it.
+    call = json.dumps({"type": "tool_call", "name": "t__echo", "arguments": {"text": "x"}})
+    srv.push(call, final("unused"))
+    echo_config(tmp_path, srv, runtime="turn_timeout_ms = 3000\n")
+    term = Terminal(tmp_path, env=xdg_env(tmp_path))
+    try:
+        term.expect(b"bob> ")
+        term.send(b"/tools\r")
+        term.expect(b"t__echo", timeout=10)   # the server is up: the turn's time is the prompt's
+        term.expect(b"bob> ")
+        term.send(b"go\r")
+        term.expect(b"this session? ", timeout=10)
+        after = term.expect(b"bob> ", timeout=10)   # no answer: the turn's time runs out
+    finally:
+        term.close()
+    assert b"not run" in after and b"turn_timeout" in after, after   # said, and the prompt
+    assert b"this session?" not in after                           # is not asked again
+    assert len(srv.requests) == 1
