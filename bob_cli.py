@@ -377,7 +377,7 @@ class _TurnView:
         elif kind == "state":
             self.state = d["to"]
         elif kind == "tool_call_started" and self.calls:
-            line = f"  -> {d['name']} {json.dumps(d['arguments'])}"
+            line = f"  -> {d['name']} {json.dumps(d['arguments'], ensure_ascii=False)}"
             self._write(f"\r\x1b[K{_cut(line)}\n")
         elif kind == "tool_call_completed" and self.calls:
             mark = "error: " if d.get("is_error") else ""
@@ -981,7 +981,7 @@ def _store(cfg, args):
         store.path_for("x" if session_id is None else session_id)   # "": refused
     except bob.StoreError as e:
         raise bob.ConfigError(f"--session: {e}") from None
-    kept = session_id and _resumed(store, session_id)
+    kept = session_id and _resumed(store, session_id)   # None: a new session
     for key, value in (kept or {}).items():
         if getattr(args, key) is None:   # a flag given again wins
             setattr(args, key, value)

@@ -82,6 +82,7 @@ def test_wide_characters_never_wrap_a_one_line_display(tmp_path, srv):
     finally:
         term.close()
     assert "漢字".encode() in seen and b"..." in seen, seen   # shown, and cut
+    assert '-> t__echo {"text": "漢字'.encode() in seen      # as characters, not \\u escapes
     assert "\u0301".encode() in seen                        # combining marks kept
     assert_fits(seen, 60)
 
@@ -182,7 +183,7 @@ def test_the_approval_prompt_ends_with_its_turn(tmp_path, srv):
     # the answer went nowhere and the REPL showed the turn's end only after it.
     call = json.dumps({"type": "tool_call", "name": "t__echo", "arguments": {"text": "x"}})
     srv.push(call, final("unused"))
-    echo_config(tmp_path, srv, runtime="turn_timeout_ms = 3000\n")
+    echo_config(tmp_path, srv, runtime="turn_timeout_ms = 5000\n")
     term = Terminal(tmp_path, env=xdg_env(tmp_path))
     try:
         term.expect(b"bob> ")
