@@ -290,8 +290,10 @@ def _plain():
 
 def _cells(char):
     """The terminal columns a character takes: 2 when East Asian wide or fullwidth (CJK, most
-    emoji), 0 for a combining mark (the accent of e + U+0301), else 1."""
-    if unicodedata.category(char) in ("Mn", "Me"):
+    emoji), 0 for a combining mark (the accent of e + U+0301), else 1. Never fewer than a
+    terminal draws, but for a few spacing marks of rare scripts: an emoji's variation selector
+    (U+FE0F, which makes the heart U+2764 two columns wide) counts 1."""
+    if unicodedata.combining(char):
         return 0
     return 2 if unicodedata.east_asian_width(char) in "WF" else 1
 
@@ -660,7 +662,7 @@ class Shell:
             case "/resume", True:
                 if (kept := _resumed(store, arg)) is None:
                     print(f"no session {arg} in {store.directory}; /sessions lists them")
-                else:   # on the model and endpoint it ran with
+                else:   # on the model and endpoint it ran with, if it remembers them
                     self._use(kept)
                     self.session_id = arg
             case "/history", _:   # one line a message
@@ -682,10 +684,12 @@ class Shell:
         return True
 
     def _use(self, flags):
-        """Run on these _STICKY flags from the next turn on; the session keeps them (turn)."""
-        self.runtime.llm = self.llm_for(self.flags | flags)
-        self.flags |= flags
-        print(f"model: {self.runtime.llm.describe()}")
+        """Run on these _STICKY flags from the next turn on; the session keeps them (turn).
+        None given: nothing changes (a Shell without llm_for resumes sessions too)."""
+        if flags:
+            self.runtime.llm = self.llm_for(self.flags | flags)
+            self.flags |= flags
+            print(f"model: {self.runtime.llm.describe()}")
 
     def _state(self):
         return self.runtime.store.load(self.session_id) or bob.SessionState()

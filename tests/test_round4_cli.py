@@ -198,3 +198,16 @@ def test_the_approval_prompt_ends_with_its_turn(tmp_path, srv):
     assert b"not run" in after and b"turn_timeout" in after, after   # said, and the prompt
     assert b"this session?" not in after                           # is not asked again
     assert len(srv.requests) == 1
+
+
+def test_a_shell_without_llm_for_still_resumes_a_session(capsys):
+    # /resume now switches to the flags a session remembers; the public Shell, built without
+    # llm_for on any store, must still resume one that remembers none.
+    import bob
+    import bob_cli
+    runtime = bob.AgentRuntime(bob.ScriptedLlm([final("one")]))
+    shell = bob_cli.Shell(runtime, "s1")
+    shell.turn("hi")
+    assert shell.command("/reset") and shell.session_id != "s1"
+    assert shell.command("/resume s1") and shell.session_id == "s1"
+    assert "resumed session s1 (2 messages)" in capsys.readouterr().err
