@@ -1,6 +1,7 @@
 """The CLI, fourth round (issue 22's known gaps): one-line displays measured in terminal cells
 (wide CJK text, emoji, combining marks), `/model` remembered with the session and `/resume`
-going back to the model a session ran with. Every run is a real subprocess or a pty against
+going back to the model a session ran with, `--stream` into a reader that left, the approval
+prompt of a turn whose time ran out. Every run is a real subprocess or a pty against
 fake_openai, HOME and XDG_* in a temp dir."""
 from __future__ import annotations
 
