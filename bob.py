@@ -1448,8 +1448,8 @@ def _submit(job):
     inbox.put(job)
 
 
-class _NoAnswer(Exception):
-    """Raised by a port that answers inline when it has no answer (see _Worker)."""
+class _NoAnswer(Cancelled):
+    """A port that answers inline has no answer (see _Worker); to any other caller, Cancelled."""
 
 
 class _Worker:
@@ -1466,7 +1466,7 @@ class _Worker:
         self.value: Any = None
         self.error: BaseException | None = None
         self.done = self._given_up = False
-        if getattr(port, "_answers_inline", False) is True:   # (not a Mock's attribute)
+        if getattr(port, "_answers_inline", False) is True:   # (a Mock's made-up one is no yes)
             self._run()
         else:
             _submit(self._run)
@@ -1608,7 +1608,7 @@ class _Turn:
         # sees them; a schema that is not JSON fails the turn, after its start is traced
         worker = None
         if rt.tools is not None:
-            worker = self._call_port(rt.tools.list_tools)
+            worker = self._call_port(rt.tools.list_tools, rt.tools)
             if worker.done and worker.error is None:
                 self.tools = [d for d in worker.value if not is_denied(d.name, rt.deny_tools)]
         unfit = next(((d, p) for d in self.tools if (p := _json_problem(d.input_schema))),
@@ -2999,7 +2999,7 @@ class _Replay:
         # token, fired here, and sees no answer
         if answer is _TIMED_OUT:
             cancel.cancel()
-        raise _NoAnswer()
+        raise _NoAnswer("the recorded request was never answered")
 
     # -- the ToolPort --
 

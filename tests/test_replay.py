@@ -444,6 +444,10 @@ def test_replay_ports_answer_on_the_loops_thread_and_live_tools_on_a_worker(tmp_
             return super().complete(req, cancel, on_delta)
 
     class Tools(ReplayTools):
+        def list_tools(self):
+            threads.append(("list", threading.current_thread()))
+            return super().list_tools()
+
         def call_tool(self, call, timeout_s, cancel=None):
             threads.append(("tool", threading.current_thread()))
             return super().call_tool(call, timeout_s, cancel)
@@ -456,7 +460,7 @@ def test_replay_ports_answer_on_the_loops_thread_and_live_tools_on_a_worker(tmp_
     r = AgentRuntime(Llm(path), Tools(path), action_mode="native").run(AgentRequest("sum", "s1"))
     assert r.content == "3"
     me = threading.current_thread()
-    assert threads == [("llm", me), ("tool", me), ("llm", me)]
+    assert threads == [("list", me), ("llm", me), ("tool", me), ("llm", me)]
     threads.clear()
     r = AgentRuntime(Llm(path), FunctionTools([add, shout]), action_mode="native").run(
         AgentRequest("sum", "s1"))
