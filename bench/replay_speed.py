@@ -65,19 +65,24 @@ def measure(steps: int, tmp: Path) -> None:
     size = path.stat().st_size
     report = bob.replay(path)
     assert report.ok, str(report)
-    replays = [timed(lambda: bob.replay(path)) for _ in range(REPEATS)]
-    bare = [timed(lambda: run_turn([], steps)) for _ in range(REPEATS)]
-    traced = []
+    # One of each per round, in turn: on a shared machine the load drifts, and a ratio taken
+    # within a round compares the two under the same load
+    replays, bare, traced = [], [], []
     for i in range(REPEATS):
+        replays.append(timed(lambda: bob.replay(path)))
+        bare.append(timed(lambda: run_turn([], steps)))
         sink = bob.JsonlEventSink(tmp / f"t{steps}_{i}.jsonl")
         traced.append(timed(lambda: run_turn([sink], steps)))
         sink.close()
     replay_s = statistics.median(replays)
+    ratios = sorted(r / b for r, b in zip(replays, bare))
     print(f"trace of a {steps}-step turn: {size / 1024:.0f} KiB, {report.turns[0]}")
     print(f"  turn without a sink:   {statistics.median(bare) * 1000:7.1f} ms")
     print(f"  turn with the trace:   {statistics.median(traced) * 1000:7.1f} ms")
     print(f"  replay of the trace:   {replay_s * 1000:7.1f} ms  = {steps / replay_s:,.0f} "
           f"steps/s (median of {REPEATS}; best {steps / min(replays):,.0f})")
+    print(f"  replay / turn without a sink, same round: {statistics.median(ratios):.2f}x "
+          f"(range {ratios[0]:.2f}-{ratios[-1]:.2f}; goal <= 1)")
 
 
 def main() -> None:
