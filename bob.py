@@ -1403,6 +1403,7 @@ def request_digest(req: LlmRequest, cache: dict[int, tuple[Message, str]] | None
 # ---- 9. Workers: threads with deadlines and cancel ----------------------------------------------
 # A port may block forever. Each LLM or tool call runs on a daemon pool thread; the loop waits on a
 # wake-up queue with the remaining time, so cancel and deadlines hold while the port is stuck.
+# (bob's replay ports, which answer from memory and cannot block, run on the loop's thread.)
 # A worker given up on keeps running until its port returns: it is counted, and past
 # _MAX_ABANDONED live ones new tool calls are refused rather than leaking threads without bound.
 
@@ -1455,10 +1456,12 @@ class _NoAnswer(Cancelled):
 class _Worker:
     """One call of `port` on a pool thread; `done` turns True when it returns or raises.
     A port whose `_answers_inline` is True (bob's replay ports: they answer from memory in
-    microseconds and never block) is called on the caller's thread: no hand-off, which was most
-    of a replay step (bench/replay_speed.py). Cancel and deadlines are checked between steps as
-    ever. With no answer it raises _NoAnswer: never done, it is waited on (until the cancel or
-    the deadline) like a port that hangs, and, running nowhere, is never counted as abandoned."""
+    microseconds and never block) is called on the caller's thread: no hand-off (two a step were
+    ~40% of a replay's time, bench/replay_speed.py). Cancel and deadlines are checked between
+    steps as ever. With no answer it raises _NoAnswer: never done, it is waited on (until the
+    cancel or the deadline) like a port that hangs, and, running nowhere, is never counted as
+    abandoned. The marker counts only if it is exactly True (a Mock's made-up attribute is not).
+    """
 
     def __init__(self, fn, wake, port=None):
         self.fn = fn
@@ -1466,7 +1469,7 @@ class _Worker:
         self.value: Any = None
         self.error: BaseException | None = None
         self.done = self._given_up = False
-        if getattr(port, "_answers_inline", False) is True:   # (a Mock's made-up one is no yes)
+        if getattr(port, "_answers_inline", False) is True:
             self._run()
         else:
             _submit(self._run)
@@ -1475,7 +1478,7 @@ class _Worker:
         global _abandoned
         try:
             self.value = self.fn()
-        except _NoAnswer:
+        except _NoAnswer:   # (inline) left not done, so waited on; and never counted, see above
             self._given_up = True
             return
         except BaseException as e:  # handed to the waiting thread, never lost
