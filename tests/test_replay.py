@@ -2,7 +2,7 @@
 
 Runs are recorded through a real AgentRuntime into a real JsonlEventSink file, then replayed
 from that file. Sections: 1. Helpers  2. The trace  3. Replays that are the same
-4. Divergences  5. The OpenAI adapter
+4. Divergences  5. The OpenAI adapter  6. Speed: a replay port answers on the loop's thread
 """
 from __future__ import annotations
 
@@ -432,8 +432,8 @@ def test_a_paused_turn_and_its_resume_replay_the_same_even_alone(tmp_path):
 # ---- 6. Speed: a replay port answers on the loop's thread ---------------------------------------
 
 def test_replay_ports_answer_on_the_loops_thread_and_live_tools_on_a_worker(tmp_path):
-    """ReplayLlm and ReplayTools answer from memory: no thread hand-off per step (most of a
-    replay step's cost, bench/replay_speed.py). A live tool still runs on a worker thread."""
+    """ReplayLlm and ReplayTools answer from memory: no thread hand-off per step (two a step
+    were ~40% of a replay's time, bench/replay_speed.py). A live tool still runs on a worker."""
     path = tmp_path / "t.jsonl"
     record(path, [calls(("c1", "add", {"a": 1, "b": 2})), "3"], ["sum"])
     threads = []
