@@ -1456,12 +1456,12 @@ class _NoAnswer(Cancelled):
 class _Worker:
     """One call of `port` on a pool thread; `done` turns True when it returns or raises.
     A port whose `_answers_inline` is True (bob's replay ports: they answer from memory in
-    microseconds and never block) is called on the caller's thread: no hand-off (two a step were
-    ~40% of a replay's time, bench/replay_speed.py). Cancel and deadlines are checked between
-    steps as ever. With no answer it raises _NoAnswer: never done, it is waited on (until the
-    cancel or the deadline) like a port that hangs, and, running nowhere, is never counted as
-    abandoned. The marker counts only if it is exactly True (a Mock's made-up attribute is not).
-    """
+    microseconds and never block) is called on the caller's thread: no hand-off (two a step
+    were a third or more of a replay's time, bench/replay_speed.py). Cancel and deadlines are
+    checked between steps as ever. With no answer it raises _NoAnswer: never done, it is waited
+    on (until the cancel or the deadline) like a port that hangs, and, running nowhere, is never
+    counted as abandoned. The marker counts only if it is exactly True (a Mock's made-up
+    attribute is not)."""
 
     def __init__(self, fn, wake, port=None):
         self.fn = fn

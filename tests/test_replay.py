@@ -433,7 +433,8 @@ def test_a_paused_turn_and_its_resume_replay_the_same_even_alone(tmp_path):
 
 def test_replay_ports_answer_on_the_loops_thread_and_live_tools_on_a_worker(tmp_path):
     """ReplayLlm and ReplayTools answer from memory: no thread hand-off per step (two a step
-    were ~40% of a replay's time, bench/replay_speed.py). A live tool still runs on a worker."""
+    were a third or more of a replay's time, bench/replay_speed.py). A live tool still runs on a
+    worker."""
     path = tmp_path / "t.jsonl"
     record(path, [calls(("c1", "add", {"a": 1, "b": 2})), "3"], ["sum"])
     threads = []
