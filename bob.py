@@ -1403,6 +1403,7 @@ def request_digest(req: LlmRequest, cache: dict[int, tuple[Message, str]] | None
 # ---- 9. Workers: threads with deadlines and cancel ----------------------------------------------
 # A port may block forever. Each LLM or tool call runs on a daemon pool thread; the loop waits on a
 # wake-up queue with the remaining time, so cancel and deadlines hold while the port is stuck.
+# (bob's replay ports, which answer from memory and cannot block, run on the loop's thread.)
 # A worker given up on keeps running until its port returns: it is counted, and past
 # _MAX_ABANDONED live ones new tool calls are refused rather than leaking threads without bound.
 
@@ -1448,21 +1449,38 @@ def _submit(job):
     inbox.put(job)
 
 
-class _Worker:
-    """One call on a pool thread; `done` turns True when it returns or raises."""
+class _NoAnswer(Cancelled):
+    """A port that answers inline has no answer (see _Worker); to any other caller, Cancelled."""
 
-    def __init__(self, fn, wake):
+
+class _Worker:
+    """One call of `port` on a pool thread; `done` turns True when it returns or raises.
+    A port whose `_answers_inline` is True (bob's replay ports: they answer from memory in
+    microseconds and never block) is called on the caller's thread: no hand-off (two a step
+    were a third or more of a replay's time, bench/replay_speed.py). Cancel and deadlines are
+    checked between steps as ever. With no answer it raises _NoAnswer: never done, it is waited
+    on (until the cancel or the deadline) like a port that hangs, and, running nowhere, is never
+    counted as abandoned. The marker counts only if it is exactly True (a Mock's made-up
+    attribute is not)."""
+
+    def __init__(self, fn, wake, port=None):
         self.fn = fn
-        self.wake = wake
+        self.wake = wake   # (put to by an inline call too: a stale token costs one more look)
         self.value: Any = None
         self.error: BaseException | None = None
         self.done = self._given_up = False
-        _submit(self._run)
+        if getattr(port, "_answers_inline", False) is True:
+            self._run()
+        else:
+            _submit(self._run)
 
     def _run(self):
         global _abandoned
         try:
             self.value = self.fn()
+        except _NoAnswer:   # (inline) left not done, so waited on; and never counted, see above
+            self._given_up = True
+            return
         except BaseException as e:  # handed to the waiting thread, never lost
             self.error = e
         with _lock:
@@ -1593,7 +1611,7 @@ class _Turn:
         # sees them; a schema that is not JSON fails the turn, after its start is traced
         worker = None
         if rt.tools is not None:
-            worker = self._call_port(rt.tools.list_tools)
+            worker = self._call_port(rt.tools.list_tools, rt.tools)
             if worker.done and worker.error is None:
                 self.tools = [d for d in worker.value if not is_denied(d.name, rt.deny_tools)]
         unfit = next(((d, p) for d in self.tools if (p := _json_problem(d.input_schema))),
@@ -1805,14 +1823,15 @@ class _Turn:
                           self.tools, "json" if json_mode else None, self.guard.deadline)
 
     def _complete(self, prompt):
-        return self._call_port(lambda: self.rt.llm.complete(prompt, self.cancel, self._delta))
+        return self._call_port(lambda: self.rt.llm.complete(prompt, self.cancel, self._delta),
+                               self.rt.llm)
 
-    def _call_port(self, fn):
+    def _call_port(self, fn, port=None):
         """Run a port call on a worker; wait until it ends, the turn deadline, or a cancel."""
         if abandoned_workers() >= _MAX_ABANDONED:  # a port that ignores cancel: stop leaking
             raise AgentError(f"{_MAX_ABANDONED} earlier port calls are still hung (a port "
                              "that ignores cancel and deadlines); restart the program")
-        worker = _Worker(fn, self.wake)
+        worker = _Worker(fn, self.wake, port)
         _wait_all([worker], [self.guard.deadline], self.wake, self.cancel)
         return worker
 
@@ -1995,7 +2014,7 @@ class _Turn:
                 timeout = min(self.policy.tool_timeout_ms / 1000, self.guard.remaining_s())
                 # rt.tools is not None here: _refusal_of_call lets only listed tools through
                 job = functools.partial(_run_tool, self.rt.tools, call, timeout, self.cancel)
-                running.append((i, _Worker(job, self.wake), timeout))
+                running.append((i, _Worker(job, self.wake, self.rt.tools), timeout))
         t0 = time.monotonic()
         _wait_all([w for _, w, _ in running], [t0 + s for _, _, s in running], self.wake,
                   self.cancel)
@@ -2900,6 +2919,10 @@ class _Replay:
     are its two faces; replay() uses one object as both). Never calls a model; a mismatch is an
     error to the runtime, and `divergence` says why."""
 
+    # Answers come from memory and never block: the runtime calls them on its own thread
+    # (_Worker), and runs a batch's calls one after another, in call order
+    _answers_inline = True
+
     def __init__(self, trace: _Trace, on_interrupt: Callable[[], None] | None = None):
         events = read_trace(trace)
         self.tools = [ToolDescriptor(**d) for d in (_turn_start(events) or {"tools": []})["tools"]]
@@ -2910,10 +2933,8 @@ class _Replay:
         # (no answer: the turn was cancelled while it waited)
         self._script = []
         self._parts = {}   # the parts of request_digest
-        self._released = threading.Event()   # set when the turn is over (see _replay_turn)
+        self.told = None   # the digest of the next request, if replay()'s sink saw it (_Recorder)
         self._calls = {}   # call id -> the recorded calls with that id, oldest first
-        self._running = collections.Counter()  # batch -> its calls not answered yet (not cut)
-        self._cond = threading.Condition()
         started = {}   # call id -> its tool_call_started
         asked = None   # the line of the request not answered yet
         try:   # a field missing or of a wrong type: a TraceError naming the line, below
@@ -2951,10 +2972,8 @@ class _Replay:
         elif kind == "tool_call_started":
             started[d["call_id"]] = d
         elif kind == "tool_call_completed" and started[d["call_id"]]["runs"]:
-            rec = {**started[d["call_id"]], **d, "batch": len(self._script),  # its reply
-                   "cut": "before this call ended" in d["content"]}
+            rec = {**started[d["call_id"]], **d, "cut": "before this call ended" in d["content"]}
             self._calls.setdefault(d["call_id"], []).append(rec)
-            self._running[rec["batch"]] += not rec["cut"]
         return None if kind == "turn_completed" else asked
 
     # -- the LlmPort --
@@ -2970,7 +2989,8 @@ class _Replay:
         n = len(self.requests)   # (the runtime asks one request at a time)
         self.requests.append(req)
         digest, answer = self._script[n] if n < len(self._script) else (None, None)
-        if digest is None or request_digest(req, self._parts) != digest:
+        told, self.told = self.told, None
+        if digest is None or (told or request_digest(req, self._parts)) != digest:
             what = "differs from the recorded" if digest else "has no recorded reply"
             self.divergence = self.divergence or f"LLM request {n + 1} {what}"
             raise LlmError(f"replay: {self.divergence}")
@@ -2978,13 +2998,11 @@ class _Replay:
             return answer
         if isinstance(answer, LlmError):
             raise answer
-        # unanswered: wait for the recorded cancel, or (timed out) fire the turn's token so the
-        # runtime stops waiting and sees no answer, then hold the worker until the turn is over
+        # unanswered: the runtime waits for the recorded cancel, or (timed out) for the turn's
+        # token, fired here, and sees no answer
         if answer is _TIMED_OUT:
             cancel.cancel()
-        left = 60.0 if req.deadline is None else req.deadline - time.monotonic() + 1
-        (self._released if answer is _TIMED_OUT else cancel).wait(left)
-        raise Cancelled("the recorded request was never answered")
+        raise _NoAnswer("the recorded request was never answered")
 
     # -- the ToolPort --
 
@@ -2995,8 +3013,7 @@ class _Replay:
     def call_tool(self, call: ToolCall, timeout_s: float,
                   cancel: CancelToken | None = None) -> ToolResult:
         """The recorded result of this call."""
-        with self._cond:
-            rec = (self._calls.get(call.id) or [None]).pop(0)
+        rec = (self._calls.get(call.id) or [None]).pop(0)
         args = redact(call.arguments)
         if rec is None or (rec["name"], rec["arguments"]) != (call.name, args):
             what = f"tool call {call.id} {call.name}({json.dumps(args)}) was never recorded"
@@ -3004,10 +3021,8 @@ class _Replay:
                 what += f"; recorded: {rec['name']}({json.dumps(rec['arguments'])})"
             self.divergence = self.divergence or what
             return _error(call, f"replay: {what}")
-        with self._cond:  # an interrupted call: the others of its batch ended before the cancel
-            self._running[rec["batch"]] -= not rec["cut"]
-            self._cond.notify_all()
-            self._cond.wait_for(lambda: not rec["cut"] or not self._running[rec["batch"]], 10)
+        # An interrupted call: the cancel comes now; its batch's other calls run on to their
+        # recorded results, as they ended before it (the runtime waits for none)
         if rec["cut"] and self.on_interrupt:
             self.on_interrupt()
         return ToolResult(call.id, call.name, rec["content"], rec["is_error"])
@@ -3103,19 +3118,21 @@ class _Recorder:
     """The replay's event sink: the recorded events (compared and shown) and the new ones; it
     fires `cancel` where the recorded cancel came."""
 
-    def __init__(self, cancel, recorded):
+    def __init__(self, cancel, recorded, port):
         self.recorded = recorded
         self.events = []   # the new run's, compared and shown
         self.tools = []    # those the new run offered, as a trace has them
         self.cancel = cancel
         self.cancel_at = _cancel_point(recorded)
+        self.port = port
 
     def emit(self, event):
         if event.kind == "turn_started":
             self.tools = json.loads(_data_json(event.data["tools"]))
+        if "digest" in event.data:   # of the request the port gets next: one digest, not two
+            self.port.told = event.data["digest"]
         if event.kind in _COMPARED:
-            # as a trace would have it (lists, not tuples)
-            self.events.append(json.loads(_data_json(_shown(vars(event)))))
+            self.events.append(_shown(vars(event)))
             if len(self.events) - 1 == self.cancel_at:
                 self.cancel.cancel()
 
@@ -3123,6 +3140,9 @@ class _Recorder:
 def _first_difference(recorded, new):
     """(step, what, recorded, new) of the first compared event that differs, or None."""
     for a, b in itertools.zip_longest(recorded, new):
+        if a == b:
+            continue
+        b = json.loads(_data_json(b))   # as a trace would have it (lists, not tuples)
         if a == b:
             continue
         if not (a and b and a["kind"] == b["kind"]):   # (one is None where its run ended)
@@ -3165,7 +3185,7 @@ def _replay_turn(events, state, given
     # the runtime, as recorded but for the settings given
     caller = CancelToken()
     port = _Replay(events, caller.cancel)
-    sink = _Recorder(caller, [_shown(e) for e in events if e["kind"] in _COMPARED])
+    sink = _Recorder(caller, [_shown(e) for e in events if e["kind"] in _COMPARED], port)
     tools = given.get("tools")   # (a port may be falsy: one with no tools and a __len__)
     runtime = AgentRuntime(
         port, port if tools is None else tools,
@@ -3182,7 +3202,6 @@ def _replay_turn(events, state, given
                  for k, a in start["approvals"].items()}
     with contextlib.suppress(BobError):
         runtime.run(AgentRequest(start["input"], sid, approvals=approvals or None), caller)
-    port._released.set()
     return sink, port, store.load(sid)
 
 

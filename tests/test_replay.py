@@ -2,12 +2,13 @@
 
 Runs are recorded through a real AgentRuntime into a real JsonlEventSink file, then replayed
 from that file. Sections: 1. Helpers  2. The trace  3. Replays that are the same
-4. Divergences  5. The OpenAI adapter
+4. Divergences  5. The OpenAI adapter  6. Speed: a replay port answers on the loop's thread
 """
 from __future__ import annotations
 
 import json
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -310,7 +311,9 @@ def test_a_trace_recorded_with_the_openai_adapter_replays_without_it(tmp_path):
     assert report.turns == ["turn 1: same (2 LLM calls, 2 tool calls, final)"]
 
 
-def test_a_turn_cancelled_while_a_tool_ran_replays_the_same(tmp_path, hang):
+@pytest.mark.parametrize("slow_first", [False, True])
+def test_a_turn_cancelled_while_a_tool_ran_replays_the_same(tmp_path, hang, slow_first):
+    """The interrupted call before or after the one that ended (a replay runs them in order)."""
     path = tmp_path / "t.jsonl"
     release, fast_done, token = hang(), threading.Event(), CancelToken()
 
@@ -327,11 +330,13 @@ def test_a_turn_cancelled_while_a_tool_ran_replays_the_same(tmp_path, hang):
         return a
 
     port = FunctionTools([fast, slow])
-    rt = AgentRuntime(ScriptedLlm([calls(("c1", "fast", {"a": 1}), ("c2", "slow", {"a": 2}))]),
-                      port, events=JsonlEventSink(path), action_mode="native")
+    batch = [("c1", "fast", {"a": 1}), ("c2", "slow", {"a": 2})][::-1 if slow_first else 1]
+    rt = AgentRuntime(ScriptedLlm([calls(*batch)]), port, events=JsonlEventSink(path),
+                      action_mode="native")
     r = rt.run(AgentRequest("go", "s1"), token)
     assert r.finish_reason is FinishReason.CANCELLED
-    assert [m.content[:12] for m in r.history[2:]] == ["1", "interrupted:"]
+    results = [m.content[:12] for m in r.history[2:]]
+    assert results == (["interrupted:", "1"] if slow_first else ["1", "interrupted:"])
     for _ in range(20):
         report = bob.replay(path)
         assert report.ok, str(report)
@@ -422,3 +427,89 @@ def test_a_paused_turn_and_its_resume_replay_the_same_even_alone(tmp_path):
     assert report.ok and report.turns[0].endswith("needs_approval)"), str(report)
     alone = bob.replay(second)        # the paused batch comes from session_loaded
     assert alone.ok, str(alone)
+
+
+# ---- 6. Speed: a replay port answers on the loop's thread ---------------------------------------
+
+def test_replay_ports_answer_on_the_loops_thread_and_live_tools_on_a_worker(tmp_path):
+    """ReplayLlm and ReplayTools answer from memory: no thread hand-off per step (two a step
+    were a third or more of a replay's time, bench/replay_speed.py). A live tool still runs on a
+    worker."""
+    path = tmp_path / "t.jsonl"
+    record(path, [calls(("c1", "add", {"a": 1, "b": 2})), "3"], ["sum"])
+    threads = []
+
+    class Llm(ReplayLlm):
+        def complete(self, req, cancel, on_delta=None):
+            threads.append(("llm", threading.current_thread()))
+            return super().complete(req, cancel, on_delta)
+
+    class Tools(ReplayTools):
+        def list_tools(self):
+            threads.append(("list", threading.current_thread()))
+            return super().list_tools()
+
+        def call_tool(self, call, timeout_s, cancel=None):
+            threads.append(("tool", threading.current_thread()))
+            return super().call_tool(call, timeout_s, cancel)
+
+    def add(a: int, b: int) -> int:
+        """Add two integers."""
+        threads.append(("live tool", threading.current_thread()))
+        return a + b
+
+    r = AgentRuntime(Llm(path), Tools(path), action_mode="native").run(AgentRequest("sum", "s1"))
+    assert r.content == "3"
+    me = threading.current_thread()
+    assert threads == [("list", me), ("llm", me), ("tool", me), ("llm", me)]
+    threads.clear()
+    r = AgentRuntime(Llm(path), FunctionTools([add, shout]), action_mode="native").run(
+        AgentRequest("sum", "s1"))
+    assert r.content == "3"
+    assert [(what, t is me) for what, t in threads] == [
+        ("llm", True), ("live tool", False), ("llm", True)]
+
+
+def test_a_hung_live_tool_in_a_replay_still_times_out(tmp_path, hang):
+    """--live-tools: a live tool may block, so it keeps its worker thread and its deadline."""
+    path, release = tmp_path / "t.jsonl", hang()
+    record(path, [calls(("c1", "add", {"a": 1, "b": 2})), "3"], ["sum"])
+
+    def add(a: int, b: int) -> int:
+        """Add two integers."""
+        release.wait(10)   # (the recorded description: only the result differs)
+        return a + b
+
+    t0 = time.monotonic()
+    report = bob.replay(path, tools=FunctionTools([add, shout]),
+                        policy=TurnPolicy(tool_timeout_ms=200))
+    assert time.monotonic() - t0 < 2.0
+    assert not report.ok and report.what == "tool_call_completed content"
+    assert report.new == "tool 'add' timed out after 200 ms"
+
+
+def test_a_cancel_from_another_thread_ends_a_replayed_turn_within_100_ms(tmp_path):
+    path = tmp_path / "t.jsonl"
+    n = 200
+    replies = [calls((f"c{i}", "add", {"a": i, "b": 1})) for i in range(n)] + ["done"]
+    [r] = record(path, replies, ["count"], policy=TurnPolicy(max_steps=n + 1, max_tool_calls=n))
+    assert r.content == "done"
+    token = CancelToken()
+    cancelled_at = []
+
+    def cancel():
+        cancelled_at.append(time.monotonic())
+        token.cancel()
+
+    class CancelAtStep10:
+        def emit(self, event):   # cancels from another thread, mid-turn
+            if event.kind == "llm_call_completed" and event.step == 10:
+                other = threading.Thread(target=cancel)
+                other.start()
+                other.join()
+
+    rt = AgentRuntime(ReplayLlm(path), ReplayTools(path), events=CancelAtStep10(),
+                      policy=TurnPolicy(max_steps=n + 1, max_tool_calls=n), action_mode="native")
+    r = rt.run(AgentRequest("count", "s1"), token)
+    assert time.monotonic() - cancelled_at[0] < 0.1
+    assert r.finish_reason is FinishReason.CANCELLED and r.steps == 10
