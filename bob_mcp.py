@@ -32,7 +32,6 @@ import os
 import signal
 import threading
 import time
-import typing
 import urllib.parse
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -45,12 +44,33 @@ __all__ = ["McpError", "McpServerConfig", "McpToolPort", "exposed_name", "url_pr
 
 log = logging.getLogger("bob.mcp")
 
+# The MCP SDK and anyio (which it runs on) take ~0.7 s to import, so `import bob_mcp` does not
+# load them: _import_sdk() binds these two names when the first port starts, and every use of
+# them below runs on a started port's loop.
+anyio: Any = None
+mcp: Any = None
+
 _TAIL_LINES = 8         # stderr lines kept per server for error messages
 _POLL_S = 0.2           # how often a stdio server's owner checks that its process is alive
 _GRACE_S = 7.0          # beyond configured timeouts: the SDK's own bounded shutdown steps
 _CLOSE_S = 8.0          # close(): total budget before process groups are killed outright
 _SHOWN = 500            # characters of one line a server wrote that bob shows (logs, errors)
 _MAX_PAGES = 100        # tools/list pages followed; a nextCursor that never ends is an error
+# Tools one server may list. Large real servers list tens to about a hundred (GitHub's official
+# one ~100 with every toolset on); each tool costs the model ~100-200 prompt tokens in every
+# request, so 1,000 tools (~100k-200k tokens) already fill or pass most models' context, and
+# OpenAI's native `tools` field takes at most 128. More is a server bug or a misconfiguration.
+_MAX_TOOLS = 1_000
+
+
+def _import_sdk() -> None:
+    """Bind the module names anyio and mcp (see above), or say how to install the SDK."""
+    global anyio, mcp
+    try:
+        import anyio.abc
+        import mcp.client.streamable_http
+    except ImportError as e:
+        raise McpError(f"MCP servers need the MCP SDK ({e}); pip install mcp") from e
 
 
 # ---- 1. Errors and configuration ----------------------------------------------------------------
@@ -151,8 +171,8 @@ def exposed_name(server_id: str, tool: str) -> str:
 
 def _block_text(block: Any) -> tuple[str, bool]:
     """(text, is_text) of one content block: text as it is, anything else summarised."""
-    kind, res = getattr(block, "type", "unknown"), getattr(block, "resource", None)
-    res = typing.cast(Any, res)
+    kind = getattr(block, "type", "unknown")
+    res: Any = getattr(block, "resource", None)
     if kind == "text" or hasattr(res, "text"):
         return (block.text if kind == "text" else res.text), True
     if kind in ("image", "audio"):
@@ -235,16 +255,41 @@ def _descendants(pid: int | None) -> list[int]:
     return sorted(found - {pid})
 
 
+def _stdio_process(cm: Any, server_id: str) -> Any:
+    """The stdio server's Process, read from inside the SDK; None, with a warning, if not found.
+
+    A reach into the SDK's internals: mcp 2.3 keeps the Process in a local of stdio_client and
+    exposes it nowhere (no attribute, no hook), so bob reads the suspended generator's frame.
+    Only read: its returncode (the server exited) and its pid (its process group, whose
+    descendants bob records). pyproject.toml pins mcp to the versions the suite checks this
+    on (tests/test_round4_mcp.py); without it, bob still runs that server, less well."""
+    process = None
+    with contextlib.suppress(AttributeError):   # not an async generator, or it has ended
+        process = cm.gen.ag_frame.f_locals.get("process")
+    if isinstance(process, anyio.abc.Process):
+        return process
+    log.warning("MCP server %r: bob cannot see its process in this mcp SDK version (it reads "
+                "a local of mcp.client.stdio.stdio_client, checked on mcp 2.3), so orphan "
+                "cleanup is off for it: a child that left its process group may outlive bob, "
+                "and an exit is noticed at its next call", server_id)
+    return None
+
+
 async def _list_all(session: Any) -> list[Any]:
-    """Every tool of a session, following tools/list pagination up to _MAX_PAGES pages."""
-    page = await session.list_tools()
-    tools = list(page.tools)
+    """Every tool of a session, following tools/list pagination: at most _MAX_PAGES pages
+    and _MAX_TOOLS tools (a page may hold any number), else an McpError saying which."""
+    tools: list[Any] = []
+    params = None                      # the first page
     for _ in range(_MAX_PAGES):
+        page = await session.list_tools(params=params)
+        tools += page.tools
+        if len(tools) > _MAX_TOOLS:
+            raise McpError(f"it lists {len(tools)} tools or more, over bob's limit of "
+                           f"{_MAX_TOOLS} per server; configure it to offer fewer tools (many "
+                           "servers can enable only some toolsets), or leave it out")
         if not page.next_cursor:
             return tools
-        page = await session.list_tools(
-            params=mcp.types.PaginatedRequestParams(cursor=page.next_cursor))
-        tools += page.tools
+        params = mcp.types.PaginatedRequestParams(cursor=page.next_cursor)
     raise McpError(f"tools/list sent over {_MAX_PAGES} pages (a nextCursor that never ends?)")
 
 
@@ -266,7 +311,7 @@ class _Server:
         self._lost: Exception | None = None  # why the transport failed under a call
         self._stderr = -1                   # our end of the stderr pipe (stdio), once open
         self._partial = b""                 # the start of a stderr line still being written
-        self.status = 0                     # HTTP: its first error status in a start or call
+        self.status = 0                     # HTTP: 401, 403 or 404 once seen (_on_response)
         start_s = cfg.startup_timeout_ms / 1000   # stop() cancels the scope: startup, then wait
         self._scope = anyio.CancelScope(deadline=anyio.current_time() + start_s)
         self.ready = asyncio.get_running_loop().create_future()   # awaited: None or McpError
@@ -322,17 +367,14 @@ class _Server:
                 encoding_error_handler="replace"),   # bad bytes: U+FFFD, the line goes on
                 errlog)
             streams = await stack.enter_async_context(cm)
-        # The SDK keeps the Process in a local of stdio_client and exposes it nowhere (no hook
-        # either). We only read it: its returncode, and its pid, which is its process group.
-        process = typing.cast(Any, cm.gen).ag_frame.f_locals.get("process")
-        if isinstance(process, anyio.abc.Process):
-            self._process, self.pgid = process, process.pid
+        self._process = _stdio_process(cm, cfg.id)
+        self.pgid = getattr(self._process, "pid", None)   # its own process group
         return streams
 
     def _finish(self, error: Exception | None) -> None:
         """Say why the owner ended: to start() while starting, else in `dead` for the calls."""
         error, code = error or self._lost, getattr(self._process, "returncode", None)
-        ready, leaf = self.ready.done(), _leaf(error) if error else None
+        ready, leaf = self.ready.done(), _leaf(error)   # leaf: None if error is
         if isinstance(leaf, mcp.MCPError) and leaf.error.code == mcp.types.CONNECTION_CLOSED:
             error = None                  # it ended the connection; its exit code says more
             code = None if code == -signal.SIGTERM else code   # the SDK's stop, at EOF
@@ -354,7 +396,8 @@ class _Server:
                 self._scrub(f"MCP server {self.cfg.id!r} failed to start: {cause}{tail}")))
         elif not self.closing:
             self.dead = self._scrub(f"server {self.cfg.id} {cause}{tail}")
-            log.warning("MCP %s\nbob will try to restart it on the next turn", self.dead)
+            log.warning("MCP %s\nbob will try to restart it: at once if it lost bob's HTTP "
+                        "session (404), else on the next turn", self.dead)
 
     def _scrub(self, text: str) -> str:
         """The text with the server's secrets masked (its output, SDK or HTTP errors quote them)."""
@@ -388,14 +431,16 @@ class _Server:
             os.close(self._stderr)
 
     async def _on_response(self, response: Any) -> None:
-        """Keep the first error status (the SDK says "Server returned an error response")."""
-        if response.status_code >= 400 and not self.status:   # not the 405 of the DELETE after
+        """Keep the first status that says why a start or a call failed, where the SDK says
+        only "Server returned an error response" or "Session terminated": 401 or 403 (check
+        the token), 404 (the server lost the session: every request of it gets one)."""
+        if response.status_code in (401, 403, 404) and not self.status:
             self.status = response.status_code
 
     async def _roots(self, context: Any) -> Any:
         paths = [Path(p).resolve() for p in self.cfg.roots]
         return mcp.types.ListRootsResult(roots=[
-            mcp.types.Root(uri=typing.cast(Any, p.as_uri()), name=p.name) for p in paths])
+            mcp.types.Root(uri=p.as_uri(), name=p.name) for p in paths])
 
     async def _on_message(self, message: Any) -> None:
         if isinstance(message, mcp.types.ToolListChangedNotification):
@@ -409,27 +454,26 @@ class _Server:
         except UnicodeEncodeError:   # the SDK's writer would fail on it and end the session
             return ("the arguments hold a lone surrogate (half a character, e.g. a cut emoji) "
                     "that cannot be sent; call again with valid text"), True
-        if self.session is None:
-            return f"executor unavailable: {self.dead or f'server {self.cfg.id} stopped'}", True
-        self.status = 0
-        try:
-            result = await self.session.call_tool(tool, arguments, read_timeout_seconds=timeout_s)
-            return _result_text(result), bool(result.is_error)
-        except mcp.MCPError as e:   # a server may send the codes the SDK uses for its own errors
-            err = e.error
-            if err.code == mcp.types.REQUEST_TIMEOUT and err.message.startswith("Request "):
-                return f"tool {tool} timed out after {round(timeout_s * 1000)} ms", True
-            if (err.code, err.message, err.data) != (mcp.types.CONNECTION_CLOSED,
-                                                     "Connection closed", None):
-                if self.status != 404:   # 404: the session is gone; restarted next turn
-                    return f"MCP error from server {self.cfg.id}: {err.message}", True
+        if self.session is not None:   # else it is gone already
+            try:
+                result = await self.session.call_tool(tool, arguments,
+                                                      read_timeout_seconds=timeout_s)
+                return _result_text(result), bool(result.is_error)
+            except mcp.MCPError as e:   # a server may send the codes the SDK uses for its own
+                err = e.error
+                if err.code == mcp.types.REQUEST_TIMEOUT and err.message.startswith("Request "):
+                    return f"tool {tool} timed out after {round(timeout_s * 1000)} ms", True
+                if (err.code, err.message, err.data) != (mcp.types.CONNECTION_CLOSED,
+                                                         "Connection closed", None):
+                    if self.status != 404:   # 404: the session is gone; the port restarts it
+                        return f"MCP error from server {self.cfg.id}: {err.message}", True
+                    self._lost = e
+            except (RuntimeError, ValueError) as e:   # it answered, but not with a valid result
+                return f"invalid result from server {self.cfg.id}: {e}", True
+            except Exception as e:                    # the transport failed (e.g. HTTP refused)
                 self._lost = e
-        except (RuntimeError, ValueError) as e:   # it answered, but not with a valid result
-            return f"invalid result from server {self.cfg.id}: {e}", True
-        except Exception as e:                    # the transport failed (e.g. HTTP refused)
-            self._lost = e
-        self._scope.cancel()                      # let the owner exit and say why
-        await asyncio.wait({self.task}, timeout=_GRACE_S)
+            self._scope.cancel()                      # let the owner exit and say why
+            await asyncio.wait({self.task}, timeout=_GRACE_S)
         return f"executor unavailable: {self.dead or f'server {self.cfg.id} stopped'}", True
 
     async def stop(self, timeout_s: float) -> None:
@@ -457,7 +501,9 @@ class McpToolPort:
         self._tools: list[ToolDescriptor] = []
         self._loop: Any = None       # the port's event loop, made by start()
         self._started: concurrent.futures.Future[None] | None = None
-        self._lock, self._closed = threading.Lock(), False
+        self._lock = threading.Lock()          # guards start() and close()
+        self._closed = False
+        self._restarting = asyncio.Lock()      # one restart of a server at a time, on the loop
         self._close_done = threading.Event()    # set when the first close() has finished
         self._startup_s = max([s.startup_timeout_ms / 1000 for s in servers], default=0) + _GRACE_S
 
@@ -490,12 +536,7 @@ class McpToolPort:
         self._loop.close()
 
     async def _start_all(self) -> None:
-        global anyio, mcp   # the SDK (~0.7 s) loads here, not on import: start(wait=False) is quick
-        try:
-            import anyio.abc
-            import mcp.client.streamable_http
-        except ImportError as e:
-            raise McpError(f"MCP servers need the MCP SDK ({e}); pip install mcp") from e
+        _import_sdk()   # on the port's thread: start(wait=False) returns at once
         servers = self._servers = [_Server(c) for c in self._configs]
         results = await asyncio.gather(*(s.ready for s in servers), return_exceptions=True)
         self._servers, failed = [], []
@@ -563,25 +604,28 @@ class McpToolPort:
         return list(self._tools)
 
     async def _before_turn(self) -> None:
-        todo = [s for s in self._servers if s.dead or s.list_changed]
-        for server in todo:
-            try:
-                if server.dead:                   # restart it: a new _Server in its place
-                    fresh = _Server(server.cfg)
-                    self._servers = [fresh if s is server else s for s in self._servers]
-                    await fresh.ready
-                else:
-                    server.list_changed = False
-                    with anyio.fail_after(server.cfg.startup_timeout_ms / 1000):
-                        server.tools = await _list_all(server.session)
-            except McpError as e:                 # the restart failed: drop it for good
-                self._servers = [s for s in self._servers if s.cfg is not server.cfg]
-                log.warning("%s\nIts tools are unavailable until bob restarts.", e)
-            except Exception as e:
-                log.warning("MCP server %r: listing tools failed: %s", server.cfg.id,
-                            server._scrub(repr(e)))
-        if todo:
-            self._publish()
+        """Restart the servers that stopped, re-list those whose tools changed. Under a lock:
+        a call that met a 404 runs it too (see _call), and two must not restart one server."""
+        async with self._restarting:
+            todo = [s for s in self._servers if s.dead or s.list_changed]
+            for server in todo:
+                try:
+                    if server.dead:                   # restart it: a new _Server in its place
+                        fresh = _Server(server.cfg)
+                        self._servers = [fresh if s is server else s for s in self._servers]
+                        await fresh.ready
+                    else:
+                        server.list_changed = False
+                        with anyio.fail_after(server.cfg.startup_timeout_ms / 1000):
+                            server.tools = await _list_all(server.session)
+                except McpError as e:                 # the restart failed: drop it for good
+                    self._servers = [s for s in self._servers if s.cfg is not server.cfg]
+                    log.warning("%s\nIts tools are unavailable until bob restarts.", e)
+                except Exception as e:
+                    log.warning("MCP server %r: listing tools failed: %s", server.cfg.id,
+                                server._scrub(repr(e)))
+            if todo:
+                self._publish()
 
     def call_tool(self, call: ToolCall, timeout_s: float,
                   cancel: CancelToken | None = None) -> ToolResult:
@@ -596,14 +640,33 @@ class McpToolPort:
             server, tool = entry
             limit = max(0.001, min(timeout_s, server.cfg.tool_timeout_ms / 1000))
             try:   # the SDK times the call out itself; this wait is only the backstop
-                text, is_error = self._run(server.call(tool, call.arguments, limit), limit + 1.0,
-                                           cancel)
+                text, is_error = self._run(self._call(call.name, call.arguments, limit),
+                                           limit + 1.0, cancel)
                 text = server._scrub(text)
             except McpError:   # the backstop's timeout
                 text, is_error = f"tool {tool} timed out after {round(limit * 1000)} ms", True
             except concurrent.futures.CancelledError:
                 text, is_error = f"tool {tool} cancelled", True
         return ToolResult(call.id, call.name, text, is_error, (time.monotonic() - start) * 1000)
+
+    async def _call(self, name: str, arguments: dict[str, Any], timeout_s: float
+                    ) -> tuple[str, bool]:
+        """One call of the tool exposed as `name`. A Streamable HTTP server that answers 404
+        has lost bob's session (it restarted): as the MCP spec says, a new session (initialize
+        again), then the same call once more, all within timeout_s; a second 404 says so."""
+        deadline = time.monotonic() + timeout_s
+        server, tool = self._names[name]
+        text, is_error = await server.call(tool, arguments, timeout_s)
+        if is_error and server.status == 404:
+            # The restart a turn's start does, now; shielded: if this call is cancelled, the
+            # restart still finishes, and publishes the new server's tools.
+            await asyncio.shield(self._before_turn())
+            server, tool = self._names.get(name, (server, tool))   # old: its restart failed
+            text, is_error = await server.call(tool, arguments,
+                                               max(0.001, deadline - time.monotonic()))
+        if server.status == 404:
+            text += " (HTTP 404 for a new session too: the call was retried once, in vain)"
+        return text, is_error
 
     def tool_sources(self) -> dict[str, str]:
         """Exposed tool name -> id of the server providing it (for listings such as /tools)."""
