@@ -14,7 +14,8 @@ Sections: 1. Errors and configuration  2. Names and results  3. One server  4. M
 Threading: one asyncio loop thread per port. Each server is owned by one task that enters the
 SDK's transport and session context managers and exits them itself (the SDK's task groups demand
 it); sync callers wait on the loop, always with a timeout. Vendoring: copy this file next to
-bob.py; running servers needs mcp 2, which start() imports (not `import bob_mcp`).
+bob.py; running servers needs mcp 2.3 (pinned: _stdio_process and _sdk_note reach into it),
+which start() imports (not `import bob_mcp`).
 """
 from __future__ import annotations
 
@@ -301,6 +302,7 @@ class _Server:
         self.tools: list[Any] = []          # mcp Tool objects of the session
         self.session: Any = None            # set while the server takes calls
         self.dead: str | None = None        # why it stopped by itself; restarted next turn
+                                            # (after a 404, at once: McpToolPort._call)
         self.list_changed = False           # tools/list_changed came: re-list next turn
         self.closing = False                # stop() was called: ending now is not a death
         self.pgid: int | None = None        # a plain int, so close() may use it from any thread
