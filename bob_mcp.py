@@ -295,29 +295,34 @@ async def _list_all(session: Any) -> list[Any]:
 
 
 class _Server:
-    """One run of one MCP server, owned by the task running _own(), on the loop; restart: anew."""
+    """One configured MCP server. Each run of it (its start, each restart) is owned by the task
+    running _own(), on the loop; start() begins a run, once the last one has ended."""
 
     def __init__(self, cfg: McpServerConfig):
         self.cfg = cfg
+        self.closing = False                # stop() was called: ending now is not a death
+        self._secrets = _secrets(cfg)
+        self.start()
+
+    def start(self) -> None:
+        """Begin a run: a new owner task connects, initializes and lists the tools."""
         self.tools: list[Any] = []          # mcp Tool objects of the session
         self.session: Any = None            # set while the server takes calls
         self.dead: str | None = None        # why it stopped by itself; restarted next turn
-                                            # (after a 404, at once: McpToolPort._call)
+                                            # (after a 404, at once: see call())
         self.list_changed = False           # tools/list_changed came: re-list next turn
-        self.closing = False                # stop() was called: ending now is not a death
         self.pgid: int | None = None        # a plain int, so close() may use it from any thread
         self._family: list[int] = []        # its descendants, read just before it is ended
         self.tail: collections.deque[str] = collections.deque(maxlen=_TAIL_LINES)
-        self._secrets = _secrets(cfg)
         self._process: Any = None           # the stdio server's Process, when we can see it
         self._lost: Exception | None = None  # why the transport failed under a call
         self._stderr = -1                   # our end of the stderr pipe (stdio), once open
         self._partial = b""                 # the start of a stderr line still being written
         self.status = 0                     # HTTP: 401, 403 or 404 once seen (_on_response)
-        start_s = cfg.startup_timeout_ms / 1000   # stop() cancels the scope: startup, then wait
+        start_s = self.cfg.startup_timeout_ms / 1000   # stop() cancels the scope: startup, wait
         self._scope = anyio.CancelScope(deadline=anyio.current_time() + start_s)
         self.ready = asyncio.get_running_loop().create_future()   # awaited: None or McpError
-        self.task = asyncio.create_task(self._own(), name=f"mcp-{cfg.id}")   # the owner
+        self.task = asyncio.create_task(self._own(), name=f"mcp-{self.cfg.id}")   # the owner
 
     async def _own(self) -> None:
         error = None
@@ -387,19 +392,21 @@ class _Server:
         elif self.status in (401, 403):   # the SDK says "Server returned an error response"
             cause = (f"HTTP {self.status}: check the token in its headers "
                      f"{sorted(self.cfg.headers or {})}")
+        elif self.status == 404:          # the SDK says "Session terminated" or "Not Found"
+            cause = "HTTP 404: it does not know bob's session (it restarted?) or this URL"
         elif error is None:   # not what bob did to it after an error: the SDK's error says why
             cause = "closed the connection" if code is None else f"exited (code {code})"
         else:
             hint = " (is it installed and on PATH?)" if isinstance(leaf, FileNotFoundError) else ""
             cause = ("failed: " if ready else "") + f"{type(leaf).__name__}: {leaf}{hint}"
         tail = "; stderr:\n  " + "\n  ".join(self.tail) if self.tail else ""
-        if not ready:
-            self.ready.set_exception(McpError(
-                self._scrub(f"MCP server {self.cfg.id!r} failed to start: {cause}{tail}")))
+        if not ready:   # dead too: a restart a call began is tried once more at the next turn
+            self.dead = self._scrub(f"MCP server {self.cfg.id!r} failed to start: {cause}{tail}")
+            self.ready.set_exception(McpError(self.dead))
         elif not self.closing:
             self.dead = self._scrub(f"server {self.cfg.id} {cause}{tail}")
-            log.warning("MCP %s\nbob will try to restart it: at once if it lost bob's HTTP "
-                        "session (404), else on the next turn", self.dead)
+            log.warning("MCP %s\nbob will try to restart it: at once for a call that met a "
+                        "lost session (404), else on the next turn", self.dead)
 
     def _scrub(self, text: str) -> str:
         """The text with the server's secrets masked (its output, SDK or HTTP errors quote them)."""
@@ -448,14 +455,20 @@ class _Server:
         if isinstance(message, mcp.types.ToolListChangedNotification):
             self.list_changed = True          # acted on before the next turn
 
-    async def call(self, tool: str, arguments: dict[str, Any], timeout_s: float
-                   ) -> tuple[str, bool]:
-        """(text, is_error) of one tool call, unmasked; a server that is gone is error text."""
+    async def call(self, tool: str, arguments: dict[str, Any], timeout_s: float,
+                   retry: bool = True) -> tuple[str, bool]:
+        """(text, is_error) of one tool call, unmasked; a server that is gone is error text.
+        A Streamable HTTP server that answers 404 has lost bob's session (it restarted): as
+        the MCP spec says, a new session (initialize again), then the same call once more
+        (retry), all within timeout_s; a second 404 is the call's error result."""
+        deadline = time.monotonic() + timeout_s
         try:
             json.dumps(arguments, ensure_ascii=False).encode()
         except UnicodeEncodeError:   # the SDK's writer would fail on it and end the session
             return ("the arguments hold a lone surrogate (half a character, e.g. a cut emoji) "
                     "that cannot be sent; call again with valid text"), True
+        if not self.ready.done():      # a restart under way: another call met a 404
+            await asyncio.wait({self.ready}, timeout=timeout_s)
         if self.session is not None:   # else it is gone already
             try:
                 result = await self.session.call_tool(tool, arguments,
@@ -467,15 +480,24 @@ class _Server:
                     return f"tool {tool} timed out after {round(timeout_s * 1000)} ms", True
                 if (err.code, err.message, err.data) != (mcp.types.CONNECTION_CLOSED,
                                                          "Connection closed", None):
-                    if self.status != 404:   # 404: the session is gone; the port restarts it
+                    if self.status != 404:   # 404: the session is gone (see below)
                         return f"MCP error from server {self.cfg.id}: {err.message}", True
                     self._lost = e
             except (RuntimeError, ValueError) as e:   # it answered, but not with a valid result
                 return f"invalid result from server {self.cfg.id}: {e}", True
             except Exception as e:                    # the transport failed (e.g. HTTP refused)
                 self._lost = e
+            # HTTP 404: the server lost the session (calls in flight with this one get "Connection
+            # closed"); read now, as a restart resets it.
+            lost = self.status == 404
             self._scope.cancel()                      # let the owner exit and say why
             await asyncio.wait({self.task}, timeout=_GRACE_S)
+            if lost and retry:
+                if self.dead:                         # not restarted yet by another call
+                    self.start()
+                    self.list_changed = True          # the next turn publishes its new list
+                return await self.call(tool, arguments, max(0.001, deadline - time.monotonic()),
+                                       retry=False)
         return f"executor unavailable: {self.dead or f'server {self.cfg.id} stopped'}", True
 
     async def stop(self, timeout_s: float) -> None:
@@ -505,7 +527,6 @@ class McpToolPort:
         self._started: concurrent.futures.Future[None] | None = None
         self._lock = threading.Lock()          # guards start() and close()
         self._closed = False
-        self._restarting = asyncio.Lock()      # one restart of a server at a time, on the loop
         self._close_done = threading.Event()    # set when the first close() has finished
         self._startup_s = max([s.startup_timeout_ms / 1000 for s in servers], default=0) + _GRACE_S
 
@@ -606,28 +627,24 @@ class McpToolPort:
         return list(self._tools)
 
     async def _before_turn(self) -> None:
-        """Restart the servers that stopped, re-list those whose tools changed. Under a lock:
-        a call that met a 404 runs it too (see _call), and two must not restart one server."""
-        async with self._restarting:
-            todo = [s for s in self._servers if s.dead or s.list_changed]
-            for server in todo:
-                try:
-                    if server.dead:                   # restart it: a new _Server in its place
-                        fresh = _Server(server.cfg)
-                        self._servers = [fresh if s is server else s for s in self._servers]
-                        await fresh.ready
-                    else:
-                        server.list_changed = False
-                        with anyio.fail_after(server.cfg.startup_timeout_ms / 1000):
-                            server.tools = await _list_all(server.session)
-                except McpError as e:                 # the restart failed: drop it for good
-                    self._servers = [s for s in self._servers if s.cfg is not server.cfg]
-                    log.warning("%s\nIts tools are unavailable until bob restarts.", e)
-                except Exception as e:
-                    log.warning("MCP server %r: listing tools failed: %s", server.cfg.id,
-                                server._scrub(repr(e)))
-            if todo:
-                self._publish()
+        todo = [s for s in self._servers if s.dead or s.list_changed]
+        for server in todo:
+            try:
+                if server.dead:                   # restart it: a new run
+                    server.start()
+                    await server.ready
+                else:
+                    server.list_changed = False
+                    with anyio.fail_after(server.cfg.startup_timeout_ms / 1000):
+                        server.tools = await _list_all(server.session)
+            except McpError as e:                 # the restart failed: drop it for good
+                self._servers = [s for s in self._servers if s is not server]
+                log.warning("%s\nIts tools are unavailable until bob restarts.", e)
+            except Exception as e:                # it keeps the tools it had
+                log.warning("MCP server %r: listing tools failed: %s", server.cfg.id,
+                            server._scrub(repr(e)))
+        if todo:
+            self._publish()
 
     def call_tool(self, call: ToolCall, timeout_s: float,
                   cancel: CancelToken | None = None) -> ToolResult:
@@ -642,33 +659,14 @@ class McpToolPort:
             server, tool = entry
             limit = max(0.001, min(timeout_s, server.cfg.tool_timeout_ms / 1000))
             try:   # the SDK times the call out itself; this wait is only the backstop
-                text, is_error = self._run(self._call(call.name, call.arguments, limit),
-                                           limit + 1.0, cancel)
+                text, is_error = self._run(server.call(tool, call.arguments, limit), limit + 1.0,
+                                           cancel)
                 text = server._scrub(text)
             except McpError:   # the backstop's timeout
                 text, is_error = f"tool {tool} timed out after {round(limit * 1000)} ms", True
             except concurrent.futures.CancelledError:
                 text, is_error = f"tool {tool} cancelled", True
         return ToolResult(call.id, call.name, text, is_error, (time.monotonic() - start) * 1000)
-
-    async def _call(self, name: str, arguments: dict[str, Any], timeout_s: float
-                    ) -> tuple[str, bool]:
-        """One call of the tool exposed as `name`. A Streamable HTTP server that answers 404
-        has lost bob's session (it restarted): as the MCP spec says, a new session (initialize
-        again), then the same call once more, all within timeout_s; a second 404 says so."""
-        deadline = time.monotonic() + timeout_s
-        server, tool = self._names[name]
-        text, is_error = await server.call(tool, arguments, timeout_s)
-        if is_error and server.status == 404:
-            # The restart a turn's start does, now; shielded: if this call is cancelled, the
-            # restart still finishes, and publishes the new server's tools.
-            await asyncio.shield(self._before_turn())
-            server, tool = self._names.get(name, (server, tool))   # old: its restart failed
-            text, is_error = await server.call(tool, arguments,
-                                               max(0.001, deadline - time.monotonic()))
-        if server.status == 404:
-            text += " (HTTP 404 for a new session too: the call was retried once, in vain)"
-        return text, is_error
 
     def tool_sources(self) -> dict[str, str]:
         """Exposed tool name -> id of the server providing it (for listings such as /tools)."""
