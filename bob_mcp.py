@@ -482,7 +482,6 @@ class _Server:
                                                          "Connection closed", None):
                     if self.status != 404:   # 404: the session is gone (see below)
                         return f"MCP error from server {self.cfg.id}: {err.message}", True
-                    self._lost = e
             except (RuntimeError, ValueError) as e:   # it answered, but not with a valid result
                 return f"invalid result from server {self.cfg.id}: {e}", True
             except Exception as e:                    # the transport failed (e.g. HTTP refused)
@@ -637,12 +636,13 @@ class McpToolPort:
                     server.list_changed = False
                     with anyio.fail_after(server.cfg.startup_timeout_ms / 1000):
                         server.tools = await _list_all(server.session)
-            except McpError as e:                 # the restart failed: drop it for good
-                self._servers = [s for s in self._servers if s is not server]
-                log.warning("%s\nIts tools are unavailable until bob restarts.", e)
-            except Exception as e:                # it keeps the tools it had
-                log.warning("MCP server %r: listing tools failed: %s", server.cfg.id,
-                            server._scrub(repr(e)))
+            except Exception as e:
+                if server.dead:                   # the restart failed: drop it for good
+                    self._servers = [s for s in self._servers if s is not server]
+                    log.warning("%s\nIts tools are unavailable until bob restarts.", e)
+                else:   # the re-listing failed (too many tools...): it keeps serving the old list
+                    log.warning("MCP server %r: listing tools failed: %s", server.cfg.id,
+                                server._scrub(repr(e)))
         if todo:
             self._publish()
 

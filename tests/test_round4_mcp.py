@@ -172,6 +172,22 @@ def test_an_optional_server_over_the_cap_is_skipped_with_a_warning(caplog):
     assert "'many'" in caplog.text and "Skipping it" in caplog.text, caplog.text
 
 
+def test_a_list_that_grows_past_the_cap_keeps_the_old_one_and_no_process_outlives_bob(caplog):
+    marker = f"bob-r4-{uuid.uuid4().hex[:8]}"
+    port = McpToolPort([McpServerConfig("many", command=sys.executable,
+                                        args=(MANY, "3", "1000", marker))]).start()
+    try:
+        assert call(port, "many__t1", total=bob_mcp._MAX_TOOLS + 5).content == ""
+        with caplog.at_level(logging.WARNING, logger="bob.mcp"):
+            names = [t.name for t in port.list_tools()]   # the next turn re-lists it
+        assert names == ["many__t0", "many__t1", "many__t2"], names
+        assert "'many'" in caplog.text and f"limit of {bob_mcp._MAX_TOOLS}" in caplog.text
+        assert call(port, "many__t0", text="x").content == "x"   # it keeps serving
+    finally:
+        port.close()
+    assert wait_until(lambda: not marked_pids(marker), timeout=5), marked_pids(marker)
+
+
 def test_a_server_with_exactly_the_cap_starts():
     with McpToolPort([many(bob_mcp._MAX_TOOLS, 300)]) as port:
         assert len(port.list_tools()) == bob_mcp._MAX_TOOLS
