@@ -305,7 +305,10 @@ class _Server:
         self.start()
 
     def start(self) -> None:
-        """Begin a run: a new owner task connects, initializes and lists the tools."""
+        """Begin a run: a new owner task connects, initializes and lists the tools. Not once
+        stop() was called: a restart a call or a turn began while bob closes would outlive it."""
+        if self.closing:
+            return
         self.tools: list[Any] = []          # mcp Tool objects of the session
         self.session: Any = None            # set while the server takes calls
         self.dead: str | None = None        # why it stopped by itself; restarted next turn
@@ -315,7 +318,8 @@ class _Server:
         self._family: list[int] = []        # its descendants, read just before it is ended
         self.tail: collections.deque[str] = collections.deque(maxlen=_TAIL_LINES)
         self._process: Any = None           # the stdio server's Process, when we can see it
-        self._lost: Exception | None = None  # why the transport failed under a call
+        self._error: Exception | None = None  # why the run failed: its owner's error, else
+                                              # the transport's under a call
         self._stderr = -1                   # our end of the stderr pipe (stdio), once open
         self._partial = b""                 # the start of a stderr line still being written
         self.status = 0                     # HTTP: 401, 403 or 404 once seen (_on_response)
@@ -325,7 +329,6 @@ class _Server:
         self.task = asyncio.create_task(self._own(), name=f"mcp-{self.cfg.id}")   # the owner
 
     async def _own(self) -> None:
-        error = None
         _serving.set(self)   # the SDK's reader tasks inherit it: _sdk_note names us
         try:
             async with contextlib.AsyncExitStack() as stack:
@@ -347,7 +350,7 @@ class _Server:
                         self._family = _descendants(self.pgid)
                         await anyio.sleep(_POLL_S)
         except Exception as e:
-            error = e
+            self._error = e
         finally:
             self.session = None
             # The SDK stopped the server (stdin, SIGTERM, SIGKILL); what is left in its group
@@ -355,7 +358,7 @@ class _Server:
             _kill(self.pgid, self._family)
             if self._stderr >= 0:
                 self._read_stderr(final=True)
-            self._finish(error)
+            self._finish()
 
     async def _connect(self, stack: contextlib.AsyncExitStack) -> Any:
         cfg = self.cfg
@@ -378,10 +381,12 @@ class _Server:
         self.pgid = getattr(self._process, "pid", None)   # its own process group
         return streams
 
-    def _finish(self, error: Exception | None) -> None:
+    def _finish(self) -> None:
         """Say why the owner ended: to start() while starting, else in `dead` for the calls."""
-        error, code = error or self._lost, getattr(self._process, "returncode", None)
-        ready, leaf = self.ready.done(), _leaf(error)   # leaf: None if error is
+        error = self._error
+        code = getattr(self._process, "returncode", None)
+        ready = self.ready.done()                 # False: it never started
+        leaf = _leaf(error)                       # the real error (None if none)
         if isinstance(leaf, mcp.MCPError) and leaf.error.code == mcp.types.CONNECTION_CLOSED:
             error = None                  # it ended the connection; its exit code says more
             code = None if code == -signal.SIGTERM else code   # the SDK's stop, at EOF
@@ -485,7 +490,7 @@ class _Server:
             except (RuntimeError, ValueError) as e:   # it answered, but not with a valid result
                 return f"invalid result from server {self.cfg.id}: {e}", True
             except Exception as e:                    # the transport failed (e.g. HTTP refused)
-                self._lost = e
+                self._error = e
             # HTTP 404: the server lost the session (calls in flight with this one get "Connection
             # closed"); read now, as a restart resets it.
             lost = self.status == 404
