@@ -46,8 +46,8 @@ __all__ = ["McpError", "McpServerConfig", "McpToolPort", "exposed_name", "url_pr
 log = logging.getLogger("bob.mcp")
 
 # The MCP SDK and anyio (which it runs on) take ~0.7 s to import, so `import bob_mcp` does not
-# load them: _import_sdk() binds these two names when the first port starts, and every use of
-# them below runs on a started port's loop.
+# load them: McpToolPort._start_all() binds these two names (a `global` import) when the first
+# port starts, on the port's thread; every use of them below runs on a started port's loop.
 anyio: Any = None
 mcp: Any = None
 
@@ -62,16 +62,6 @@ _MAX_PAGES = 100        # tools/list pages followed; a nextCursor that never end
 # request, so 1,000 tools (~100k-200k tokens) already fill or pass most models' context, and
 # OpenAI's native `tools` field takes at most 128. More is a server bug or a misconfiguration.
 _MAX_TOOLS = 1_000
-
-
-def _import_sdk() -> None:
-    """Bind the module names anyio and mcp (see above), or say how to install the SDK."""
-    global anyio, mcp
-    try:
-        import anyio.abc
-        import mcp.client.streamable_http
-    except ImportError as e:
-        raise McpError(f"MCP servers need the MCP SDK ({e}); pip install mcp") from e
 
 
 # ---- 1. Errors and configuration ----------------------------------------------------------------
@@ -111,8 +101,7 @@ class McpServerConfig:
     secret_env: tuple[str, ...] = ()          # more env/header keys whose values are masked
 
     def __post_init__(self) -> None:
-        problem = _problem(self)
-        if problem:
+        if problem := _problem(self):
             raise ConfigError(f"MCP server id={self.id!r}: {problem}")
         for name in ("args", "roots", "secret_env"):
             object.__setattr__(self, name, tuple(getattr(self, name)))
@@ -151,7 +140,7 @@ def _problem(c: McpServerConfig) -> str | None:
 def _secrets(cfg: McpServerConfig) -> list[str]:
     """What to mask: values of env/header keys named secret (or in secret_env), any length, as
     JSON and URL text too, and their long words ("Bearer <token>"); others are configuration."""
-    found: set[str] = set()
+    found = set()   # str
     for key, value in {**(cfg.env or {}), **(cfg.headers or {})}.items():
         if secret_name(key) or key in cfg.secret_env:
             for v in {value.strip(), *[w for w in value.split() if len(w) >= 8]} - {""}:
@@ -213,7 +202,7 @@ def _leaf(exc: BaseException) -> BaseException:
 
 # ---- 3. One server: the task that owns its SDK session ------------------------------------------
 
-_serving: contextvars.ContextVar[_Server] = contextvars.ContextVar("bob_mcp_serving")
+_serving = contextvars.ContextVar("bob_mcp_serving")   # the _Server whose task this is
 
 
 def _sdk_note(record: logging.LogRecord) -> bool:
@@ -244,7 +233,7 @@ def _kill(pgid: int | None, pids: Sequence[int] = ()) -> None:
 
 def _descendants(pid: int | None) -> list[int]:
     """Every descendant of pid, from /proc (Linux): a setsid child is tied to it by nothing else."""
-    parent: dict[int, int] = {}
+    parent = {}   # pid -> its parent's pid
     for entry in os.listdir("/proc") if os.path.isdir("/proc") else ():
         with contextlib.suppress(OSError, ValueError, IndexError):   # gone, or not a process
             with open(f"/proc/{entry}/stat", "rb") as f:
@@ -256,7 +245,7 @@ def _descendants(pid: int | None) -> list[int]:
     return sorted(found - {pid})
 
 
-def _stdio_process(cm: Any, server_id: str) -> Any:
+def _stdio_process(cm, server_id):
     """The stdio server's Process, read from inside the SDK; None, with a warning, if not found.
 
     A reach into the SDK's internals: mcp 2.3 keeps the Process in a local of stdio_client and
@@ -264,22 +253,20 @@ def _stdio_process(cm: Any, server_id: str) -> Any:
     Only read: its returncode (the server exited) and its pid (its process group, whose
     descendants bob records). pyproject.toml pins mcp to the versions the suite checks this
     on (tests/test_round4_mcp.py); without it, bob still runs that server, less well."""
-    process = None
     with contextlib.suppress(AttributeError):   # not an async generator, or it has ended
         process = cm.gen.ag_frame.f_locals.get("process")
-    if isinstance(process, anyio.abc.Process):
-        return process
+        if isinstance(process, anyio.abc.Process):
+            return process
     log.warning("MCP server %r: bob cannot see its process in this mcp SDK version (it reads "
                 "a local of mcp.client.stdio.stdio_client, checked on mcp 2.3), so orphan "
                 "cleanup is off for it: a child that left its process group may outlive bob, "
                 "and an exit is noticed at its next call", server_id)
-    return None
 
 
 async def _list_all(session: Any) -> list[Any]:
     """Every tool of a session, following tools/list pagination: at most _MAX_PAGES pages
     and _MAX_TOOLS tools (a page may hold any number), else an McpError saying which."""
-    tools: list[Any] = []
+    tools = []                         # mcp Tool objects
     params = None                      # the first page
     for _ in range(_MAX_PAGES):
         page = await session.list_tools(params=params)
@@ -309,14 +296,14 @@ class _Server:
         stop() was called: a restart a call or a turn began while bob closes would outlive it."""
         if self.closing:
             return
-        self.tools: list[Any] = []          # mcp Tool objects of the session
+        self.tools = []                     # mcp Tool objects of the session
         self.session: Any = None            # set while the server takes calls
         self.dead: str | None = None        # why it stopped by itself; restarted next turn
                                             # (after a 404, at once: see call())
         self.list_changed = False           # tools/list_changed came: re-list next turn
         self.pgid: int | None = None        # a plain int, so close() may use it from any thread
-        self._family: list[int] = []        # its descendants, read just before it is ended
-        self.tail: collections.deque[str] = collections.deque(maxlen=_TAIL_LINES)
+        self._family = []                   # its descendants' pids, read just before it ends
+        self.tail = collections.deque(maxlen=_TAIL_LINES)   # its last stderr lines (str)
         self._process: Any = None           # the stdio server's Process, when we can see it
         self._error: Exception | None = None  # why the run failed: its owner's error, else
                                               # the transport's under a call
@@ -326,7 +313,7 @@ class _Server:
         start_s = self.cfg.startup_timeout_ms / 1000   # stop() cancels the scope: startup, wait
         self._scope = anyio.CancelScope(deadline=anyio.current_time() + start_s)
         self.ready = asyncio.get_running_loop().create_future()   # awaited: None or McpError
-        self.task = asyncio.create_task(self._own(), name=f"mcp-{self.cfg.id}")   # the owner
+        self.task = asyncio.create_task(self._own())   # the owner of this run
 
     async def _own(self) -> None:
         _serving.set(self)   # the SDK's reader tasks inherit it: _sdk_note names us
@@ -367,13 +354,13 @@ class _Server:
             client = await stack.enter_async_context(http.create_mcp_http_client(cfg.headers))
             client.event_hooks["response"].append(self._on_response)   # the SDK hides statuses
             return await stack.enter_async_context(
-                http.streamable_http_client(cfg.url or "", http_client=client))  # url: checked
+                http.streamable_http_client(cfg.url, http_client=client))  # url: checked
         self._stderr, write_fd = os.pipe()   # the server's stderr: to the log, never the terminal
         os.set_blocking(self._stderr, False)
         asyncio.get_running_loop().add_reader(self._stderr, self._read_stderr)
         with os.fdopen(write_fd, "w") as errlog:     # closed here once the child holds a copy
             cm = mcp.stdio_client(mcp.StdioServerParameters(
-                command=cfg.command or "", args=list(cfg.args), env=cfg.env, cwd=cfg.cwd,
+                command=cfg.command, args=list(cfg.args), env=cfg.env, cwd=cfg.cwd,
                 encoding_error_handler="replace"),   # bad bytes: U+FFFD, the line goes on
                 errlog)
             streams = await stack.enter_async_context(cm)
@@ -472,13 +459,13 @@ class _Server:
         except UnicodeEncodeError:   # the SDK's writer would fail on it and end the session
             return ("the arguments hold a lone surrogate (half a character, e.g. a cut emoji) "
                     "that cannot be sent; call again with valid text"), True
-        if not self.ready.done():      # a restart under way: another call met a 404
-            await asyncio.wait({self.ready}, timeout=timeout_s)
+        # Started (at once, usually); or a restart under way: another call met a 404.
+        await asyncio.wait({self.ready}, timeout=timeout_s)
         if self.session is not None:   # else it is gone already
             try:
                 result = await self.session.call_tool(tool, arguments,
                                                       read_timeout_seconds=timeout_s)
-                return _result_text(result), bool(result.is_error)
+                return _result_text(result), result.is_error
             except mcp.MCPError as e:   # a server may send the codes the SDK uses for its own
                 err = e.error
                 if err.code == mcp.types.REQUEST_TIMEOUT and err.message.startswith("Request "):
@@ -520,15 +507,16 @@ class McpToolPort:
     """A ToolPort over MCP servers, tools exposed as `<server_id>__<tool>`; a context manager."""
 
     def __init__(self, servers: Sequence[McpServerConfig]):
-        dups = sorted({s.id for s in servers if [t.id for t in servers].count(s.id) > 1})
-        if dups:
-            raise ConfigError(f"MCP server id {dups[0]!r} is used twice; ids must be unique")
+        ids = [s.id for s in servers]
+        for server_id in ids:
+            if ids.count(server_id) > 1:
+                raise ConfigError(f"MCP server id {server_id!r} is used twice; ids must be unique")
         self._configs = tuple(servers)
-        self._servers: list[_Server] = []                  # running ones, in config order
-        self._names: dict[str, tuple[_Server, str]] = {}   # exposed name -> (server, MCP name)
-        self._tools: list[ToolDescriptor] = []
+        self._servers = []    # the running _Servers, in config order
+        self._names = {}      # exposed name -> (_Server, MCP name of the tool)
+        self._tools = []      # the ToolDescriptors list_tools() returns
         self._loop: Any = None       # the port's event loop, made by start()
-        self._started: concurrent.futures.Future[None] | None = None
+        self._started = None         # the concurrent Future of _start_all, made by start()
         self._lock = threading.Lock()          # guards start() and close()
         self._closed = False
         self._close_done = threading.Event()    # set when the first close() has finished
@@ -547,7 +535,7 @@ class McpToolPort:
                 raise McpError("this McpToolPort is closed; create a new one")
             if self._loop is None:
                 self._loop = asyncio.new_event_loop()
-                self._thread = threading.Thread(target=self._run_loop, name="bob-mcp", daemon=True)
+                self._thread = threading.Thread(target=self._run_loop, daemon=True)
                 self._thread.start()
                 atexit.register(self.close)       # no server outlives bob, whatever happens
                 for name in ("mcp.client.stdio", "client"):   # inert elsewhere
@@ -563,7 +551,12 @@ class McpToolPort:
         self._loop.close()
 
     async def _start_all(self) -> None:
-        _import_sdk()   # on the port's thread: start(wait=False) returns at once
+        global anyio, mcp   # the module names at the top: bound here, on first start
+        try:                # on the port's thread: start(wait=False) returns at once
+            import anyio.abc
+            import mcp.client.streamable_http
+        except ImportError as e:
+            raise McpError(f"MCP servers need the MCP SDK ({e}); pip install mcp") from e
         servers = self._servers = [_Server(c) for c in self._configs]
         results = await asyncio.gather(*(s.ready for s in servers), return_exceptions=True)
         self._servers, failed = [], []
@@ -582,7 +575,7 @@ class McpToolPort:
         """Rebuild the name map and the descriptors from the servers' tool lists. Of two tools
         exposed under one name the first is kept, with a warning (a server's bug, or two ids
         that rename to one): no server fails for it, an optional one least of all."""
-        names: dict[str, tuple[_Server, str]] = {}
+        names = {}   # as self._names
         tools = []
         for server in self._servers:
             for tool in server.tools:
@@ -607,7 +600,7 @@ class McpToolPort:
         except concurrent.futures.TimeoutError:
             raise McpError(f"MCP servers did not start in {self._startup_s:.0f} s") from None
         except Exception:  # a failed start leaves nothing running; the error goes up at once
-            threading.Thread(target=self.close, name="bob-mcp-close", daemon=True).start()
+            threading.Thread(target=self.close, daemon=True).start()
             raise
         if self._closed:
             raise McpError("this McpToolPort is closed; create a new one")

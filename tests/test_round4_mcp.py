@@ -215,10 +215,11 @@ def test_the_stdio_process_is_found_in_the_installed_sdk(caplog):
     assert "orphan" not in caplog.text, caplog.text
 
 
-def test_a_transport_without_a_visible_process_is_named_once(caplog):
+def test_a_transport_without_a_visible_process_is_named_in_a_warning(caplog):
     """A transport whose generator holds no `process` (a future SDK): a warning naming the
     server and the consequence, not a silent skip."""
-    bob_mcp._import_sdk()
+    with McpToolPort([]):   # binds bob_mcp.anyio and bob_mcp.mcp
+        pass
 
     @contextlib.asynccontextmanager
     async def transport():
@@ -234,8 +235,8 @@ def test_a_transport_without_a_visible_process_is_named_once(caplog):
 def test_the_sdk_names_are_bound_on_first_start_only():
     code = ("import sys, bob_mcp\n"
             "assert bob_mcp.mcp is None and bob_mcp.anyio is None and 'mcp' not in sys.modules\n"
-            "bob_mcp._import_sdk()\n"
-            "assert bob_mcp.mcp.ClientSession and bob_mcp.anyio.abc.Process\n")
+            "with bob_mcp.McpToolPort([]):\n"
+            "    assert bob_mcp.mcp.ClientSession and bob_mcp.anyio.abc.Process\n")
     r = subprocess.run([sys.executable, "-c", code], cwd=HERE.parent, capture_output=True,
                        text=True, timeout=30)
     assert r.returncode == 0, r.stderr
