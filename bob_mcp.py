@@ -162,7 +162,7 @@ def exposed_name(server_id: str, tool: str) -> str:
 def _block_text(block: Any) -> tuple[str, bool]:
     """(text, is_text) of one content block: text as it is, anything else summarised."""
     kind = getattr(block, "type", "unknown")
-    res: Any = getattr(block, "resource", None)
+    res = getattr(block, "resource", None)   # resource blocks only
     if kind == "text" or hasattr(res, "text"):
         return (block.text if kind == "text" else res.text), True
     if kind in ("image", "audio"):
@@ -305,8 +305,8 @@ class _Server:
         self._family = []                   # its descendants' pids, read just before it ends
         self.tail = collections.deque(maxlen=_TAIL_LINES)   # its last stderr lines (str)
         self._process: Any = None           # the stdio server's Process, when we can see it
-        self._error: Exception | None = None  # why the run failed: its owner's error, else
-                                              # the transport's under a call
+        self._error = None                  # why the run failed (an Exception): its owner's
+                                            # error, else the transport's under a call
         self._stderr = -1                   # our end of the stderr pipe (stdio), once open
         self._partial = b""                 # the start of a stderr line still being written
         self.status = 0                     # HTTP: 401, 403 or 404 once seen (_on_response)
@@ -395,6 +395,7 @@ class _Server:
         if not ready:   # dead too: a restart a call began is tried once more at the next turn
             self.dead = self._scrub(f"MCP server {self.cfg.id!r} failed to start: {cause}{tail}")
             self.ready.set_exception(McpError(self.dead))
+            self.ready.exception()   # seen: when a call restarted it, none may await it
         elif not self.closing:
             self.dead = self._scrub(f"server {self.cfg.id} {cause}{tail}")
             log.warning("MCP %s\nbob will try to restart it: at once for a call that met a "
@@ -448,7 +449,7 @@ class _Server:
             self.list_changed = True          # acted on before the next turn
 
     async def call(self, tool: str, arguments: dict[str, Any], timeout_s: float,
-                   retry: bool = True) -> tuple[str, bool]:
+                   retry=True) -> tuple[str, bool]:
         """(text, is_error) of one tool call, unmasked; a server that is gone is error text.
         A Streamable HTTP server that answers 404 has lost bob's session (it restarted): as
         the MCP spec says, a new session (initialize again), then the same call once more

@@ -6,6 +6,7 @@ the same port), tests/mcp_http_server.py, tests/mcp_many_tools_server.py."""
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import socket
 import subprocess
@@ -128,6 +129,32 @@ def test_a_second_404_is_an_error_result_naming_the_cause_and_one_retry_only():
         assert r.is_error and "HTTP 404" in r.content and "session" in r.content, r
         assert srv.initializes == 2, srv.initializes   # the first session, one new one
         assert [m for m, _ in srv.requests].count("tools/call") == 2
+
+
+class _GoesDown(set):
+    """Sessions a server forgets, going down (503) right after: the new session fails."""
+
+    def __init__(self, owner: McpHttpServer) -> None:
+        super().__init__()
+        self.owner = owner
+
+    def __contains__(self, session: object) -> bool:
+        self.owner.status = 503
+        return False
+
+
+def test_a_new_session_that_fails_is_the_calls_result_and_tried_again_next_turn(caplog):
+    with McpHttpServer() as srv, McpToolPort([http(srv.url)]) as port:
+        srv.sessions = _GoesDown(srv)
+        with caplog.at_level(logging.WARNING):
+            r = call(port, "w__echo", text="b")
+            assert r.is_error and "failed to start" in r.content, r
+            srv.status = 0
+            srv.sessions = set()   # it is back
+            assert [t.name for t in port.list_tools()] == ["w__echo"]   # the next turn
+            gc.collect()           # the failed start's future, if its error went unseen
+        assert call(port, "w__echo", text="c").content == "c"
+    assert "never retrieved" not in caplog.text, caplog.text
 
 
 def test_a_call_on_a_server_that_is_gone_is_not_retried():
