@@ -14,7 +14,8 @@ Sections: 1. Errors and configuration  2. Names and results  3. One server  4. M
 Threading: one asyncio loop thread per port. Each server is owned by one task that enters the
 SDK's transport and session context managers and exits them itself (the SDK's task groups demand
 it); sync callers wait on the loop, always with a timeout. Vendoring: copy this file next to
-bob.py; running servers needs mcp 2, which start() imports (not `import bob_mcp`).
+bob.py; running servers needs mcp 2.3 (pinned: _stdio_process and _sdk_note reach into it),
+which start() imports (not `import bob_mcp`).
 """
 from __future__ import annotations
 
@@ -32,7 +33,6 @@ import os
 import signal
 import threading
 import time
-import typing
 import urllib.parse
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -45,12 +45,23 @@ __all__ = ["McpError", "McpServerConfig", "McpToolPort", "exposed_name", "url_pr
 
 log = logging.getLogger("bob.mcp")
 
+# The MCP SDK and anyio (which it runs on) take ~0.7 s to import, so `import bob_mcp` does not
+# load them: McpToolPort._start_all() binds these two names (a `global` import) when the first
+# port starts, on the port's thread; every use of them below runs on a started port's loop.
+anyio: Any = None
+mcp: Any = None
+
 _TAIL_LINES = 8         # stderr lines kept per server for error messages
 _POLL_S = 0.2           # how often a stdio server's owner checks that its process is alive
 _GRACE_S = 7.0          # beyond configured timeouts: the SDK's own bounded shutdown steps
 _CLOSE_S = 8.0          # close(): total budget before process groups are killed outright
 _SHOWN = 500            # characters of one line a server wrote that bob shows (logs, errors)
 _MAX_PAGES = 100        # tools/list pages followed; a nextCursor that never ends is an error
+# Tools one server may list. Large real servers list tens to about a hundred (GitHub's official
+# one ~100 with every toolset on); each tool costs the model ~100-200 prompt tokens in every
+# request, so 1,000 tools (~100k-200k tokens) already fill or pass most models' context, and
+# OpenAI's native `tools` field takes at most 128. More is a server bug or a misconfiguration.
+_MAX_TOOLS = 1_000
 
 
 # ---- 1. Errors and configuration ----------------------------------------------------------------
@@ -90,8 +101,7 @@ class McpServerConfig:
     secret_env: tuple[str, ...] = ()          # more env/header keys whose values are masked
 
     def __post_init__(self) -> None:
-        problem = _problem(self)
-        if problem:
+        if problem := _problem(self):
             raise ConfigError(f"MCP server id={self.id!r}: {problem}")
         for name in ("args", "roots", "secret_env"):
             object.__setattr__(self, name, tuple(getattr(self, name)))
@@ -130,7 +140,7 @@ def _problem(c: McpServerConfig) -> str | None:
 def _secrets(cfg: McpServerConfig) -> list[str]:
     """What to mask: values of env/header keys named secret (or in secret_env), any length, as
     JSON and URL text too, and their long words ("Bearer <token>"); others are configuration."""
-    found: set[str] = set()
+    found = set()   # str
     for key, value in {**(cfg.env or {}), **(cfg.headers or {})}.items():
         if secret_name(key) or key in cfg.secret_env:
             for v in {value.strip(), *[w for w in value.split() if len(w) >= 8]} - {""}:
@@ -151,8 +161,8 @@ def exposed_name(server_id: str, tool: str) -> str:
 
 def _block_text(block: Any) -> tuple[str, bool]:
     """(text, is_text) of one content block: text as it is, anything else summarised."""
-    kind, res = getattr(block, "type", "unknown"), getattr(block, "resource", None)
-    res = typing.cast(Any, res)
+    kind = getattr(block, "type", "unknown")
+    res = getattr(block, "resource", None)   # resource blocks only
     if kind == "text" or hasattr(res, "text"):
         return (block.text if kind == "text" else res.text), True
     if kind in ("image", "audio"):
@@ -192,7 +202,7 @@ def _leaf(exc: BaseException) -> BaseException:
 
 # ---- 3. One server: the task that owns its SDK session ------------------------------------------
 
-_serving: contextvars.ContextVar[_Server] = contextvars.ContextVar("bob_mcp_serving")
+_serving = contextvars.ContextVar("bob_mcp_serving")   # the _Server whose task this is
 
 
 def _sdk_note(record: logging.LogRecord) -> bool:
@@ -223,7 +233,7 @@ def _kill(pgid: int | None, pids: Sequence[int] = ()) -> None:
 
 def _descendants(pid: int | None) -> list[int]:
     """Every descendant of pid, from /proc (Linux): a setsid child is tied to it by nothing else."""
-    parent: dict[int, int] = {}
+    parent = {}   # pid -> its parent's pid
     for entry in os.listdir("/proc") if os.path.isdir("/proc") else ():
         with contextlib.suppress(OSError, ValueError, IndexError):   # gone, or not a process
             with open(f"/proc/{entry}/stat", "rb") as f:
@@ -235,45 +245,77 @@ def _descendants(pid: int | None) -> list[int]:
     return sorted(found - {pid})
 
 
+def _stdio_process(cm, server_id):
+    """The stdio server's Process, read from inside the SDK; None, with a warning, if not found.
+
+    A reach into the SDK's internals: mcp 2.3 keeps the Process in a local of stdio_client and
+    exposes it nowhere (no attribute, no hook), so bob reads the suspended generator's frame.
+    Only read: its returncode (the server exited) and its pid (its process group, whose
+    descendants bob records). pyproject.toml pins mcp to the versions the suite checks this
+    on (tests/test_round4_mcp.py); without it, bob still runs that server, less well."""
+    with contextlib.suppress(AttributeError):   # not an async generator, or it has ended
+        process = cm.gen.ag_frame.f_locals.get("process")
+        if isinstance(process, anyio.abc.Process):
+            return process
+    log.warning("MCP server %r: bob cannot see its process in this mcp SDK version (it reads "
+                "a local of mcp.client.stdio.stdio_client, checked on mcp 2.3), so orphan "
+                "cleanup is off for it: a child that left its process group may outlive bob, "
+                "and an exit is noticed at its next call", server_id)
+
+
 async def _list_all(session: Any) -> list[Any]:
-    """Every tool of a session, following tools/list pagination up to _MAX_PAGES pages."""
-    page = await session.list_tools()
-    tools = list(page.tools)
+    """Every tool of a session, following tools/list pagination: at most _MAX_PAGES pages
+    and _MAX_TOOLS tools (a page may hold any number), else an McpError saying which."""
+    tools = []                         # mcp Tool objects
+    params = None                      # the first page
     for _ in range(_MAX_PAGES):
+        page = await session.list_tools(params=params)
+        tools += page.tools
+        if len(tools) > _MAX_TOOLS:
+            raise McpError(f"it lists {len(tools)} tools or more, over bob's limit of "
+                           f"{_MAX_TOOLS} per server; configure it to offer fewer tools (many "
+                           "servers can enable only some toolsets), or leave it out")
         if not page.next_cursor:
             return tools
-        page = await session.list_tools(
-            params=mcp.types.PaginatedRequestParams(cursor=page.next_cursor))
-        tools += page.tools
+        params = mcp.types.PaginatedRequestParams(cursor=page.next_cursor)
     raise McpError(f"tools/list sent over {_MAX_PAGES} pages (a nextCursor that never ends?)")
 
 
 class _Server:
-    """One run of one MCP server, owned by the task running _own(), on the loop; restart: anew."""
+    """One configured MCP server. Each run of it (its start, each restart) is owned by the task
+    running _own(), on the loop; start() begins a run, once the last one has ended."""
 
     def __init__(self, cfg: McpServerConfig):
         self.cfg = cfg
-        self.tools: list[Any] = []          # mcp Tool objects of the session
+        self.closing = False                # stop() was called: ending now is not a death
+        self._secrets = _secrets(cfg)
+        self.start()
+
+    def start(self) -> None:
+        """Begin a run: a new owner task connects, initializes and lists the tools. Not once
+        stop() was called: a restart a call or a turn began while bob closes would outlive it."""
+        if self.closing:
+            return
+        self.tools = []                     # mcp Tool objects of the session
         self.session: Any = None            # set while the server takes calls
         self.dead: str | None = None        # why it stopped by itself; restarted next turn
+                                            # (after a 404, at once: see call())
         self.list_changed = False           # tools/list_changed came: re-list next turn
-        self.closing = False                # stop() was called: ending now is not a death
         self.pgid: int | None = None        # a plain int, so close() may use it from any thread
-        self._family: list[int] = []        # its descendants, read just before it is ended
-        self.tail: collections.deque[str] = collections.deque(maxlen=_TAIL_LINES)
-        self._secrets = _secrets(cfg)
+        self._family = []                   # its descendants' pids, read just before it ends
+        self.tail = collections.deque(maxlen=_TAIL_LINES)   # its last stderr lines (str)
         self._process: Any = None           # the stdio server's Process, when we can see it
-        self._lost: Exception | None = None  # why the transport failed under a call
+        self._error = None                  # why the run failed (an Exception): its owner's
+                                            # error, else the transport's under a call
         self._stderr = -1                   # our end of the stderr pipe (stdio), once open
         self._partial = b""                 # the start of a stderr line still being written
-        self.status = 0                     # HTTP: its first error status in a start or call
-        start_s = cfg.startup_timeout_ms / 1000   # stop() cancels the scope: startup, then wait
+        self.status = 0                     # HTTP: 401, 403 or 404 once seen (_on_response)
+        start_s = self.cfg.startup_timeout_ms / 1000   # stop() cancels the scope: startup, wait
         self._scope = anyio.CancelScope(deadline=anyio.current_time() + start_s)
         self.ready = asyncio.get_running_loop().create_future()   # awaited: None or McpError
-        self.task = asyncio.create_task(self._own(), name=f"mcp-{cfg.id}")   # the owner
+        self.task = asyncio.create_task(self._own())   # the owner of this run
 
     async def _own(self) -> None:
-        error = None
         _serving.set(self)   # the SDK's reader tasks inherit it: _sdk_note names us
         try:
             async with contextlib.AsyncExitStack() as stack:
@@ -295,7 +337,7 @@ class _Server:
                         self._family = _descendants(self.pgid)
                         await anyio.sleep(_POLL_S)
         except Exception as e:
-            error = e
+            self._error = e
         finally:
             self.session = None
             # The SDK stopped the server (stdin, SIGTERM, SIGKILL); what is left in its group
@@ -303,7 +345,7 @@ class _Server:
             _kill(self.pgid, self._family)
             if self._stderr >= 0:
                 self._read_stderr(final=True)
-            self._finish(error)
+            self._finish()
 
     async def _connect(self, stack: contextlib.AsyncExitStack) -> Any:
         cfg = self.cfg
@@ -312,27 +354,26 @@ class _Server:
             client = await stack.enter_async_context(http.create_mcp_http_client(cfg.headers))
             client.event_hooks["response"].append(self._on_response)   # the SDK hides statuses
             return await stack.enter_async_context(
-                http.streamable_http_client(cfg.url or "", http_client=client))  # url: checked
+                http.streamable_http_client(cfg.url, http_client=client))  # url: checked
         self._stderr, write_fd = os.pipe()   # the server's stderr: to the log, never the terminal
         os.set_blocking(self._stderr, False)
         asyncio.get_running_loop().add_reader(self._stderr, self._read_stderr)
         with os.fdopen(write_fd, "w") as errlog:     # closed here once the child holds a copy
             cm = mcp.stdio_client(mcp.StdioServerParameters(
-                command=cfg.command or "", args=list(cfg.args), env=cfg.env, cwd=cfg.cwd,
+                command=cfg.command, args=list(cfg.args), env=cfg.env, cwd=cfg.cwd,
                 encoding_error_handler="replace"),   # bad bytes: U+FFFD, the line goes on
                 errlog)
             streams = await stack.enter_async_context(cm)
-        # The SDK keeps the Process in a local of stdio_client and exposes it nowhere (no hook
-        # either). We only read it: its returncode, and its pid, which is its process group.
-        process = typing.cast(Any, cm.gen).ag_frame.f_locals.get("process")
-        if isinstance(process, anyio.abc.Process):
-            self._process, self.pgid = process, process.pid
+        self._process = _stdio_process(cm, cfg.id)
+        self.pgid = getattr(self._process, "pid", None)   # its own process group
         return streams
 
-    def _finish(self, error: Exception | None) -> None:
+    def _finish(self) -> None:
         """Say why the owner ended: to start() while starting, else in `dead` for the calls."""
-        error, code = error or self._lost, getattr(self._process, "returncode", None)
-        ready, leaf = self.ready.done(), _leaf(error) if error else None
+        error = self._error
+        code = getattr(self._process, "returncode", None)
+        ready = self.ready.done()                 # False: it never started
+        leaf = _leaf(error)                       # the real error (None if none)
         if isinstance(leaf, mcp.MCPError) and leaf.error.code == mcp.types.CONNECTION_CLOSED:
             error = None                  # it ended the connection; its exit code says more
             code = None if code == -signal.SIGTERM else code   # the SDK's stop, at EOF
@@ -343,18 +384,22 @@ class _Server:
         elif self.status in (401, 403):   # the SDK says "Server returned an error response"
             cause = (f"HTTP {self.status}: check the token in its headers "
                      f"{sorted(self.cfg.headers or {})}")
+        elif self.status == 404:          # the SDK says "Session terminated" or "Not Found"
+            cause = "HTTP 404: it does not know bob's session (it restarted?) or this URL"
         elif error is None:   # not what bob did to it after an error: the SDK's error says why
             cause = "closed the connection" if code is None else f"exited (code {code})"
         else:
             hint = " (is it installed and on PATH?)" if isinstance(leaf, FileNotFoundError) else ""
             cause = ("failed: " if ready else "") + f"{type(leaf).__name__}: {leaf}{hint}"
         tail = "; stderr:\n  " + "\n  ".join(self.tail) if self.tail else ""
-        if not ready:
-            self.ready.set_exception(McpError(
-                self._scrub(f"MCP server {self.cfg.id!r} failed to start: {cause}{tail}")))
+        if not ready:   # dead too: a restart a call began is tried once more at the next turn
+            self.dead = self._scrub(f"MCP server {self.cfg.id!r} failed to start: {cause}{tail}")
+            self.ready.set_exception(McpError(self.dead))
+            self.ready.exception()   # seen: when a call restarted it, none may await it
         elif not self.closing:
             self.dead = self._scrub(f"server {self.cfg.id} {cause}{tail}")
-            log.warning("MCP %s\nbob will try to restart it on the next turn", self.dead)
+            log.warning("MCP %s\nbob will try to restart it: at once for a call that met a "
+                        "lost session (404), else on the next turn", self.dead)
 
     def _scrub(self, text: str) -> str:
         """The text with the server's secrets masked (its output, SDK or HTTP errors quote them)."""
@@ -388,48 +433,63 @@ class _Server:
             os.close(self._stderr)
 
     async def _on_response(self, response: Any) -> None:
-        """Keep the first error status (the SDK says "Server returned an error response")."""
-        if response.status_code >= 400 and not self.status:   # not the 405 of the DELETE after
+        """Keep the first status that says why a start or a call failed, where the SDK says
+        only "Server returned an error response" or "Session terminated": 401 or 403 (check
+        the token), 404 (the server lost the session: every request of it gets one)."""
+        if response.status_code in (401, 403, 404) and not self.status:
             self.status = response.status_code
 
     async def _roots(self, context: Any) -> Any:
         paths = [Path(p).resolve() for p in self.cfg.roots]
         return mcp.types.ListRootsResult(roots=[
-            mcp.types.Root(uri=typing.cast(Any, p.as_uri()), name=p.name) for p in paths])
+            mcp.types.Root(uri=p.as_uri(), name=p.name) for p in paths])
 
     async def _on_message(self, message: Any) -> None:
         if isinstance(message, mcp.types.ToolListChangedNotification):
             self.list_changed = True          # acted on before the next turn
 
-    async def call(self, tool: str, arguments: dict[str, Any], timeout_s: float
-                   ) -> tuple[str, bool]:
-        """(text, is_error) of one tool call, unmasked; a server that is gone is error text."""
+    async def call(self, tool: str, arguments: dict[str, Any], timeout_s: float,
+                   retry=True) -> tuple[str, bool]:
+        """(text, is_error) of one tool call, unmasked; a server that is gone is error text.
+        A Streamable HTTP server that answers 404 has lost bob's session (it restarted): as
+        the MCP spec says, a new session (initialize again), then the same call once more
+        (retry), all within timeout_s; a second 404 is the call's error result."""
+        deadline = time.monotonic() + timeout_s
         try:
             json.dumps(arguments, ensure_ascii=False).encode()
         except UnicodeEncodeError:   # the SDK's writer would fail on it and end the session
             return ("the arguments hold a lone surrogate (half a character, e.g. a cut emoji) "
                     "that cannot be sent; call again with valid text"), True
-        if self.session is None:
-            return f"executor unavailable: {self.dead or f'server {self.cfg.id} stopped'}", True
-        self.status = 0
-        try:
-            result = await self.session.call_tool(tool, arguments, read_timeout_seconds=timeout_s)
-            return _result_text(result), bool(result.is_error)
-        except mcp.MCPError as e:   # a server may send the codes the SDK uses for its own errors
-            err = e.error
-            if err.code == mcp.types.REQUEST_TIMEOUT and err.message.startswith("Request "):
-                return f"tool {tool} timed out after {round(timeout_s * 1000)} ms", True
-            if (err.code, err.message, err.data) != (mcp.types.CONNECTION_CLOSED,
-                                                     "Connection closed", None):
-                if self.status != 404:   # 404: the session is gone; restarted next turn
-                    return f"MCP error from server {self.cfg.id}: {err.message}", True
-                self._lost = e
-        except (RuntimeError, ValueError) as e:   # it answered, but not with a valid result
-            return f"invalid result from server {self.cfg.id}: {e}", True
-        except Exception as e:                    # the transport failed (e.g. HTTP refused)
-            self._lost = e
-        self._scope.cancel()                      # let the owner exit and say why
-        await asyncio.wait({self.task}, timeout=_GRACE_S)
+        # Started (at once, usually); or a restart under way: another call met a 404.
+        await asyncio.wait({self.ready}, timeout=timeout_s)
+        if self.session is not None:   # else it is gone already
+            try:
+                result = await self.session.call_tool(tool, arguments,
+                                                      read_timeout_seconds=timeout_s)
+                return _result_text(result), result.is_error
+            except mcp.MCPError as e:   # a server may send the codes the SDK uses for its own
+                err = e.error
+                if err.code == mcp.types.REQUEST_TIMEOUT and err.message.startswith("Request "):
+                    return f"tool {tool} timed out after {round(timeout_s * 1000)} ms", True
+                if (err.code, err.message, err.data) != (mcp.types.CONNECTION_CLOSED,
+                                                         "Connection closed", None):
+                    if self.status != 404:   # 404: the session is gone (see below)
+                        return f"MCP error from server {self.cfg.id}: {err.message}", True
+            except (RuntimeError, ValueError) as e:   # it answered, but not with a valid result
+                return f"invalid result from server {self.cfg.id}: {e}", True
+            except Exception as e:                    # the transport failed (e.g. HTTP refused)
+                self._error = e
+            # HTTP 404: the server lost the session (calls in flight with this one get "Connection
+            # closed"); read now, as a restart resets it.
+            lost = self.status == 404
+            self._scope.cancel()                      # let the owner exit and say why
+            await asyncio.wait({self.task}, timeout=_GRACE_S)
+            if lost and retry:
+                if self.dead:                         # not restarted yet by another call
+                    self.start()
+                    self.list_changed = True          # the next turn publishes its new list
+                return await self.call(tool, arguments, max(0.001, deadline - time.monotonic()),
+                                       retry=False)
         return f"executor unavailable: {self.dead or f'server {self.cfg.id} stopped'}", True
 
     async def stop(self, timeout_s: float) -> None:
@@ -448,16 +508,18 @@ class McpToolPort:
     """A ToolPort over MCP servers, tools exposed as `<server_id>__<tool>`; a context manager."""
 
     def __init__(self, servers: Sequence[McpServerConfig]):
-        dups = sorted({s.id for s in servers if [t.id for t in servers].count(s.id) > 1})
-        if dups:
-            raise ConfigError(f"MCP server id {dups[0]!r} is used twice; ids must be unique")
+        ids = [s.id for s in servers]
+        for server_id in ids:
+            if ids.count(server_id) > 1:
+                raise ConfigError(f"MCP server id {server_id!r} is used twice; ids must be unique")
         self._configs = tuple(servers)
-        self._servers: list[_Server] = []                  # running ones, in config order
-        self._names: dict[str, tuple[_Server, str]] = {}   # exposed name -> (server, MCP name)
-        self._tools: list[ToolDescriptor] = []
+        self._servers = []    # the running _Servers, in config order
+        self._names = {}      # exposed name -> (_Server, MCP name of the tool)
+        self._tools = []      # the ToolDescriptors list_tools() returns
         self._loop: Any = None       # the port's event loop, made by start()
-        self._started: concurrent.futures.Future[None] | None = None
-        self._lock, self._closed = threading.Lock(), False
+        self._started = None         # the concurrent Future of _start_all, made by start()
+        self._lock = threading.Lock()          # guards start() and close()
+        self._closed = False
         self._close_done = threading.Event()    # set when the first close() has finished
         self._startup_s = max([s.startup_timeout_ms / 1000 for s in servers], default=0) + _GRACE_S
 
@@ -474,7 +536,7 @@ class McpToolPort:
                 raise McpError("this McpToolPort is closed; create a new one")
             if self._loop is None:
                 self._loop = asyncio.new_event_loop()
-                self._thread = threading.Thread(target=self._run_loop, name="bob-mcp", daemon=True)
+                self._thread = threading.Thread(target=self._run_loop, daemon=True)
                 self._thread.start()
                 atexit.register(self.close)       # no server outlives bob, whatever happens
                 for name in ("mcp.client.stdio", "client"):   # inert elsewhere
@@ -490,8 +552,8 @@ class McpToolPort:
         self._loop.close()
 
     async def _start_all(self) -> None:
-        global anyio, mcp   # the SDK (~0.7 s) loads here, not on import: start(wait=False) is quick
-        try:
+        global anyio, mcp   # the module names at the top: bound here, on first start
+        try:                # on the port's thread: start(wait=False) returns at once
             import anyio.abc
             import mcp.client.streamable_http
         except ImportError as e:
@@ -514,7 +576,7 @@ class McpToolPort:
         """Rebuild the name map and the descriptors from the servers' tool lists. Of two tools
         exposed under one name the first is kept, with a warning (a server's bug, or two ids
         that rename to one): no server fails for it, an optional one least of all."""
-        names: dict[str, tuple[_Server, str]] = {}
+        names = {}   # as self._names
         tools = []
         for server in self._servers:
             for tool in server.tools:
@@ -539,7 +601,7 @@ class McpToolPort:
         except concurrent.futures.TimeoutError:
             raise McpError(f"MCP servers did not start in {self._startup_s:.0f} s") from None
         except Exception:  # a failed start leaves nothing running; the error goes up at once
-            threading.Thread(target=self.close, name="bob-mcp-close", daemon=True).start()
+            threading.Thread(target=self.close, daemon=True).start()
             raise
         if self._closed:
             raise McpError("this McpToolPort is closed; create a new one")
@@ -566,20 +628,20 @@ class McpToolPort:
         todo = [s for s in self._servers if s.dead or s.list_changed]
         for server in todo:
             try:
-                if server.dead:                   # restart it: a new _Server in its place
-                    fresh = _Server(server.cfg)
-                    self._servers = [fresh if s is server else s for s in self._servers]
-                    await fresh.ready
+                if server.dead:                   # restart it: a new run
+                    server.start()
+                    await server.ready
                 else:
                     server.list_changed = False
                     with anyio.fail_after(server.cfg.startup_timeout_ms / 1000):
                         server.tools = await _list_all(server.session)
-            except McpError as e:                 # the restart failed: drop it for good
-                self._servers = [s for s in self._servers if s.cfg is not server.cfg]
-                log.warning("%s\nIts tools are unavailable until bob restarts.", e)
             except Exception as e:
-                log.warning("MCP server %r: listing tools failed: %s", server.cfg.id,
-                            server._scrub(repr(e)))
+                if server.dead:                   # the restart failed: drop it for good
+                    self._servers = [s for s in self._servers if s is not server]
+                    log.warning("%s\nIts tools are unavailable until bob restarts.", e)
+                else:   # the re-listing failed (too many tools...): it keeps serving the old list
+                    log.warning("MCP server %r: listing tools failed: %s", server.cfg.id,
+                                server._scrub(repr(e)))
         if todo:
             self._publish()
 
