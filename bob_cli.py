@@ -304,9 +304,12 @@ def _cut(text, reserve=0):
     """One line of `text` that fits the terminal, less `reserve` columns: cut, with "...", by
     the columns its characters take (60 CJK characters are 120 columns, not 60). Text from the
     model or a server must not drive the terminal: control characters are made harmless."""
-    text, room = text.translate(_CONTROLS), shutil.get_terminal_size().columns - reserve
+    room = shutil.get_terminal_size().columns - reserve
+    # 4 characters a column at most: a combining mark takes none, and a line of 200,000 of
+    # them was written whole (1 MB of them took a second); Thai or Hindi use under 2
+    text = text[:room * 4].translate(_CONTROLS)
     used = end = 0   # the columns so far; the characters that leave room for "..."
-    for i, char in enumerate(text):   # up to `room` only: a line may be a 20 MB message
+    for i, char in enumerate(text):   # a line may be a 20 MB message
         used += _cells(char)
         if used > room:   # a terminal 1 or 2 columns wide gets what fits of "..."
             return text[:end] + "..."[:room]

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from conftest import CLI, KEY, final, write_config, xdg_env
 from fake_openai import FakeOpenAI, stream_reply
-from test_round4_cli import assert_fits, bob, echo_config, narrow
+from test_round4_cli import assert_fits, bob, echo_config, narrow, screen_lines
 
 
 def sessions(tmp_path: Path) -> Path:
@@ -67,6 +67,30 @@ def test_bidi_controls_from_the_model_or_a_server_never_reach_the_terminal(tmp_p
         term.close()
     assert seen.count(b"gnp.exe") >= 5, seen   # prompt, call, result, history, sessions
     assert not [c for c in BIDI if c.encode() in seen], seen
+
+
+def test_a_line_of_combining_marks_is_cut_too(tmp_path, srv):
+    # Combining marks take no column, so a line of them was never cut: an argument of 200,000
+    # (a hostile model's) was written whole to the terminal by the approval prompt, the tool
+    # line and /history (1 MB of them: a second each, on the turn's time).
+    zalgo = "e" + "\u0301" * 200_000
+    call = json.dumps({"type": "tool_call", "name": "t__echo", "arguments": {"text": zalgo}})
+    srv.push(call, final("done"))
+    echo_config(tmp_path, srv, runtime="turn_timeout_ms = 20000\n")
+    term = narrow(tmp_path, 80)
+    try:
+        term.expect(b"bob> ")
+        term.send(b"go\r")
+        seen = term.expect(b"this session? ", timeout=10)   # the approval prompt
+        term.send(b"y\r")
+        seen += term.expect(b"bob> ", timeout=10)            # the tool call lines
+        term.send(b"/history\r")
+        seen += term.expect(b"bob> ", timeout=10)
+    finally:
+        term.close()
+    lines = [line for line in screen_lines(seen) if "\u0301" in line]
+    assert len(lines) >= 4, seen[-2000:]   # prompt, call, result, history
+    assert max(map(len, lines)) <= 4 * 80, [len(line) for line in lines]
 
 
 # ---- 2. the flags a session remembers ----
