@@ -669,9 +669,9 @@ class Shell:
             case "/resume", True:
                 if (kept := _resumed(store, arg)) is None:
                     print(f"no session {arg} in {store.directory}; /sessions lists them")
-                else:   # on the model and endpoint it ran with, if it remembers them
-                    self._use(kept)
-                    self.session_id = arg
+                else:   # on the model and endpoint it ran with, if it remembers them and
+                    self.session_id = arg   # they work (else an error says why, and the
+                    self._use(kept)         # session goes on with the running ones)
             case "/history", _:   # one line a message
                 messages = self._state().messages   # loaded once: a session may be 20 MB
                 if not messages:

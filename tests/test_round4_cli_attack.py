@@ -10,7 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from conftest import CLI, KEY, final, write_config, xdg_env
+from conftest import CLI, KEY, Terminal, final, write_config, xdg_env
 from fake_openai import FakeOpenAI, stream_reply
 from test_round4_cli import assert_fits, bob, echo_config, narrow, screen_lines
 
@@ -109,6 +109,28 @@ def test_a_login_in_base_url_is_never_saved_with_the_session(tmp_path, srv):
     assert again.returncode == 0 and again.stdout == "two\n", again.stderr
     assert srv.requests[1]["body"]["model"] == "m"
     assert KEY not in again.stderr
+
+
+def test_resume_says_what_it_did_when_the_remembered_flags_do_not_work(tmp_path, srv):
+    # /resume of a session whose remembered key variable is not set said "resumed session s",
+    # then the error, and the next turns went to the session the person had just left.
+    srv.push(final("one"), final("two"))
+    assert bob(tmp_path, "--base-url", srv.url, "--model", "local:m", "--session", "s",
+               "-p", "the first message").returncode == 0
+    (sessions(tmp_path) / "s.flags").write_text(json.dumps({"api_key_env": "NOT_SET_KEY"}))
+    term = Terminal(tmp_path, "--base-url", srv.url, "--model", "local:m",
+                    env=xdg_env(tmp_path))
+    try:
+        term.expect(b"bob> ")
+        term.send(b"/resume s\r")
+        said = term.expect(b"bob> ")
+        term.send(b"again\r")
+        term.expect(b"bob> ", timeout=10)
+    finally:
+        term.close()
+    assert b"resumed session s" in said and b"NOT_SET_KEY" in said, said
+    assert "the first message" in json.dumps(srv.requests[1]["body"]["messages"])   # resumed
+    assert srv.requests[1]["body"]["model"] == "m"                   # on the running flags
 
 
 # ---- 3. --stream into a reader that left ----
