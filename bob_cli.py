@@ -487,7 +487,7 @@ class _Approvals:
         previous = signal.signal(signal.SIGINT, signal.default_int_handler)
         try:
             while (reply := _input("[y]es / [n]o / [a]lways for this tool this session? ")
-                   .strip().lower()) not in ("y", "yes", "n", "no", "a", "always"):
+                   .strip().lower()) not in "y yes n no a always".split():
                 pass
             if reply.startswith("n"):
                 reason = _input("why not? (optional, told to the model) ").strip()
@@ -1028,7 +1028,8 @@ def _build_shell(cfg, args):
                  approvals=approvals, llm_for=lambda flags: _llm(cfg, argparse.Namespace(
                      **vars(args) | flags)),
                  flags={key: value for key in _STICKY   # a login (user:key@) is a secret
-                        if (value := getattr(args, key)) and "@" not in value})
+                        if (value := getattr(args, key)) and (
+                            key != "base_url" or "@" not in value)})
 
 
 def _fail(e, code, verbose):

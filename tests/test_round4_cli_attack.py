@@ -111,6 +111,17 @@ def test_a_login_in_base_url_is_never_saved_with_the_session(tmp_path, srv):
     assert KEY not in again.stderr
 
 
+def test_a_model_name_with_an_at_sign_is_remembered(tmp_path, srv):
+    # Vertex AI's model names hold "@" (claude-3-5-sonnet@20240620): only a login in
+    # --base-url is kept off the disk, never such a model.
+    srv.push(final("one"), final("two"))
+    assert bob(tmp_path, "--base-url", srv.url, "--model", "local:claude@20240620",
+               "--session", "s", "-p", "hi").returncode == 0
+    again = bob(tmp_path, "--base-url", srv.url, "-c", "-p", "again")
+    assert again.returncode == 0 and again.stdout == "two\n", again.stderr
+    assert srv.requests[1]["body"]["model"] == "claude@20240620"
+
+
 def test_resume_says_what_it_did_when_the_remembered_flags_do_not_work(tmp_path, srv):
     # /resume of a session whose remembered key variable is not set said "resumed session s",
     # then the error, and the next turns went to the session the person had just left.
