@@ -278,9 +278,11 @@ _DEMO_REPLIES = (
                                     f"5 + 37 = {req.messages[-1].content.split()[-1]}."}),
 )
 
-# control characters made harmless; a tab or line break is a space (a display is one line)
-_CONTROLS = dict.fromkeys([*range(32), *range(127, 160)], "\ufffd") | dict.fromkeys(
-    map(ord, "\t\n\r"), " ")
+# control characters made harmless, and the bidi controls (U+202E drew the rest of a line right
+# to left: "txt.exe" read "exe.txt"); a tab or line break is a space (a display is one line)
+_CONTROLS = dict.fromkeys([*range(32), *range(127, 160), *map(ord, "\u061c\u200e\u200f"
+                           "\u202a\u202b\u202c\u202d\u202e\u2066\u2067\u2068\u2069")], "\ufffd")
+_CONTROLS |= dict.fromkeys(map(ord, "\t\n\r"), " ")
 
 
 def _plain():
@@ -302,13 +304,17 @@ def _cut(text, reserve=0):
     """One line of `text` that fits the terminal, less `reserve` columns: cut, with "...", by
     the columns its characters take (60 CJK characters are 120 columns, not 60). Text from the
     model or a server must not drive the terminal: control characters are made harmless."""
-    text, room = text.translate(_CONTROLS), shutil.get_terminal_size().columns - reserve
+    room = shutil.get_terminal_size().columns - reserve
+    # 4 characters a column at most: a combining mark takes none, and a line of 200,000 of
+    # them was written whole (1 MB of them took a second); Thai or Hindi use under 2
+    text = text[:room * 4].translate(_CONTROLS)
     used = end = 0   # the columns so far; the characters that leave room for "..."
-    for i, char in enumerate(text):   # up to `room` only: a line may be a 20 MB message
+    for i, char in enumerate(text):   # a line may be a 20 MB message
         used += _cells(char)
-        if used > room:
-            return text[:end] + "..."
-        end = i + 1 if used <= room - 3 else end
+        if used > room:   # a terminal 1 or 2 columns wide gets what fits of "..."
+            return text[:end] + "..."[:room]
+        if used <= room - 3:
+            end = i + 1
     return text
 
 
@@ -365,7 +371,7 @@ class _TurnView:
         kind, d = event.kind, event.data
         self.step = event.step
         if kind == "text_delta":   # the status line goes for good: the answer takes its place
-            self._write("\r\x1b[K", stop=True)
+            self.draw("\r\x1b[K", stop=True)
             self.raw += d["text"]
             text = _final_so_far(self.raw) if self.json_mode else self.raw
             if len(text) > len(self.shown):
@@ -380,12 +386,12 @@ class _TurnView:
             self.state = d["to"]
         elif kind == "tool_call_started" and self.calls:
             line = f"  -> {d['name']} {json.dumps(d['arguments'], ensure_ascii=False)}"
-            self._write(f"\r\x1b[K{_cut(line)}\n")
+            self.draw(f"\r\x1b[K{_cut(line)}\n")
         elif kind == "tool_call_completed" and self.calls:
             mark = "error: " if d.get("is_error") else ""
             ms = f" ({d['duration_ms']:.0f} ms)"   # kept when the line is cut
             line = f"  <- {d['name']}: {mark}{str(d.get('content', '')).strip()}"
-            self._write(f"\r\x1b[K{_cut(line, len(ms))}{ms}\n")
+            self.draw(f"\r\x1b[K{_cut(line, len(ms))}{ms}\n")
         elif kind == "error" and d.get("where") == "store.save":
             self.error = str(d.get("error", "")).removeprefix("StoreError: ")
         elif kind == "llm_call_completed" and d.get("finish_reason") == "length":
@@ -396,9 +402,10 @@ class _TurnView:
         A plain terminal (TERM=dumb, NO_COLOR) gets no status line, only the tool calls."""
         status = "" if stop or _plain() else (f"  {self.state}  step {self.step}/"
                                              f"{self.max_steps}  {time.monotonic() - self.t0:.1f}s")
-        self._write(f"\r\x1b[K{_cut(status)}", stop)   # a line that wraps is drawn again below
+        self.draw(f"\r\x1b[K{_cut(status)}", stop)   # a line that wraps is drawn again below
 
-    def _write(self, text, stop=False):
+    def draw(self, text, stop=False):
+        """Write `text` on the terminal while the status line is drawn (no escapes if plain)."""
         with self._lock:   # the worker's events and the main thread's ticks
             if self.drawing:   # "\x1b[K" erases the line, from where "\r" took the cursor
                 print(text.replace("\x1b[K", "") if _plain() else text, end="", file=self.out,
@@ -472,7 +479,7 @@ class _Approvals:
 
     def ask(self, call):
         """On the main thread: show the call, read y / n (and a reason) / a; Ctrl-C cancels."""
-        print(f"bob: {call.name} wants to run with", file=sys.stderr)
+        _note(f"{call.name} wants to run with")
         for name, value in call.arguments.items():   # an argument a line, cut to the terminal
             print(_cut(f"    {name}: {json.dumps(value, ensure_ascii=False)}"), file=sys.stderr)
         import termios   # POSIX; the prompt runs on a terminal only
@@ -480,7 +487,7 @@ class _Approvals:
         previous = signal.signal(signal.SIGINT, signal.default_int_handler)
         try:
             while (reply := _input("[y]es / [n]o / [a]lways for this tool this session? ")
-                   .strip().lower()) not in ("y", "yes", "n", "no", "a", "always"):
+                   .strip().lower()) not in "y yes n no a always".split():
                 pass
             if reply.startswith("n"):
                 reason = _input("why not? (optional, told to the model) ").strip()
@@ -570,6 +577,12 @@ class Shell:
             if new:
                 _forget(store, self.session_id)
             raise
+        else:   # saved: `bob -c` runs with the flags again (kept before any print: `| head`)
+            if self.flags:
+                with contextlib.suppress(OSError):
+                    path = _flags_file(store, self.session_id)
+                    _owner_only(path)   # as the session's file
+                    path.write_text(json.dumps(self.flags))
         shown, content = self.view.shown, result.content
         if result.finish_reason is bob.FinishReason.CANCELLED:   # one line says it all
             if shown:
@@ -588,11 +601,6 @@ class Shell:
             print(stats if _plain() else f"\x1b[2m{stats}\x1b[0m", file=sys.stderr, flush=True)
         if self.view.error is not None:
             raise self._unsaved()
-        if self.flags:   # `bob -c` runs with them again
-            with contextlib.suppress(OSError):
-                path = _flags_file(store, self.session_id)
-                _owner_only(path)   # as the session's file
-                path.write_text(json.dumps(self.flags))
         return result
 
     def _unsaved(self):
@@ -637,8 +645,7 @@ class Shell:
     def _answer(self):   # ask the person about a call waiting for approval, if one is
         with contextlib.suppress(queue.Empty):
             call, answer = self.approvals.asks.get_nowait()
-            if self.view.drawing:   # the prompt goes where the status line was (the worker waits)
-                sys.stderr.write("\r\x1b[K")
+            self.view.draw("\r\x1b[K")   # the prompt goes where the status line was
             answer.put(self.approvals.ask(call))
 
     def command(self, line: str) -> bool:
@@ -662,9 +669,9 @@ class Shell:
             case "/resume", True:
                 if (kept := _resumed(store, arg)) is None:
                     print(f"no session {arg} in {store.directory}; /sessions lists them")
-                else:   # on the model and endpoint it ran with, if it remembers them
-                    self._use(kept)
-                    self.session_id = arg
+                else:   # on the model and endpoint it ran with, if it remembers them and
+                    self.session_id = arg   # they work (else an error says why, and the
+                    self._use(kept)         # session goes on with the running ones)
             case "/history", _:   # one line a message
                 messages = self._state().messages   # loaded once: a session may be 20 MB
                 if not messages:
@@ -717,7 +724,7 @@ class Shell:
     def close(self) -> None:
         """Cancel a running turn and stop every MCP server; idempotent."""
         self.cancel.cancel()
-        if self.mcp is not None:
+        if self.mcp:
             self.mcp.close()
 
 
@@ -1020,7 +1027,9 @@ def _build_shell(cfg, args):
     return Shell(runtime, session_id, Path(cfg.path or "agent.toml").name, mcp, view,
                  approvals=approvals, llm_for=lambda flags: _llm(cfg, argparse.Namespace(
                      **vars(args) | flags)),
-                 flags={key: getattr(args, key) for key in _STICKY if getattr(args, key)})
+                 flags={key: value for key in _STICKY   # a login (user:key@) is a secret
+                        if (value := getattr(args, key)) and (
+                            key != "base_url" or "@" not in value)})
 
 
 def _fail(e, code, verbose):
@@ -1084,7 +1093,7 @@ def _run_replay(argv):
     except KeyboardInterrupt:
         return 130
     finally:
-        if mcp is not None:
+        if mcp:
             mcp.close()
     print(report, flush=True)
     return 0 if report.ok else 1
