@@ -56,7 +56,9 @@ def assert_fits(raw: bytes, columns: int) -> None:
     assert not over, over
 
 
-def echo_config(tmp_path: Path, srv, runtime: str = "") -> None:
+def echo_config(tmp_path: Path, srv, runtime: str = "turn_timeout_ms = 20000\n") -> None:
+    """An agent.toml with the echo MCP server, its calls asked. The turn's time includes the
+    server's start (the MCP SDK's import: seconds under load), hence 20 s unless given."""
     write_config(tmp_path, srv, runtime=runtime, extra=(
         '[policy]\nask_tools = ["t__echo"]\n'
         f'[[mcp.servers]]\nid = "t"\ncommand = "{sys.executable}"\nargs = ["{MCP_SERVER}"]\n'))
@@ -184,7 +186,7 @@ def test_the_approval_prompt_ends_with_its_turn(tmp_path, srv):
     # the answer went nowhere and the REPL showed the turn's end only after it.
     call = json.dumps({"type": "tool_call", "name": "t__echo", "arguments": {"text": "x"}})
     srv.push(call, final("unused"))
-    echo_config(tmp_path, srv, runtime="turn_timeout_ms = 5000\n")
+    echo_config(tmp_path, srv, runtime="turn_timeout_ms = 3000\n")
     term = Terminal(tmp_path, env=xdg_env(tmp_path))
     try:
         term.expect(b"bob> ")
