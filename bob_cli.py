@@ -615,13 +615,16 @@ class Shell:
 
         def work():
             try:
-                outcome.put(self.runtime.run(bob.AgentRequest(text, self.session_id), cancel))
+                result = self.runtime.run(bob.AgentRequest(text, self.session_id), cancel)
             except BaseException as e:  # re-raised on the main thread below
-                outcome.put(e)
+                result = e
             if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
                 # the turn ended (its time ran out) while the approval prompt, which reads with
                 # this handler, waits: the answer would go nowhere. A Ctrl-C ends the prompt.
+                # Sent before the outcome is given: after it, the main thread may have left the
+                # turn (SIGTERM's path restores its own handler) and the signal would hit that.
                 signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+            outcome.put(result)
         worker = threading.Thread(target=work, name="bob-turn", daemon=True)
         previous = signal.signal(signal.SIGINT, lambda signum, frame: cancel.cancel())
         try:
