@@ -1453,15 +1453,23 @@ class _NoAnswer(Cancelled):
     """A port that answers inline has no answer (see _Worker); to any other caller, Cancelled."""
 
 
+def _inline(port):
+    """Whether `port` answers on the caller's thread: its own class (not a parent) says
+    `_answers_inline = True`, as bob's replay ports do. A subclass that may block (a live
+    fallback, a simulated latency) then keeps its worker thread, its cancel and its deadline,
+    unless it says so itself; a Mock's made-up attribute never counts."""
+    return vars(type(port)).get("_answers_inline") is True
+
+
 class _Worker:
     """One call of `port` on a pool thread; `done` turns True when it returns or raises.
-    A port whose `_answers_inline` is True (bob's replay ports: they answer from memory in
+    A port that answers inline (_inline: bob's replay ports, which answer from memory in
     microseconds and never block) is called on the caller's thread: no hand-off (two a step
     were a third or more of a replay's time, bench/replay_speed.py). Cancel and deadlines are
     checked between steps as ever. With no answer it raises _NoAnswer: never done, it is waited
     on (until the cancel or the deadline) like a port that hangs, and, running nowhere, is never
-    counted as abandoned. The marker counts only if it is exactly True (a Mock's made-up
-    attribute is not)."""
+    counted as abandoned. On a pool thread _NoAnswer is an error like any other (a port that
+    wraps a replay port): handed over, and the thread uncounted if it was given up."""
 
     def __init__(self, fn, wake, port=None):
         self.fn = fn
@@ -1469,7 +1477,8 @@ class _Worker:
         self.value: Any = None
         self.error: BaseException | None = None
         self.done = self._given_up = False
-        if getattr(port, "_answers_inline", False) is True:
+        self.inline = _inline(port)
+        if self.inline:
             self._run()
         else:
             _submit(self._run)
@@ -1478,10 +1487,10 @@ class _Worker:
         global _abandoned
         try:
             self.value = self.fn()
-        except _NoAnswer:   # (inline) left not done, so waited on; and never counted, see above
-            self._given_up = True
-            return
         except BaseException as e:  # handed to the waiting thread, never lost
+            if self.inline and isinstance(e, _NoAnswer):   # left not done, so waited on; and
+                self._given_up = True                       # never counted, see above
+                return
             self.error = e
         with _lock:
             self.done = True
@@ -1828,7 +1837,8 @@ class _Turn:
 
     def _call_port(self, fn, port=None):
         """Run a port call on a worker; wait until it ends, the turn deadline, or a cancel."""
-        if abandoned_workers() >= _MAX_ABANDONED:  # a port that ignores cancel: stop leaking
+        # a port that ignores cancel: stop leaking threads (an inline port uses none)
+        if abandoned_workers() >= _MAX_ABANDONED and not _inline(port):
             raise AgentError(f"{_MAX_ABANDONED} earlier port calls are still hung (a port "
                              "that ignores cancel and deadlines); restart the program")
         worker = _Worker(fn, self.wake, port)
@@ -1971,7 +1981,7 @@ class _Turn:
         if all(d.name != call.name for d in self.tools):
             names = ", ".join(d.name for d in self.tools) or "none"
             return _error(call, f"unknown tool {call.name!r}; available tools: {names}")
-        if abandoned_workers() >= _MAX_ABANDONED:
+        if abandoned_workers() >= _MAX_ABANDONED and not _inline(self.rt.tools):
             return _error(call, f"executor unavailable: {_MAX_ABANDONED} earlier port calls "
                                 "are still hung; restart the program")
         return None
@@ -2920,7 +2930,8 @@ class _Replay:
     error to the runtime, and `divergence` says why."""
 
     # Answers come from memory and never block: the runtime calls them on its own thread
-    # (_Worker), and runs a batch's calls one after another, in call order
+    # (_inline, _Worker), and runs a batch's calls one after another, in call order. Each class
+    # says so itself: a subclass that may block does not inherit it
     _answers_inline = True
 
     def __init__(self, trace: _Trace, on_interrupt: Callable[[], None] | None = None):
@@ -2957,6 +2968,9 @@ class _Replay:
             self._script.append([d["digest"], None])
             asked = e["line"]
         elif kind == "llm_call_completed":
+            if not asked:   # a reply twice, or one added: the mirror of a reply deleted
+                raise TraceError(f"line {e['line']}: this llm_call_completed answers no "
+                                 "llm_call_started: the trace was edited")
             _field(d, "content", str)
             _field(d, "finish_reason", (str, type(None)))
             calls = tuple(ToolCall(**c) for c in d["tool_calls"])
@@ -3002,6 +3016,8 @@ class _Replay:
         # token, fired here, and sees no answer
         if answer is _TIMED_OUT:
             cancel.cancel()
+        elif self.on_interrupt:   # cancelled while the model answered: the cancel comes now
+            self.on_interrupt()
         raise _NoAnswer("the recorded request was never answered")
 
     # -- the ToolPort --
@@ -3034,10 +3050,14 @@ class ReplayLlm(_Replay):
     out of time on fires the turn's cancel token: the turn times out at once. TraceError when a
     request has no reply and the turn went on (the trace was edited)."""
 
+    _answers_inline = True   # see _Replay
+
 
 class ReplayTools(_Replay):
     """A ToolPort answering each call with its recorded result if name and arguments match (else
     an error; `divergence` says why); a call interrupted in the recording calls `on_interrupt`."""
+
+    _answers_inline = True   # see _Replay
 
 
 @dataclass

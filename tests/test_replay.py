@@ -440,11 +440,15 @@ def test_replay_ports_answer_on_the_loops_thread_and_live_tools_on_a_worker(tmp_
     threads = []
 
     class Llm(ReplayLlm):
+        _answers_inline = True   # a subclass says so itself (bob._inline)
+
         def complete(self, req, cancel, on_delta=None):
             threads.append(("llm", threading.current_thread()))
             return super().complete(req, cancel, on_delta)
 
     class Tools(ReplayTools):
+        _answers_inline = True
+
         def list_tools(self):
             threads.append(("list", threading.current_thread()))
             return super().list_tools()

@@ -47,9 +47,6 @@ def kinds(lines: list[str]) -> list[str]:
 
 # ---- 2. Breaks ----------------------------------------------------------------------------------
 
-@pytest.mark.xfail(strict=True, reason="a subclass of ReplayTools inherits _answers_inline, so "
-                   "a call_tool that blocks runs on the loop's thread: cancel and deadlines "
-                   "wait for it (bob.py _Worker.__init__)")
 @pytest.mark.parametrize("stop", ["cancel", "tool_timeout"])
 def test_a_replay_port_subclass_that_blocks_still_gets_cancel_and_deadlines(tmp_path, hang, stop):
     """A subclass that blocks (a live fallback for calls not recorded, latency simulated for a UI
@@ -125,9 +122,6 @@ def test_a_turn_timeout_recorded_while_the_approver_was_asked_replays_the_same(t
     assert report.ok, str(report)
 
 
-@pytest.mark.xfail(strict=True, reason="ReplayLlm never calls on_interrupt: a request recorded "
-                   "as cancelled while the model answered is waited on (_NoAnswer) until the "
-                   "turn deadline, 90 s by default, and ends turn_timeout, not cancelled")
 def test_a_hand_wired_replay_llm_ends_a_recorded_cancel_at_once(tmp_path, hang):
     path, release = tmp_path / "t.jsonl", hang()
 
@@ -147,10 +141,6 @@ def test_a_hand_wired_replay_llm_ends_a_recorded_cancel_at_once(tmp_path, hang):
     assert time.monotonic() - t0 < 0.5
 
 
-@pytest.mark.xfail(strict=True, reason="replay ports use no thread since 30ed974, yet "
-                   "_call_port and _refusal_of_call refuse them once 32 live workers hang "
-                   "elsewhere in the process; replay() then reports 'one run ended before the "
-                   "other' at step 0 without the reason")
 def test_hung_live_workers_elsewhere_do_not_stop_a_replay(tmp_path, hang):
     path, release = tmp_path / "t.jsonl", hang()
     summed(path)
@@ -207,10 +197,6 @@ print(len(inner.requests), inner.divergence, bob.abandoned_workers())
 """
 
 
-@pytest.mark.xfail(strict=True, reason="_Worker._run takes _NoAnswer as 'inline, never done' "
-                   "on any thread: a port wrapping ReplayLlm that answers after give_up() "
-                   "counted it never uncounts it (abandoned_workers() stays up for good; 32 of "
-                   "them stop every port call in the process)")
 def test_a_port_wrapping_replay_llm_that_answers_late_leaks_no_abandoned_worker(tmp_path, hang):
     """Run in a child process: the leak would stay in this one's count for good."""
     path, release = tmp_path / "t.jsonl", hang()
@@ -227,10 +213,6 @@ def test_a_port_wrapping_replay_llm_that_answers_late_leaks_no_abandoned_worker(
     assert out.stdout.split() == ["1", "None", "0"]
 
 
-@pytest.mark.xfail(strict=True, reason="_Replay._read takes an llm_call_completed that answers "
-                   "no llm_call_started as the last request's reply: a duplicated line replays "
-                   "'same', an added one replaces the recorded reply and the report points at "
-                   "the turn's end, not at the line")
 @pytest.mark.parametrize("content", [None, "4"])
 def test_a_reply_that_answers_no_request_is_a_trace_error_naming_its_line(tmp_path, content):
     """The mirror of a request with no reply (a TraceError naming the line, at once)."""
