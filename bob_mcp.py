@@ -396,6 +396,7 @@ class _Server:
             self.dead = self._scrub(f"MCP server {self.cfg.id!r} failed to start: {cause}{tail}")
             self.ready.set_exception(McpError(self.dead))
             self.ready.exception()   # seen: when a call restarted it, none may await it
+            self.status = 0          # a failed start is no lost session: calls do not retry it
         elif not self.closing:
             self.dead = self._scrub(f"server {self.cfg.id} {cause}{tail}")
             log.warning("MCP %s\nbob will try to restart it: at once for a call that met a "
@@ -462,7 +463,9 @@ class _Server:
                     "that cannot be sent; call again with valid text"), True
         # Started (at once, usually); or a restart under way: another call met a 404.
         await asyncio.wait({self.ready}, timeout=timeout_s)
-        if self.session is not None:   # else it is gone already
+        if not self.ready.done():   # a new session (after a 404) still starting at the deadline
+            raise TimeoutError      # call_tool says the call timed out
+        if self.session:   # else it is gone already
             try:
                 result = await self.session.call_tool(tool, arguments,
                                                       read_timeout_seconds=timeout_s)
@@ -470,7 +473,7 @@ class _Server:
             except mcp.MCPError as e:   # a server may send the codes the SDK uses for its own
                 err = e.error
                 if err.code == mcp.types.REQUEST_TIMEOUT and err.message.startswith("Request "):
-                    return f"tool {tool} timed out after {round(timeout_s * 1000)} ms", True
+                    raise TimeoutError
                 if (err.code, err.message, err.data) != (mcp.types.CONNECTION_CLOSED,
                                                          "Connection closed", None):
                     if self.status != 404:   # 404: the session is gone (see below)
@@ -479,17 +482,18 @@ class _Server:
                 return f"invalid result from server {self.cfg.id}: {e}", True
             except Exception as e:                    # the transport failed (e.g. HTTP refused)
                 self._error = e
-            # HTTP 404: the server lost the session (calls in flight with this one get "Connection
-            # closed"); read now, as a restart resets it.
-            lost = self.status == 404
             self._scope.cancel()                      # let the owner exit and say why
-            await asyncio.wait({self.task}, timeout=_GRACE_S)
-            if lost and retry:
-                if self.dead:                         # not restarted yet by another call
-                    self.start()
-                    self.list_changed = True          # the next turn publishes its new list
-                return await self.call(tool, arguments, max(0.001, deadline - time.monotonic()),
-                                       retry=False)
+        # HTTP 404: the server lost the session, met by this call or by another that has not
+        # begun the new session yet (calls in flight with it get "Connection closed"). Read
+        # before the owner has ended: a restart resets it.
+        lost = self.status == 404
+        await asyncio.wait({self.task}, timeout=_GRACE_S)
+        if lost and retry:
+            if self.dead:                             # not restarted yet by another call
+                self.start()
+                self.list_changed = True              # the next turn publishes its new list
+            return await self.call(tool, arguments, max(0.001, deadline - time.monotonic()),
+                                   retry=False)
         return f"executor unavailable: {self.dead or f'server {self.cfg.id} stopped'}", True
 
     async def stop(self, timeout_s: float) -> None:
@@ -598,7 +602,7 @@ class McpToolPort:
             raise McpError("this McpToolPort is not started: call start(), or use it in a with")
         try:
             self._started.result(self._startup_s)
-        except concurrent.futures.TimeoutError:
+        except TimeoutError:   # concurrent.futures's, since 3.11
             raise McpError(f"MCP servers did not start in {self._startup_s:.0f} s") from None
         except Exception:  # a failed start leaves nothing running; the error goes up at once
             threading.Thread(target=self.close, daemon=True).start()
@@ -612,7 +616,7 @@ class McpToolPort:
         forget = cancel.on_cancel(future.cancel) if cancel else lambda: None
         try:
             return future.result(timeout_s)
-        except concurrent.futures.TimeoutError:
+        except TimeoutError:   # concurrent.futures's, since 3.11
             raise McpError(f"MCP servers did not answer in {timeout_s:.0f} s") from None
         finally:
             forget()
@@ -661,7 +665,7 @@ class McpToolPort:
                 text, is_error = self._run(server.call(tool, call.arguments, limit), limit + 1.0,
                                            cancel)
                 text = server._scrub(text)
-            except McpError:   # the backstop's timeout
+            except McpError:   # the backstop's timeout, or call()'s TimeoutError (the same)
                 text, is_error = f"tool {tool} timed out after {round(limit * 1000)} ms", True
             except concurrent.futures.CancelledError:
                 text, is_error = f"tool {tool} cancelled", True
@@ -695,7 +699,7 @@ class McpToolPort:
             return
         try:
             self._run(self._stop_all(_CLOSE_S), _CLOSE_S + 2.0)
-            concurrent.futures.wait([self._started], timeout=1.0)  # let a startup finish
+            concurrent.futures.wait([self._started], 1.0)  # let a startup finish
         except BaseException as e:  # the loop is stuck, or Ctrl-C: kill them from this thread
             log.warning("MCP servers did not stop in time (%r); killing them", e)
             for server in self._servers:
@@ -703,4 +707,4 @@ class McpToolPort:
             if not isinstance(e, Exception):
                 raise
         self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(timeout=2.0)
+        self._thread.join(2.0)
