@@ -227,8 +227,9 @@ def _sdk_note(record: logging.LogRecord) -> bool:
 def _kill(pgid: int | None, pids: Sequence[int] = ()) -> None:
     """SIGKILL a server's process group and these pids; safe from any thread (no SDK object)."""
     for kill, target in [(os.killpg, pgid), *[(os.kill, pid) for pid in pids]]:
-        with contextlib.suppress(ProcessLookupError, PermissionError, TypeError):
-            kill(target, signal.SIGKILL)   # TypeError: no group (None)
+        # OSError: gone (ProcessLookupError) or not ours (PermissionError); TypeError: no group
+        with contextlib.suppress(OSError, TypeError):
+            kill(target, signal.SIGKILL)
 
 
 def _descendants(pid: int | None) -> list[int]:
@@ -238,7 +239,7 @@ def _descendants(pid: int | None) -> list[int]:
         with contextlib.suppress(OSError, ValueError, IndexError):   # gone, or not a process
             with open(f"/proc/{entry}/stat", "rb") as f:
                 parent[int(entry)] = int(f.read().rsplit(b")", 1)[1].split()[1])
-    found, new = set(), {pid} if pid else set()
+    found, new = set(), {pid}   # pid None: no process has it as parent
     while new:
         found |= new
         new = {p for p, pp in parent.items() if pp in new} - found
@@ -297,7 +298,7 @@ class _Server:
         if self.closing:
             return
         self.tools = []                     # mcp Tool objects of the session
-        self.session: Any = None            # set while the server takes calls
+        self.session = None                 # its ClientSession while it takes calls
         self.dead: str | None = None        # why it stopped by itself; restarted next turn
                                             # (after a 404, at once: see call())
         self.list_changed = False           # tools/list_changed came: re-list next turn
@@ -376,7 +377,8 @@ class _Server:
         leaf = _leaf(error)                       # the real error (None if none)
         if isinstance(leaf, mcp.MCPError) and leaf.error.code == mcp.types.CONNECTION_CLOSED:
             error = None                  # it ended the connection; its exit code says more
-            code = None if code == -signal.SIGTERM else code   # the SDK's stop, at EOF
+            if code == -signal.SIGTERM:   # the SDK's stop, at EOF
+                code = None
         if not ready and self.closing:
             cause = "stopped while starting"
         elif not ready and self._scope.cancelled_caught:
@@ -520,7 +522,7 @@ class McpToolPort:
         self._servers = []    # the running _Servers, in config order
         self._names = {}      # exposed name -> (_Server, MCP name of the tool)
         self._tools = []      # the ToolDescriptors list_tools() returns
-        self._loop: Any = None       # the port's event loop, made by start()
+        self._loop = None            # the port's asyncio event loop, made by start()
         self._started = None         # the concurrent Future of _start_all, made by start()
         self._lock = threading.Lock()          # guards start() and close()
         self._closed = False
@@ -582,19 +584,22 @@ class McpToolPort:
         that rename to one): no server fails for it, an optional one least of all."""
         names = {}   # as self._names
         tools = []
+        clashes = []   # a warning per tool skipped (str): the first is logged, with the count
         for server in self._servers:
             for tool in server.tools:
                 name = exposed_name(server.cfg.id, server._scrub(tool.name))  # as shown
                 if name in names:
                     other, other_tool = names[name]
                     fix = "the server lists both" if other is server else "rename a server id"
-                    log.warning(f"MCP tool name clash: {other.cfg.id!r} tool {other_tool!r} and "
-                                f"{server.cfg.id!r} tool {tool.name!r} are both exposed as "
-                                f"{name!r}; skipping the second ({fix})")
+                    clashes.append(f"MCP tool name clash: {other.cfg.id!r} tool {other_tool!r} "
+                                   f"and {server.cfg.id!r} tool {tool.name!r} are both exposed as "
+                                   f"{name!r}; skipping the second ({fix})")
                     continue
                 names[name] = (server, tool.name)
                 tools.append(ToolDescriptor(name, server._scrub(tool.description or ""),
                                             _masked(tool.input_schema, server._scrub)))
+        if clashes:   # one line: a server listing one name 1,000 times would fill the log
+            log.warning(f"{clashes[0]}; {len(clashes)} tools skipped in all")
         self._names, self._tools = names, tools   # swapped whole: read by other threads
 
     def _wait_started(self) -> None:

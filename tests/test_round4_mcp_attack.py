@@ -5,13 +5,18 @@ from __future__ import annotations
 
 import gc
 import logging
+import sys
 import threading
 import time
+from pathlib import Path
 
 import bob
+import bob_mcp
 from bob import CancelToken, ToolCall
 from bob_mcp import McpServerConfig, McpToolPort
 from mcp_http_server import McpHttpServer
+
+SAME = str(Path(__file__).parent / "mcp_same_name_server.py")
 
 
 def http(url: str, **kw) -> McpServerConfig:
@@ -137,3 +142,47 @@ def test_a_404_met_while_bob_closes_leaves_no_thread_and_no_unseen_error(caplog)
     left = [t for t in set(threading.enumerate()) - threads_before if t.is_alive()]
     assert not left, left
     assert "never retrieved" not in caplog.text, caplog.text
+
+
+class _ForgetOnCall(set):
+    """Sessions a server forgets at each tools/call (initialize and tools/list work)."""
+
+    def __init__(self, requests: list) -> None:
+        super().__init__()
+        self.requests = requests
+
+    def __contains__(self, session: object) -> bool:
+        return self.requests[-1][0] != "tools/call" and super().__contains__(session)
+
+
+def test_a_server_that_answers_404_only_to_calls_costs_a_bounded_number_of_requests():
+    with McpHttpServer() as srv, McpToolPort([http(srv.url)]) as port:
+        srv.sessions = _ForgetOnCall(srv.requests)
+        before = len(srv.requests)
+        for turn in range(3):
+            port.list_tools()
+            for _ in range(2):
+                r = call(port, timeout_s=20.0)
+                assert r.is_error and "HTTP 404" in r.content, r
+        sent = methods(srv)[before:]
+        print(f"404 to every tools/call: {len(sent)} requests for 6 calls in 3 turns: "
+              f"{sent.count('initialize')} initialize, {sent.count('tools/call')} tools/call")
+        assert sent.count("tools/call") <= 2 * 6 and sent.count("initialize") <= 2 * 6, sent
+
+
+# ---- 2. the tool cap ----------------------------------------------------------------------------
+
+def test_a_thousand_tools_of_one_name_are_one_warning_a_listing_not_999(caplog):
+    same = McpServerConfig("s", command=sys.executable, args=(SAME, str(bob_mcp._MAX_TOOLS)))
+    with caplog.at_level(logging.WARNING, logger="bob.mcp"), McpToolPort([same]) as port:
+        assert [t.name for t in port.list_tools()] == ["s__same"]
+        assert call_same(port).content == "ok"      # it sends tools/list_changed
+        assert [t.name for t in port.list_tools()] == ["s__same"]   # listed again
+    clashes = [r.getMessage() for r in caplog.records if "clash" in r.getMessage()]
+    assert len(clashes) == 2, len(clashes)
+    assert "'same'" in clashes[0] and "the server lists both" in clashes[0], clashes[0]
+    assert f"{bob_mcp._MAX_TOOLS - 1} tools skipped" in clashes[0], clashes[0]
+
+
+def call_same(port: McpToolPort) -> bob.ToolResult:
+    return port.call_tool(ToolCall("c1", "s__same", {}), 10.0)
