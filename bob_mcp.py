@@ -227,8 +227,9 @@ def _sdk_note(record: logging.LogRecord) -> bool:
 def _kill(pgid: int | None, pids: Sequence[int] = ()) -> None:
     """SIGKILL a server's process group and these pids; safe from any thread (no SDK object)."""
     for kill, target in [(os.killpg, pgid), *[(os.kill, pid) for pid in pids]]:
-        with contextlib.suppress(ProcessLookupError, PermissionError, TypeError):
-            kill(target, signal.SIGKILL)   # TypeError: no group (None)
+        # OSError: gone (ProcessLookupError) or not ours (PermissionError); TypeError: no group
+        with contextlib.suppress(OSError, TypeError):
+            kill(target, signal.SIGKILL)
 
 
 def _descendants(pid: int | None) -> list[int]:
@@ -238,7 +239,7 @@ def _descendants(pid: int | None) -> list[int]:
         with contextlib.suppress(OSError, ValueError, IndexError):   # gone, or not a process
             with open(f"/proc/{entry}/stat", "rb") as f:
                 parent[int(entry)] = int(f.read().rsplit(b")", 1)[1].split()[1])
-    found, new = set(), {pid} if pid else set()
+    found, new = set(), {pid}   # pid None: no process has it as parent
     while new:
         found |= new
         new = {p for p, pp in parent.items() if pp in new} - found
@@ -297,7 +298,7 @@ class _Server:
         if self.closing:
             return
         self.tools = []                     # mcp Tool objects of the session
-        self.session: Any = None            # set while the server takes calls
+        self.session = None                 # its ClientSession while it takes calls
         self.dead: str | None = None        # why it stopped by itself; restarted next turn
                                             # (after a 404, at once: see call())
         self.list_changed = False           # tools/list_changed came: re-list next turn
@@ -376,7 +377,8 @@ class _Server:
         leaf = _leaf(error)                       # the real error (None if none)
         if isinstance(leaf, mcp.MCPError) and leaf.error.code == mcp.types.CONNECTION_CLOSED:
             error = None                  # it ended the connection; its exit code says more
-            code = None if code == -signal.SIGTERM else code   # the SDK's stop, at EOF
+            if code == -signal.SIGTERM:   # the SDK's stop, at EOF
+                code = None
         if not ready and self.closing:
             cause = "stopped while starting"
         elif not ready and self._scope.cancelled_caught:
@@ -396,6 +398,7 @@ class _Server:
             self.dead = self._scrub(f"MCP server {self.cfg.id!r} failed to start: {cause}{tail}")
             self.ready.set_exception(McpError(self.dead))
             self.ready.exception()   # seen: when a call restarted it, none may await it
+            self.status = 0          # a failed start is no lost session: calls do not retry it
         elif not self.closing:
             self.dead = self._scrub(f"server {self.cfg.id} {cause}{tail}")
             log.warning("MCP %s\nbob will try to restart it: at once for a call that met a "
@@ -462,7 +465,9 @@ class _Server:
                     "that cannot be sent; call again with valid text"), True
         # Started (at once, usually); or a restart under way: another call met a 404.
         await asyncio.wait({self.ready}, timeout=timeout_s)
-        if self.session is not None:   # else it is gone already
+        if not self.ready.done():   # a new session (after a 404) still starting at the deadline
+            raise TimeoutError      # call_tool says the call timed out
+        if self.session:   # else it is gone already
             try:
                 result = await self.session.call_tool(tool, arguments,
                                                       read_timeout_seconds=timeout_s)
@@ -470,7 +475,7 @@ class _Server:
             except mcp.MCPError as e:   # a server may send the codes the SDK uses for its own
                 err = e.error
                 if err.code == mcp.types.REQUEST_TIMEOUT and err.message.startswith("Request "):
-                    return f"tool {tool} timed out after {round(timeout_s * 1000)} ms", True
+                    raise TimeoutError
                 if (err.code, err.message, err.data) != (mcp.types.CONNECTION_CLOSED,
                                                          "Connection closed", None):
                     if self.status != 404:   # 404: the session is gone (see below)
@@ -479,17 +484,18 @@ class _Server:
                 return f"invalid result from server {self.cfg.id}: {e}", True
             except Exception as e:                    # the transport failed (e.g. HTTP refused)
                 self._error = e
-            # HTTP 404: the server lost the session (calls in flight with this one get "Connection
-            # closed"); read now, as a restart resets it.
-            lost = self.status == 404
             self._scope.cancel()                      # let the owner exit and say why
-            await asyncio.wait({self.task}, timeout=_GRACE_S)
-            if lost and retry:
-                if self.dead:                         # not restarted yet by another call
-                    self.start()
-                    self.list_changed = True          # the next turn publishes its new list
-                return await self.call(tool, arguments, max(0.001, deadline - time.monotonic()),
-                                       retry=False)
+        # HTTP 404: the server lost the session, met by this call or by another that has not
+        # begun the new session yet (calls in flight with it get "Connection closed"). Read
+        # before the owner has ended: a restart resets it.
+        lost = self.status == 404
+        await asyncio.wait({self.task}, timeout=_GRACE_S)
+        if lost and retry:
+            if self.dead:                             # not restarted yet by another call
+                self.start()
+                self.list_changed = True              # the next turn publishes its new list
+            return await self.call(tool, arguments, max(0.001, deadline - time.monotonic()),
+                                   retry=False)
         return f"executor unavailable: {self.dead or f'server {self.cfg.id} stopped'}", True
 
     async def stop(self, timeout_s: float) -> None:
@@ -516,7 +522,7 @@ class McpToolPort:
         self._servers = []    # the running _Servers, in config order
         self._names = {}      # exposed name -> (_Server, MCP name of the tool)
         self._tools = []      # the ToolDescriptors list_tools() returns
-        self._loop: Any = None       # the port's event loop, made by start()
+        self._loop = None            # the port's asyncio event loop, made by start()
         self._started = None         # the concurrent Future of _start_all, made by start()
         self._lock = threading.Lock()          # guards start() and close()
         self._closed = False
@@ -578,19 +584,22 @@ class McpToolPort:
         that rename to one): no server fails for it, an optional one least of all."""
         names = {}   # as self._names
         tools = []
+        clashes = []   # a warning per tool skipped (str): the first is logged, with the count
         for server in self._servers:
             for tool in server.tools:
                 name = exposed_name(server.cfg.id, server._scrub(tool.name))  # as shown
                 if name in names:
                     other, other_tool = names[name]
                     fix = "the server lists both" if other is server else "rename a server id"
-                    log.warning(f"MCP tool name clash: {other.cfg.id!r} tool {other_tool!r} and "
-                                f"{server.cfg.id!r} tool {tool.name!r} are both exposed as "
-                                f"{name!r}; skipping the second ({fix})")
+                    clashes.append(f"MCP tool name clash: {other.cfg.id!r} tool {other_tool!r} "
+                                   f"and {server.cfg.id!r} tool {tool.name!r} are both exposed as "
+                                   f"{name!r}; skipping the second ({fix})")
                     continue
                 names[name] = (server, tool.name)
                 tools.append(ToolDescriptor(name, server._scrub(tool.description or ""),
                                             _masked(tool.input_schema, server._scrub)))
+        if clashes:   # one line: a server listing one name 1,000 times would fill the log
+            log.warning(f"{clashes[0]}; {len(clashes)} tools skipped in all")
         self._names, self._tools = names, tools   # swapped whole: read by other threads
 
     def _wait_started(self) -> None:
@@ -598,7 +607,7 @@ class McpToolPort:
             raise McpError("this McpToolPort is not started: call start(), or use it in a with")
         try:
             self._started.result(self._startup_s)
-        except concurrent.futures.TimeoutError:
+        except TimeoutError:   # concurrent.futures's, since 3.11
             raise McpError(f"MCP servers did not start in {self._startup_s:.0f} s") from None
         except Exception:  # a failed start leaves nothing running; the error goes up at once
             threading.Thread(target=self.close, daemon=True).start()
@@ -612,7 +621,7 @@ class McpToolPort:
         forget = cancel.on_cancel(future.cancel) if cancel else lambda: None
         try:
             return future.result(timeout_s)
-        except concurrent.futures.TimeoutError:
+        except TimeoutError:   # concurrent.futures's, since 3.11
             raise McpError(f"MCP servers did not answer in {timeout_s:.0f} s") from None
         finally:
             forget()
@@ -661,7 +670,7 @@ class McpToolPort:
                 text, is_error = self._run(server.call(tool, call.arguments, limit), limit + 1.0,
                                            cancel)
                 text = server._scrub(text)
-            except McpError:   # the backstop's timeout
+            except McpError:   # the backstop's timeout, or call()'s TimeoutError (the same)
                 text, is_error = f"tool {tool} timed out after {round(limit * 1000)} ms", True
             except concurrent.futures.CancelledError:
                 text, is_error = f"tool {tool} cancelled", True
@@ -695,7 +704,7 @@ class McpToolPort:
             return
         try:
             self._run(self._stop_all(_CLOSE_S), _CLOSE_S + 2.0)
-            concurrent.futures.wait([self._started], timeout=1.0)  # let a startup finish
+            concurrent.futures.wait([self._started], 1.0)  # let a startup finish
         except BaseException as e:  # the loop is stuck, or Ctrl-C: kill them from this thread
             log.warning("MCP servers did not stop in time (%r); killing them", e)
             for server in self._servers:
@@ -703,4 +712,4 @@ class McpToolPort:
             if not isinstance(e, Exception):
                 raise
         self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(timeout=2.0)
+        self._thread.join(2.0)
