@@ -31,13 +31,23 @@ def write_config(tmp_path: Path, url: str, who: str) -> None:
         f'args = ["{MCP_SERVER}"]\nenv = {{ WHO = "{who}" }}\n')
 
 
-@pytest.fixture
-def recorded(tmp_path) -> Path:
-    """A one-shot turn of the CLI that calls the MCP server's env tool once."""
+@pytest.fixture(scope="module")
+def recording(tmp_path_factory) -> Path:
+    """A one-shot turn of the CLI that calls the MCP server's env tool once, recorded once per
+    module (a CLI run with an MCP server takes seconds); each test gets its own copy."""
+    where = tmp_path_factory.mktemp("recording")
     with FakeOpenAI([tool_calls_reply([("t__env", {"name": "WHO"})]), "it is ann"]) as srv:
-        write_config(tmp_path, srv.url, "ann")
-        run = cli(tmp_path, "-p", "who?", "--trace", "t.jsonl")
+        write_config(where, srv.url, "ann")
+        run = cli(where, "-p", "who?", "--trace", "t.jsonl")
         assert run.returncode == 0 and run.stdout == "it is ann\n", run.stderr
+    return where
+
+
+@pytest.fixture
+def recorded(tmp_path, recording) -> Path:
+    """This test's copy of the recorded trace and its config (the server is gone)."""
+    for name in ("agent.toml", "t.jsonl"):
+        (tmp_path / name).write_bytes((recording / name).read_bytes())
     return tmp_path / "t.jsonl"
 
 
