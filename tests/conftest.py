@@ -229,6 +229,10 @@ def messages_of(request: dict) -> str:
     return json.dumps(request["body"]["messages"])
 
 
+# The numbers of poll, select, pselect6 and ppoll, as /proc/PID/syscall shows them.
+POLL_SYSCALLS = {"x86_64": ("7", "23", "270", "271"), "aarch64": ("72", "73")}
+
+
 class Terminal:
     """The CLI on a pseudo terminal (its controlling tty), read with select and a deadline."""
 
@@ -266,12 +270,17 @@ class Terminal:
     def wait_blocked_reading(self, timeout: float = 1.0) -> None:
         """Wait until the CLI's main thread sleeps in select(): CPython's readline misses a
         SIGINT that lands just before it enters select() (no human is that fast; a test is).
-        Where the kernel hides wchan this just waits `timeout`."""
+        Seen in wchan, or where the kernel hides it ("0") in the syscall the main thread is
+        blocked in; where both are hidden this just waits `timeout`."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             with contextlib.suppress(OSError):
                 wchan = Path(f"/proc/{self.proc.pid}/wchan").read_text()
                 if "poll" in wchan or "select" in wchan:   # "0" means running, not sleeping
+                    return
+            with contextlib.suppress(OSError, IndexError):
+                call = Path(f"/proc/{self.proc.pid}/syscall").read_text().split()[0]
+                if call in POLL_SYSCALLS.get(os.uname().machine, ()):   # else "running"
                     return
             time.sleep(0.005)
 
