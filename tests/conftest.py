@@ -188,6 +188,37 @@ def hang():
     assert wait_until(lambda: bob.abandoned_workers() <= before), "blocked workers never ended"
 
 
+class Together:
+    """Processes that several tests of a module run, started all at once when the first of
+    them asks and each collected by its own test: each takes a second or more of CPU (bob and
+    its MCP server each import the MCP SDK), so they run side by side on the second core.
+
+        @pytest.fixture(scope="module")
+        def runs():
+            with Together({"a": [sys.executable, "-c", "..."], ...}) as started:
+                yield started            # a test: started.result("a"), a CompletedProcess
+    """
+
+    def __init__(self, commands: dict) -> None:     # {key: argv}
+        self.procs = {key: subprocess.Popen(command, stdin=subprocess.DEVNULL, text=True,
+                                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                      for key, command in commands.items()}
+
+    def result(self, key, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+        proc = self.procs[key]
+        out, err = proc.communicate(timeout=timeout)
+        return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+    def __enter__(self) -> Together:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.kill()
+            proc.communicate()
+
+
 # ---- The CLI: config files, runs, a pseudo terminal ----
 
 def child_env(tmp_path: Path, **extra: str) -> dict[str, str]:

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 import bob
-from conftest import marked_pids, wait_until
+from conftest import Together, marked_pids, wait_until
 from bob import ToolCall
 import bob_mcp
 from bob_mcp import McpServerConfig, McpToolPort
@@ -35,7 +35,7 @@ def call(port: McpToolPort, tool: str, timeout_s: float = 10.0, **arguments) -> 
     return port.call_tool(ToolCall("c1", tool, arguments), timeout_s)
 
 
-def run_bob(flags: list[str], level: str, tool: str = "noise") -> subprocess.CompletedProcess:
+def bob_command(flags: list[str], level: str, tool: str = "noise") -> list[str]:
     """A real bob process: the hostile server started, one tool called, logging at `level`."""
     script = textwrap.dedent(f"""
         import logging, sys
@@ -51,20 +51,26 @@ def run_bob(flags: list[str], level: str, tool: str = "noise") -> subprocess.Com
                 r = port.call_tool(ToolCall("c", "h__{tool}", {{}}), 10)
                 print(r.is_error, r.content)
     """)
-    return subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                          timeout=60)
+    return [sys.executable, "-c", script]
+
+
+@pytest.fixture(scope="module")
+def bobs():
+    """The bob processes of the tests below, one per logging level, started together."""
+    with Together({level: bob_command(["--banner"], level) for level in ("NONE", "INFO")}) as t:
+        yield t
 
 
 # ---- 1. garbage lines on stdout ----
 
-def test_garbage_lines_are_skipped_and_silent_without_verbose():
-    done = run_bob(["--banner"], "NONE")
+def test_garbage_lines_are_skipped_and_silent_without_verbose(bobs):
+    done = bobs.result("NONE")
     assert done.stdout.splitlines() == ["False ok", "False ok"], done
     assert done.stderr == "", done.stderr
 
 
-def test_garbage_lines_are_logged_masked_with_verbose():
-    done = run_bob(["--banner"], "INFO")
+def test_garbage_lines_are_logged_masked_with_verbose(bobs):
+    done = bobs.result("INFO")
     assert done.stdout.splitlines() == ["False ok", "False ok"], done
     assert "not JSON-RPC" in done.stderr and "hostile server v1 starting" in done.stderr
     assert SECRET not in done.stderr and "key=***" in done.stderr, done.stderr
