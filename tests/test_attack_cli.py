@@ -214,10 +214,15 @@ def test_history_and_save_mask_secret_arguments_as_the_tool_line_does(tmp_path, 
     assert b"sk-live" not in history and "sk-live" not in saved, (history, saved)
 
 
+# The hand-written stdio server: the approval is the CLI's, before any call reaches a server,
+# and it starts in milliseconds (tests/mcp_server.py imports the MCP SDK: a second of CPU).
+RAW_SERVER = Path(__file__).resolve().parent / "mcp_raw_server.py"
+
+
 def approval_config(tmp_path: Path, srv, runtime: str = "") -> None:
     write_config(tmp_path, srv, runtime=runtime, extra=(
         '[policy]\nask_tools = ["t__echo"]\n'
-        f'[[mcp.servers]]\nid = "t"\ncommand = "{sys.executable}"\nargs = ["{MCP_SERVER}"]\n'))
+        f'[[mcp.servers]]\nid = "t"\ncommand = "{sys.executable}"\nargs = ["{RAW_SERVER}"]\n'))
 
 
 def test_typed_ahead_text_does_not_approve_a_call(tmp_path, srv):
