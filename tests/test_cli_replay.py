@@ -1,6 +1,7 @@
 """Tests of `bob_cli.py replay` as a real subprocess: a trace recorded by the CLI against the fake
-OpenAI server and a real MCP server, replayed after the server is gone, with and without
---live-tools; a divergence exits 1 with the report, a cut trace exits 2 naming the line."""
+OpenAI server and a real MCP server (the hand-written stdio one: it starts in milliseconds),
+replayed after the server is gone, with and without --live-tools; a divergence exits 1 with the
+report, a cut trace exits 2 naming the line."""
 from __future__ import annotations
 
 import json
@@ -13,7 +14,7 @@ from fake_openai import FakeOpenAI, tool_calls_reply
 
 REPO = Path(__file__).resolve().parent.parent
 CLI = REPO / "bob_cli.py"
-MCP_SERVER = REPO / "tests" / "mcp_server.py"
+MCP_SERVER = REPO / "tests" / "mcp_raw_server.py"
 ENV = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "BOB_TEST_KEY": "sk-test-key"}
 
 
