@@ -188,6 +188,37 @@ def hang():
     assert wait_until(lambda: bob.abandoned_workers() <= before), "blocked workers never ended"
 
 
+class Together:
+    """Processes that several tests of a module run, started all at once when the first of
+    them asks and each collected by its own test: each takes a second or more of CPU (bob and
+    its MCP server each import the MCP SDK), so they run side by side on the second core.
+
+        @pytest.fixture(scope="module")
+        def runs():
+            with Together({"a": [sys.executable, "-c", "..."], ...}) as started:
+                yield started            # a test: started.result("a"), a CompletedProcess
+    """
+
+    def __init__(self, commands: dict) -> None:     # {key: argv}
+        self.procs = {key: subprocess.Popen(command, stdin=subprocess.DEVNULL, text=True,
+                                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                      for key, command in commands.items()}
+
+    def result(self, key, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+        proc = self.procs[key]
+        out, err = proc.communicate(timeout=timeout)
+        return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+    def __enter__(self) -> Together:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.kill()
+            proc.communicate()
+
+
 # ---- The CLI: config files, runs, a pseudo terminal ----
 
 def child_env(tmp_path: Path, **extra: str) -> dict[str, str]:
@@ -229,6 +260,10 @@ def messages_of(request: dict) -> str:
     return json.dumps(request["body"]["messages"])
 
 
+# The numbers of poll, select, pselect6 and ppoll, as /proc/PID/syscall shows them.
+POLL_SYSCALLS = {"x86_64": ("7", "23", "270", "271"), "aarch64": ("72", "73")}
+
+
 class Terminal:
     """The CLI on a pseudo terminal (its controlling tty), read with select and a deadline."""
 
@@ -266,12 +301,17 @@ class Terminal:
     def wait_blocked_reading(self, timeout: float = 1.0) -> None:
         """Wait until the CLI's main thread sleeps in select(): CPython's readline misses a
         SIGINT that lands just before it enters select() (no human is that fast; a test is).
-        Where the kernel hides wchan this just waits `timeout`."""
+        Seen in wchan, or where the kernel hides it ("0") in the syscall the main thread is
+        blocked in; where both are hidden this just waits `timeout`."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             with contextlib.suppress(OSError):
                 wchan = Path(f"/proc/{self.proc.pid}/wchan").read_text()
                 if "poll" in wchan or "select" in wchan:   # "0" means running, not sleeping
+                    return
+            with contextlib.suppress(OSError, IndexError):
+                call = Path(f"/proc/{self.proc.pid}/syscall").read_text().split()[0]
+                if call in POLL_SYSCALLS.get(os.uname().machine, ()):   # else "running"
                     return
             time.sleep(0.005)
 

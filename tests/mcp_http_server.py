@@ -79,7 +79,8 @@ class McpHttpServer:
         self._http = _Http(("127.0.0.1", 0), _Handler)
         self._http.owner = self
         self.url = f"http://127.0.0.1:{self._http.server_address[1]}/mcp"
-        self._thread = threading.Thread(target=self._http.serve_forever, daemon=True)
+        self._thread = threading.Thread(target=self._http.serve_forever,   # close() waits
+                                        kwargs={"poll_interval": 0.01}, daemon=True)  # a poll
         self._thread.start()
 
     def restart(self) -> None:

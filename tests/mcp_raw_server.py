@@ -10,7 +10,7 @@ Modes: `null-result` / `array-result` (tools/call answered with "result": null /
 `setsid-crash` (a setsid grandchild at start, tool `crash` exits at once), `noisy` (stderr
 lines with terminal controls, 100,000 characters long, then `crash` exits), `die-soon` (exits
 0.5 s after its first tools/list).
-Tool `echo` returns its `text` argument.
+Tool `echo` returns its `text` argument; `env` the value of the environment variable `name`.
 """
 import json
 import os
@@ -29,8 +29,10 @@ def send(message: dict) -> None:
 
 def tools() -> list[dict]:
     schema = {"type": "object", "properties": {"text": {"type": "string"}}}
+    named = {"type": "object", "properties": {"name": {"type": "string"}}}
     listed = [{"name": "echo", "description": "Echo text.", "inputSchema": schema},
-              {"name": "crash", "inputSchema": {"type": "object"}}]
+              {"name": "crash", "inputSchema": {"type": "object"}},
+              {"name": "env", "description": "An environment variable.", "inputSchema": named}]
     if "no-schema" in MODES:
         listed.append({"name": "bare", "description": "no inputSchema"})
     if "twice" in MODES:
@@ -73,7 +75,11 @@ def answer(msg: dict) -> dict | None:
             return None
         if "array-result" in MODES:
             return ["not", "an", "object"]
-        text = (params.get("arguments") or {}).get("text", "")
+        arguments = params.get("arguments") or {}
+        if params.get("name") == "env":
+            text = os.environ.get(arguments.get("name", ""), "(unset)")
+        else:
+            text = arguments.get("text", "")
         return {"content": [{"type": "text", "text": text}]}
     if method == "ping":
         return {}

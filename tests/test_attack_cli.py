@@ -47,7 +47,10 @@ def test_save_to_an_unknown_users_home_is_an_error_line_and_the_repl_goes_on(tmp
     try:
         term.expect(b"bob> ")
         term.send(b"/save ~nosuchuser-bob/x.md\r")
-        shown = rest(term, 2.0)
+        try:
+            shown = term.expect(b"bob> ")         # the prompt again: the REPL went on
+        except AssertionError:                  # no prompt: what it showed, and how it ended
+            shown = rest(term, 2.0)
         assert term.proc.poll() is None, f"the REPL died (exit {term.proc.poll()}): {shown!r}"
         assert b"bob: error: " in shown and b"internal error" not in shown, shown
     finally:
@@ -211,10 +214,15 @@ def test_history_and_save_mask_secret_arguments_as_the_tool_line_does(tmp_path, 
     assert b"sk-live" not in history and "sk-live" not in saved, (history, saved)
 
 
+# The hand-written stdio server: the approval is the CLI's, before any call reaches a server,
+# and it starts in milliseconds (tests/mcp_server.py imports the MCP SDK: a second of CPU).
+RAW_SERVER = Path(__file__).resolve().parent / "mcp_raw_server.py"
+
+
 def approval_config(tmp_path: Path, srv, runtime: str = "") -> None:
     write_config(tmp_path, srv, runtime=runtime, extra=(
         '[policy]\nask_tools = ["t__echo"]\n'
-        f'[[mcp.servers]]\nid = "t"\ncommand = "{sys.executable}"\nargs = ["{MCP_SERVER}"]\n'))
+        f'[[mcp.servers]]\nid = "t"\ncommand = "{sys.executable}"\nargs = ["{RAW_SERVER}"]\n'))
 
 
 def test_typed_ahead_text_does_not_approve_a_call(tmp_path, srv):
@@ -227,10 +235,11 @@ def test_typed_ahead_text_does_not_approve_a_call(tmp_path, srv):
         term.expect(b"bob> ")
         term.send(b"go\ryes\r")          # "yes" typed while the turn runs, as a message
         term.expect(b"this session? ", timeout=10)
-        shown = rest(term, 1.5)
-        assert b"<- t__echo" not in shown, f"the call ran without the person's answer: {shown!r}"
         term.send(b"n\r\r")              # the person's own answer, and no reason
-        assert b"declined" in term.expect(b"bob> ", timeout=10)
+        shown = term.expect(b"bob> ", timeout=10)
+        before = shown.partition(b"why not? ")[0]   # a call run on "yes" shows before the answer
+        assert b"<- t__echo" not in before, f"the call ran without the person's answer: {shown!r}"
+        assert b"declined" in shown, shown
     finally:
         term.close()
 
@@ -240,8 +249,9 @@ def test_always_holds_for_one_session_only(tmp_path, srv, switch):
     # "[a]lways for this tool this session" approved the tool in every session switched to.
     call = json.dumps({"type": "tool_call", "name": "t__echo", "arguments": {"text": "x"}})
     srv.push(final("other"), call, final("one"), call, final("two"))
-    approval_config(tmp_path, srv)
+    write_config(tmp_path, srv)             # session "other" needs no MCP server (seconds)
     assert bob(tmp_path, "--session", "other", "-p", "hi").returncode == 0
+    approval_config(tmp_path, srv)
     term = Terminal(tmp_path, env=xdg_env(tmp_path))
     try:
         term.expect(b"bob> ")

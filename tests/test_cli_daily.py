@@ -172,7 +172,9 @@ def test_the_repl_shows_a_stats_line_with_unknown_tokens_as_a_question_mark(tmp_
 
 # ---- 5. Tool calls: shown as they run, approved by a person ([policy] ask_tools) ----
 
-MCP_SERVER = Path(__file__).resolve().parent / "mcp_server.py"
+# The hand-written stdio server: the approval is the CLI's, before any call reaches a server,
+# and it starts in milliseconds (tests/mcp_server.py imports the MCP SDK: a second of CPU).
+RAW_SERVER = Path(__file__).resolve().parent / "mcp_raw_server.py"
 
 
 def echo_call(text: str) -> str:
@@ -182,7 +184,7 @@ def echo_call(text: str) -> str:
 def mcp_config(dirpath: Path, srv: FakeOpenAI) -> Path:
     return write_config(dirpath, srv, extra=(
         '[policy]\nask_tools = ["t__echo"]\n'
-        f'[[mcp.servers]]\nid = "t"\ncommand = "{sys.executable}"\nargs = ["{MCP_SERVER}"]\n'))
+        f'[[mcp.servers]]\nid = "t"\ncommand = "{sys.executable}"\nargs = ["{RAW_SERVER}"]\n'))
 
 
 def test_the_repl_asks_yes_no_with_a_reason_and_always(tmp_path, srv):
@@ -397,9 +399,6 @@ def test_verbose_shows_each_event_once_on_one_short_line(tmp_path, srv):
 
 
 # ---- issue 22: a server dying while the REPL waits ----
-
-RAW_SERVER = Path(__file__).resolve().parent / "mcp_raw_server.py"
-
 
 def test_a_server_dying_at_the_prompt_does_not_overwrite_it(tmp_path, srv):
     write_config(tmp_path, srv, extra=(

@@ -1,6 +1,7 @@
 """Tests of `bob_cli.py replay` as a real subprocess: a trace recorded by the CLI against the fake
-OpenAI server and a real MCP server, replayed after the server is gone, with and without
---live-tools; a divergence exits 1 with the report, a cut trace exits 2 naming the line."""
+OpenAI server and a real MCP server (the hand-written stdio one: it starts in milliseconds),
+replayed after the server is gone, with and without --live-tools; a divergence exits 1 with the
+report, a cut trace exits 2 naming the line."""
 from __future__ import annotations
 
 import json
@@ -13,7 +14,7 @@ from fake_openai import FakeOpenAI, tool_calls_reply
 
 REPO = Path(__file__).resolve().parent.parent
 CLI = REPO / "bob_cli.py"
-MCP_SERVER = REPO / "tests" / "mcp_server.py"
+MCP_SERVER = REPO / "tests" / "mcp_raw_server.py"
 ENV = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "BOB_TEST_KEY": "sk-test-key"}
 
 
@@ -31,13 +32,23 @@ def write_config(tmp_path: Path, url: str, who: str) -> None:
         f'args = ["{MCP_SERVER}"]\nenv = {{ WHO = "{who}" }}\n')
 
 
-@pytest.fixture
-def recorded(tmp_path) -> Path:
-    """A one-shot turn of the CLI that calls the MCP server's env tool once."""
+@pytest.fixture(scope="module")
+def recording(tmp_path_factory) -> Path:
+    """A one-shot turn of the CLI that calls the MCP server's env tool once, recorded once per
+    module (a CLI run with an MCP server takes seconds); each test gets its own copy."""
+    where = tmp_path_factory.mktemp("recording")
     with FakeOpenAI([tool_calls_reply([("t__env", {"name": "WHO"})]), "it is ann"]) as srv:
-        write_config(tmp_path, srv.url, "ann")
-        run = cli(tmp_path, "-p", "who?", "--trace", "t.jsonl")
+        write_config(where, srv.url, "ann")
+        run = cli(where, "-p", "who?", "--trace", "t.jsonl")
         assert run.returncode == 0 and run.stdout == "it is ann\n", run.stderr
+    return where
+
+
+@pytest.fixture
+def recorded(tmp_path, recording) -> Path:
+    """This test's copy of the recorded trace and its config (the server is gone)."""
+    for name in ("agent.toml", "t.jsonl"):
+        (tmp_path / name).write_bytes((recording / name).read_bytes())
     return tmp_path / "t.jsonl"
 
 

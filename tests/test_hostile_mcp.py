@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 import bob
-from conftest import marked_pids, wait_until
+from conftest import Together, marked_pids, wait_until
 from bob import ToolCall
 import bob_mcp
 from bob_mcp import McpServerConfig, McpToolPort
@@ -35,7 +35,7 @@ def call(port: McpToolPort, tool: str, timeout_s: float = 10.0, **arguments) -> 
     return port.call_tool(ToolCall("c1", tool, arguments), timeout_s)
 
 
-def run_bob(flags: list[str], level: str, tool: str = "noise") -> subprocess.CompletedProcess:
+def bob_command(flags: list[str], level: str, tool: str = "noise") -> list[str]:
     """A real bob process: the hostile server started, one tool called, logging at `level`."""
     script = textwrap.dedent(f"""
         import logging, sys
@@ -51,20 +51,26 @@ def run_bob(flags: list[str], level: str, tool: str = "noise") -> subprocess.Com
                 r = port.call_tool(ToolCall("c", "h__{tool}", {{}}), 10)
                 print(r.is_error, r.content)
     """)
-    return subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                          timeout=60)
+    return [sys.executable, "-c", script]
+
+
+@pytest.fixture(scope="module")
+def bobs():
+    """The bob processes of the tests below, one per logging level, started together."""
+    with Together({level: bob_command(["--banner"], level) for level in ("NONE", "INFO")}) as t:
+        yield t
 
 
 # ---- 1. garbage lines on stdout ----
 
-def test_garbage_lines_are_skipped_and_silent_without_verbose():
-    done = run_bob(["--banner"], "NONE")
+def test_garbage_lines_are_skipped_and_silent_without_verbose(bobs):
+    done = bobs.result("NONE")
     assert done.stdout.splitlines() == ["False ok", "False ok"], done
     assert done.stderr == "", done.stderr
 
 
-def test_garbage_lines_are_logged_masked_with_verbose():
-    done = run_bob(["--banner"], "INFO")
+def test_garbage_lines_are_logged_masked_with_verbose(bobs):
+    done = bobs.result("INFO")
     assert done.stdout.splitlines() == ["False ok", "False ok"], done
     assert "not JSON-RPC" in done.stderr and "hostile server v1 starting" in done.stderr
     assert SECRET not in done.stderr and "key=***" in done.stderr, done.stderr
@@ -121,53 +127,68 @@ def test_a_setsid_grandchild_is_ended_with_its_server():
 
 # ---- 4. cancel reaches the server ----
 
+@pytest.fixture(scope="module")
+def recording_server(tmp_path_factory):
+    """One hostile server with --record for the cancel tests below (a start is a second of
+    CPU): its port, and the file its `slow` tool writes when cancelled."""
+    record = tmp_path_factory.mktemp("cancel") / "cancelled"
+    with McpToolPort([hostile("--record", str(record))]) as port:
+        yield port, record
+
+
+@pytest.fixture
+def recording(recording_server):
+    """The shared server for one test: what an earlier test's call recorded is removed."""
+    port, record = recording_server
+    for path in (record, Path(f"{record}.started")):
+        path.unlink(missing_ok=True)
+    return port, record
+
+
 def cancelled_at(record: Path) -> float:
     """When the server saw notifications/cancelled (its time.monotonic(), one clock for all)."""
     assert wait_until(record.exists, timeout=10), "the server never saw notifications/cancelled"
     return float(record.read_text())
 
 
-def test_cancel_sends_notifications_cancelled_at_once(tmp_path):
-    record = tmp_path / "cancelled"
-    with McpToolPort([hostile("--record", str(record))]) as port:
-        token, results = bob.CancelToken(), []
-        worker = threading.Thread(target=lambda: results.append(port.call_tool(
-            ToolCall("c1", "h__slow", {"seconds": 30}), 60, cancel=token)))
-        worker.start()
-        assert wait_until(Path(f"{record}.started").exists, timeout=10)
-        t0 = time.monotonic()
-        token.cancel()
-        worker.join(10)
-        delay_ms = (cancelled_at(record) - t0) * 1000
-        print(f"cancel -> server saw notifications/cancelled: {delay_ms:.1f} ms")
-        assert delay_ms < 300, f"{delay_ms:.1f} ms (bound 100 ms, generous for a loaded box)"
-        assert results[0].is_error and "cancelled" in results[0].content, results
-        assert call(port, "h__echo_env", name="API_KEY").content == "***"   # still usable
+def test_cancel_sends_notifications_cancelled_at_once(recording):
+    port, record = recording
+    token, results = bob.CancelToken(), []
+    worker = threading.Thread(target=lambda: results.append(port.call_tool(
+        ToolCall("c1", "h__slow", {"seconds": 30}), 60, cancel=token)))
+    worker.start()
+    assert wait_until(Path(f"{record}.started").exists, timeout=10)
+    t0 = time.monotonic()
+    token.cancel()
+    worker.join(10)
+    delay_ms = (cancelled_at(record) - t0) * 1000
+    print(f"cancel -> server saw notifications/cancelled: {delay_ms:.1f} ms")
+    assert delay_ms < 300, f"{delay_ms:.1f} ms (bound 100 ms, generous for a loaded box)"
+    assert results[0].is_error and "cancelled" in results[0].content, results
+    assert call(port, "h__echo_env", name="API_KEY").content == "***"   # still usable
 
 
-def test_a_timed_out_call_is_cancelled_on_the_server(tmp_path):
-    record = tmp_path / "cancelled"
-    with McpToolPort([hostile("--record", str(record))]) as port:
-        t0 = time.monotonic()
-        result = call(port, "h__slow", timeout_s=0.5, seconds=30)
-        assert result.is_error and "timed out" in result.content, result
-        assert cancelled_at(record) - t0 < 5
+def test_a_timed_out_call_is_cancelled_on_the_server(recording):
+    port, record = recording
+    t0 = time.monotonic()
+    result = call(port, "h__slow", timeout_s=0.5, seconds=30)
+    assert result.is_error and "timed out" in result.content, result
+    assert cancelled_at(record) - t0 < 5
 
 
-def test_cancelling_a_turn_cancels_its_mcp_call(tmp_path):
-    record = tmp_path / "cancelled"
+def test_cancelling_a_turn_cancels_its_mcp_call(recording):
+    port, record = recording
     llm = bob.ScriptedLlm(['{"type":"tool_call","name":"h__slow","arguments":{"seconds":30}}'])
-    with McpToolPort([hostile("--record", str(record))]) as port:
-        token, results = bob.CancelToken(), []
-        turn = threading.Thread(target=lambda: results.append(
-            bob.AgentRuntime(llm, port).run(bob.AgentRequest("wait"), cancel=token)))
-        turn.start()
-        assert wait_until(Path(f"{record}.started").exists, timeout=10)
-        t0 = time.monotonic()
-        token.cancel()
-        turn.join(10)
-        assert results[0].finish_reason == bob.FinishReason.CANCELLED
-        assert cancelled_at(record) - t0 < 0.3
+    token, results = bob.CancelToken(), []
+    turn = threading.Thread(target=lambda: results.append(
+        bob.AgentRuntime(llm, port).run(bob.AgentRequest("wait"), cancel=token)))
+    turn.start()
+    assert wait_until(Path(f"{record}.started").exists, timeout=10)
+    t0 = time.monotonic()
+    token.cancel()
+    turn.join(10)
+    assert results[0].finish_reason == bob.FinishReason.CANCELLED
+    assert cancelled_at(record) - t0 < 0.3
 
 
 def test_a_transport_broken_at_startup_is_reported_at_once_with_its_cause():

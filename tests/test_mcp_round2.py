@@ -18,7 +18,7 @@ import bob
 import bob_mcp
 from bob import ToolCall
 from bob_mcp import McpServerConfig, McpToolPort
-from conftest import marked_pids, wait_until
+from conftest import Together, marked_pids, wait_until
 from mcp_http_server import McpHttpServer
 
 RAW = str(Path(__file__).with_name("mcp_raw_server.py"))
@@ -140,7 +140,7 @@ def test_setsid_grandchildren_of_servers_that_crashed_are_ended():
     assert wait_until(lambda: not marked_pids(marker), timeout=5), marked_pids(marker)
 
 
-def run_bob(modes: list[str], level: str, tool: str = "echo") -> subprocess.CompletedProcess:
+def bob_command(modes: list[str], level: str, tool: str = "echo") -> list[str]:
     """A real bob process: the raw server started, one tool called, logging at `level`."""
     script = textwrap.dedent(f"""
         import logging, sys
@@ -154,13 +154,21 @@ def run_bob(modes: list[str], level: str, tool: str = "echo") -> subprocess.Comp
             r = port.call_tool(ToolCall("c", "r__{tool}", {{"text": "hi"}}), 10)
             print(r.is_error, repr(r.content[:200]))
     """)
-    return subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                          timeout=60)
+    return [sys.executable, "-c", script]
+
+
+@pytest.fixture(scope="module")
+def bobs():
+    """The bob processes of the two tests below at each level, started together."""
+    with Together({(modes[0], level): bob_command(modes, level, tool)
+                   for modes, tool in ((["bad-level"], "echo"), (["noisy"], "crash"))
+                   for level in ("INFO", "WARNING")}) as started:
+        yield started
 
 
 @pytest.mark.parametrize("level", ["INFO", "WARNING"])
-def test_notifications_with_an_invalid_level_are_masked_and_bounded(level):
-    r = run_bob(["bad-level"], level)
+def test_notifications_with_an_invalid_level_are_masked_and_bounded(bobs, level):
+    r = bobs.result(("bad-level", level))
     assert r.stdout.startswith("False 'hi'"), (r.stdout, r.stderr[-2000:])
     assert SECRET not in r.stderr, r.stderr[-2000:]
     assert "Traceback" not in r.stderr and "WARNING" not in r.stderr, r.stderr[-2000:]
@@ -174,8 +182,8 @@ def test_tool_descriptions_and_schema_defaults_are_masked():
 
 
 @pytest.mark.parametrize("level", ["INFO", "WARNING"])
-def test_what_a_server_wrote_is_shown_bounded_and_neutralised(level):
-    r = run_bob(["noisy"], level, tool="crash")
+def test_what_a_server_wrote_is_shown_bounded_and_neutralised(bobs, level):
+    r = bobs.result(("noisy", level))
     assert r.stdout.startswith("True"), r.stdout
     for text in (r.stdout, r.stderr):
         assert "\x1b" not in text and "\x07" not in text, text[:300]
