@@ -75,7 +75,7 @@ import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator, Literal, Protocol, Sequence, Union
+from typing import Any, Callable, Iterable, Literal, Protocol, Sequence, Union
 
 __all__ = [
     "BobError", "ConfigError", "LlmError", "ActionParseError", "StoreError", "AgentError",  # errors
@@ -633,15 +633,6 @@ def parse_action(text: str, call_id: str = "call_1") -> AgentAction:
     raise ActionParseError(f'"type" must be "final", "tool_call" or "ask_user", got {kind!r}')
 
 
-def _parse_problem(text):
-    """Why `text` is not one valid action, or None."""
-    try:
-        parse_action(text)
-    except ActionParseError as e:
-        return e
-    return None
-
-
 def _portable(schema):
     """A tool's schema as a part of another: one with a "$ref" (pydantic's "#/$defs/X") would
     point at nothing there, so such a tool's arguments are only asked to be an object (the
@@ -844,10 +835,6 @@ class LoopGuard:
         for r in results:
             self.consecutive_errors = self.consecutive_errors + 1 if r.is_error else 0
 
-    def record_refusal(self) -> None:
-        """A refused batch (too many calls at once) counts as one error, not one per call."""
-        self.consecutive_errors += 1
-
     # -- a pause and its resume --
 
     _COUNTS = ("steps", "tool_calls", "consecutive_errors", "_batches", "_texts")
@@ -917,8 +904,7 @@ def _ms_since(t0):
 @dataclass(frozen=True)
 class _Function:
     fn: Callable[..., Any]
-    descriptor: ToolDescriptor
-    params: dict[str, Any]       # name -> schema
+    descriptor: ToolDescriptor   # its input_schema's "properties": name -> schema
     nullable: frozenset[str]     # params that accept None
 
 
@@ -959,7 +945,7 @@ class FunctionTools:
         schema = {"type": "object", "properties": props, "required": required,
                   "additionalProperties": False}
         desc = description or (inspect.getdoc(fn) or "").split("\n\n")[0].strip() or name
-        self._functions[name] = _Function(fn, ToolDescriptor(name, desc, schema), props,
+        self._functions[name] = _Function(fn, ToolDescriptor(name, desc, schema),
                                           frozenset(nullable))
 
     def list_tools(self) -> list[ToolDescriptor]:
@@ -987,11 +973,12 @@ class FunctionTools:
     @staticmethod
     def _check_args(f, args):
         schema = f.descriptor.input_schema
-        unknown = sorted(set(args) - set(f.params))
+        params = schema["properties"]
+        unknown = sorted(set(args) - set(params))
         missing = [p for p in schema["required"] if p not in args]
-        wrong = [f"{k} (expected {_expected(f.params[k])})"
-                 for k, v in args.items() if k in f.params
-                 and not (v is None and k in f.nullable) and not _matches(v, f.params[k])]
+        wrong = [f"{k} (expected {_expected(params[k])})"
+                 for k, v in args.items() if k in params
+                 and not (v is None and k in f.nullable) and not _matches(v, params[k])]
         problems = {"unknown arguments": unknown, "missing arguments": missing,
                     "wrong types": wrong}
         parts = [f"{what}: {', '.join(names)}" for what, names in problems.items() if names]
@@ -1780,7 +1767,12 @@ class _Turn:
         self.parse_failures += 1
         seen = redact(reply.content)   # as the trace has it: so a replay finds the same error
         json_mode = self.rt.action_mode == "json"
-        e = (json_mode and _parse_problem(seen)) or raw
+        e = raw
+        if json_mode:   # the error of the masked reply, if it has one
+            try:
+                parse_action(seen)
+            except ActionParseError as masked:
+                e = masked
         self._emit("parse_error", {"error": str(e), "attempt": self.parse_failures})
         if self.parse_failures >= 2:
             return self.end(error=AgentError(
@@ -1933,8 +1925,8 @@ class _Turn:
     def _record_decision(self, call, approval):
         """Keep a decision on `call` for this batch. Its arguments are checked as the model's
         are (they reach history and the wire): unfit ones decline the call."""
-        args = approval.arguments   # a dict or None: Approval checks the type
-        if args is not None and (problem := _json_problem(args)):
+        # a dict or None (Approval checks the type); None has no problem
+        if problem := _json_problem(approval.arguments):
             approval = Approval(False, f"the approver's arguments were unfit: it {problem}")
         self.approvals[call.id] = approval
         changed = approval.allow and approval.arguments not in (None, call.arguments)
@@ -1964,7 +1956,7 @@ class _Turn:
         self._answer_unrun(calls, f"not run: this batch has {len(calls)} calls and at most "
                                   f"max_parallel_tools={n} may run at once; call at most {n} "
                                   "tools at a time")
-        self.guard.record_refusal()
+        self.guard.consecutive_errors += 1   # the batch counts as one error, not one per call
         return State.BUILD_PROMPT
 
     def _stop_batch_on_guard(self, trip):
@@ -2497,7 +2489,7 @@ def _tracking_session(inflight, cancels
     except ImportError as e:
         raise ConfigError(f"OpenAICompatLlm needs requests ({e}): pip install requests") from e
     class Session(requests.Session):
-        def resolve_redirects(self, *args: Any, **kwargs: Any) -> Iterator[Any]:
+        def resolve_redirects(self, *args, **kwargs):
             return iter(())  # none followed: requests reads a 3xx body whole, even not following
 
     session = Session()
