@@ -854,8 +854,8 @@ class LoopGuard:
 
 # ---- 6. Tools: functions, composite, policy -----------------------------------------------------
 
-_JSON_TYPES: dict[Any, str] = {str: "string", int: "integer", float: "number", bool: "boolean",
-                               list: "array", tuple: "array", dict: "object"}
+_JSON_TYPES = {str: "string", int: "integer", float: "number", bool: "boolean", list: "array",
+               tuple: "array", dict: "object"}
 
 
 def _schema_for(tp):
@@ -1109,9 +1109,12 @@ _SESSION_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 _HEAD = re.compile(rb'\{\s*"version":\s*(\d+)\s*[,}]')   # how to_dict's JSON begins
 
 
+_NONBLOCK = getattr(os, "O_NONBLOCK", 0)   # opening a FIFO must not wait for its other end
+
+
 def _read_file(path, size=-1):
     """A regular file's bytes, opened without blocking: a FIFO is an OSError, not a hang."""
-    with open(os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0)), "rb") as f:
+    with open(os.open(path, os.O_RDONLY | _NONBLOCK), "rb") as f:
         if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
             raise OSError("it is not a regular file; move it away")
         return f.read(size)
@@ -1361,7 +1364,7 @@ class JsonlEventSink:
         line = f'{head[:-1]}, "data": {_data_json(event.data)}}}'  # the data as encoded
         with self._lock:
             if self._file is None:   # opened on the first event, never blocking (a FIFO nobody
-                flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | getattr(os, "O_NONBLOCK", 0)
+                flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | _NONBLOCK
                 self._file = open(os.open(self.path, flags, 0o600), "a", encoding="utf-8")  # reads)
             self._file.write(line + "\n")
             self._file.flush()
@@ -1511,9 +1514,9 @@ TRANSITIONS: dict[State, frozenset[State]] = {
 
 
 def _too_long(e):
-    """The endpoint refused the request as too long for the model's context."""
+    """Truthy when the endpoint refused the request as too long for the model's context."""
     return (isinstance(e, LlmError) and e.status_code == 400
-            and bool(_CONTEXT_TOO_LONG.search(e.body)))
+            and _CONTEXT_TOO_LONG.search(e.body))
 
 
 def _raised(e, state):
@@ -1670,7 +1673,6 @@ class _Turn:
 
     def call_tool(self) -> State:
         """Guard the batch, get its decisions, run it, append the results in call order."""
-        assert isinstance(self.action, CallTools)
         calls = self.action.calls
         self.session.paused = None   # answered below, or paused afresh
         resumed = self.resumed
@@ -1792,9 +1794,9 @@ class _Turn:
         for i in kept:
             if i not in self.wire:
                 self.wire[i] = render_for_wire(messages[i], self.rt.action_mode)
-        json_mode = self.rt.action_mode == "json"
+        response_format = "json" if self.rt.action_mode == "json" else None
         return LlmRequest([self.system, *(self.wire[i] for i in kept)],
-                          self.tools, "json" if json_mode else None, self.guard.deadline)
+                          self.tools, response_format, self.guard.deadline)
 
     def _complete(self, prompt):
         return self._call_port(lambda: self.rt.llm.complete(prompt, self.cancel, self._delta))
@@ -1842,8 +1844,8 @@ class _Turn:
             self.session.paused = None
             self._answer_unrun(waiting, "not run: the user sent a new message instead of "
                                         "deciding on this call")
-            self.session.messages.append(Message("user", request.input))
-            self.input_index = len(self.session.messages) - 1
+            messages.append(Message("user", request.input))
+            self.input_index = len(messages) - 1
             return False
         # Resuming: the pause's counts and decisions, and the decisions given now
         if not (paused and waiting):
@@ -2007,15 +2009,15 @@ class _Turn:
         if (e := worker.error) is not None:
             return _error(call, f"executor unavailable: {type(e).__name__}: {e}")
         r = worker.value
-        if not isinstance(r, ToolResult) or not isinstance(r.content, str):
-            if isinstance(r, ToolResult):
-                got = f"a ToolResult whose content is {type(r.content).__name__}"
-            else:
-                got = type(r).__name__
-            return _error(call, f"executor unavailable: the tool port returned {got}, not a "
-                                "ToolResult with text")
-        content = cut_output(r.content, self.policy.max_tool_output_chars)
-        return ToolResult(call.id, call.name, content, r.is_error, r.duration_ms)
+        if not isinstance(r, ToolResult):
+            got = type(r).__name__
+        elif not isinstance(r.content, str):
+            got = f"a ToolResult whose content is {type(r.content).__name__}"
+        else:   # a result: its text, cut to max_tool_output_chars
+            content = cut_output(r.content, self.policy.max_tool_output_chars)
+            return ToolResult(call.id, call.name, content, r.is_error, r.duration_ms)
+        return _error(call, f"executor unavailable: the tool port returned {got}, not a "
+                            "ToolResult with text")
 
     def _append_results(self, results):
         for r in results:
@@ -2157,15 +2159,16 @@ class AgentRuntime:
         # Save: a failure is raised after the events, and holds the result (not stored, but
         # not lost)
         failed = None
+        sid = t.request.session_id
         try:
-            self.store.save(t.request.session_id, t.session)
-            self._traced[t.request.session_id] = t.session.version   # not after a lost race
+            self.store.save(sid, t.session)
+            self._traced[sid] = t.session.version   # not after a lost race
         except Exception as e:   # the next turn says what it loaded (session_loaded)
-            self._traced.pop(t.request.session_id, None)
+            self._traced.pop(sid, None)
             self._emit(t, "error", {"error": f"{type(e).__name__}: {e}",
                                     "where": "store.save"})
             failed = e if isinstance(e, StoreError) else StoreError(
-                f"cannot save session {t.request.session_id!r}: {type(e).__name__}: {e}")
+                f"cannot save session {sid!r}: {type(e).__name__}: {e}")
             failed.result = result
         # Report: the turn's own error first (it is what the caller sees), then the end
         if t.error is not None:
@@ -2173,7 +2176,7 @@ class AgentRuntime:
                                     "where": "turn"})
         failed = t.error or failed
         self._emit(t, "turn_completed", {  # a turn that raises has no finish reason
-            "finish_reason": None if failed else t.finish.value, "usage": dict(vars(t.usage)),
+            "finish_reason": None if failed else t.finish.value, "usage": vars(t.usage),
             "guard_reason": t.guard_reason.value if t.guard_reason else None,
             "steps": t.guard.steps, "tool_calls": t.guard.tool_calls, "content": t.content})
         if failed is not None:
