@@ -236,13 +236,13 @@ class Message:
         role = _field(_want(d, dict, "a message"), "role", str)
         if role not in ("system", "user", "assistant", "tool"):
             raise ValueError(f"a message has the unknown role {_excerpt(role)!r}")
-        text = (str, type(None))
+        text = (str, types.NoneType)
         calls = []
         for c in _field(d, "tool_calls", list, []):
             c = _want(c, dict, "a tool call")
             calls.append(ToolCall(_field(c, "id", str), _field(c, "name", str),
                                   _field(c, "arguments", dict), _field(c, "error", text),
-                                  _field(c, "extra", (dict, type(None)))))
+                                  _field(c, "extra", (dict, types.NoneType))))
         return cls(role, _field(d, "content", str), tuple(calls),
                    _field(d, "tool_call_id", text), _field(d, "name", text),
                    _field(d, "is_error", bool, False), _field(d, "reasoning", text))
@@ -347,7 +347,7 @@ class Approval:
     arguments: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
-        _given(self, allow=bool, reason=str, arguments=(dict, type(None)))
+        _given(self, allow=bool, reason=str, arguments=(dict, types.NoneType))
 
 
 @dataclass
@@ -361,7 +361,8 @@ class AgentRequest:
     approvals: dict[str, Approval] | None = None
 
     def __post_init__(self) -> None:   # a bad value saved would make the session unloadable
-        _given(self, input=(str, type(None)), session_id=str, policy=(TurnPolicy, type(None)))
+        _given(self, input=(str, types.NoneType), session_id=str,
+               policy=(TurnPolicy, types.NoneType))
 
 
 @dataclass
@@ -415,7 +416,7 @@ class SessionState:
         """Reverse of `to_dict`; ValueError naming what is wrong."""
         u = _field(_want(d, dict, "the session"), "usage", dict, {})
         messages = [Message.from_dict(m) for m in _field(d, "messages", list)]
-        paused = _field(d, "paused", (dict, type(None)))
+        paused = _field(d, "paused", (dict, types.NoneType))
         return cls(messages, Usage(_field(u, "prompt_tokens", int, 0),
                                    _field(u, "completion_tokens", int, 0)),
                    _field(d, "version", int, 0),
@@ -572,7 +573,7 @@ def _json_problem(value):
             return "holds an integer over 4,000 digits long"
         elif isinstance(v, float) and v - v:   # inf - inf and nan - nan are nan: no JSON has them
             return "holds NaN or Infinity, which JSON does not allow"
-        elif not isinstance(v, (str, int, float, type(None))):  # a custom port's bytes, objects
+        elif not isinstance(v, (str, int, float, types.NoneType)):  # a custom port's bytes, objects
             return f"holds a value of type {type(v).__name__}, which JSON does not have"
     return None
 
@@ -780,16 +781,15 @@ class LoopGuard:
 
     def before_llm_call(self) -> Trip | None:
         """Checked before every LLM call: deadline, error streak, step budget."""
-        p = self.policy
         if trip := self.out_of_time():
             return trip
-        if self.consecutive_errors >= p.max_consecutive_errors:
+        if self.consecutive_errors >= self.policy.max_consecutive_errors:
             return Trip(GuardReason.MAX_CONSECUTIVE_ERRORS,
                         f"{self.consecutive_errors} tool errors in a row "
-                        f"(max_consecutive_errors={p.max_consecutive_errors})")
-        if self.steps >= p.max_steps:
+                        f"(max_consecutive_errors={self.policy.max_consecutive_errors})")
+        if self.steps >= self.policy.max_steps:
             return Trip(GuardReason.MAX_STEPS,
-                        f"the model needed more than max_steps={p.max_steps} LLM calls")
+                        f"the model needed more than max_steps={self.policy.max_steps} LLM calls")
         self.steps += 1
         return None
 
@@ -820,12 +820,11 @@ class LoopGuard:
 
     def check_budget(self, runnable: int) -> Trip | None:
         """Before a batch runs: time left, and room for its `runnable` (not refused) calls?"""
-        p = self.policy
         if trip := self.out_of_time():  # no tool should start with a 0 ms timeout
             return trip
-        if self.tool_calls + runnable > p.max_tool_calls:
+        if self.tool_calls + runnable > self.policy.max_tool_calls:
             return Trip(GuardReason.MAX_TOOL_CALLS, f"{self.tool_calls} tool calls ran and "
-                        f"{runnable} more would pass max_tool_calls={p.max_tool_calls}")
+                        f"{runnable} more would pass max_tool_calls={self.policy.max_tool_calls}")
         return None
 
     def record_results(self, results: Sequence[ToolResult], ran: int) -> None:
@@ -866,7 +865,7 @@ def _schema_for(tp):
     if origin is Literal:
         return {"type": _JSON_TYPES.get(type(args[0]), "string"), "enum": list(args)}
     if origin in (Union, types.UnionType):
-        options = [a for a in args if a is not type(None)]
+        options = [a for a in args if a is not types.NoneType]
         return _schema_for(options[0]) if len(options) == 1 else {
             "anyOf": [_schema_for(a) for a in options]}
     if origin in (list, tuple, collections.abc.Sequence):
@@ -936,7 +935,7 @@ class FunctionTools:
                                   "named parameters")
             hint = hints.get(p.name, Any)
             props[p.name] = _schema_for(hint)
-            if type(None) in typing.get_args(hint):
+            if types.NoneType in typing.get_args(hint):
                 nullable.add(p.name)
             if p.default is p.empty:
                 required.append(p.name)
@@ -1993,10 +1992,11 @@ class _Turn:
         t0 = time.monotonic()
         _wait_all([w for _, w, _ in running], [t0 + s for _, _, s in running], self.wake,
                   self.cancel)
-        # The results, after one wait for all: no call counts as timed out before a cancel
+        # The results, after one wait for all: no call counts as timed out before a cancel;
+        # each call that ran fills its place, so every place holds a result
         for i, worker, timeout in running:
             results[i] = self._result_of(calls[i], worker, timeout)
-        return [r for r in results if r is not None], len(running)
+        return results, len(running)
 
     def _result_of(self, call, worker, timeout):
         """The result of one worker: its value, an error, a timeout or an interruption."""
@@ -2079,7 +2079,7 @@ class AgentRuntime:
                  approver: Callable[[ToolCall], Approval] | None = None):
         if action_mode not in ("json", "native"):
             raise ConfigError(f"action_mode must be 'json' or 'native', got {action_mode!r}")
-        if not isinstance(policy, (TurnPolicy, type(None))):
+        if not isinstance(policy, (TurnPolicy, types.NoneType)):
             raise ConfigError(f"policy must be a TurnPolicy, got {type(policy).__name__}")
         # The ports and settings every turn reads
         self.llm = llm
@@ -2178,7 +2178,7 @@ class AgentRuntime:
         self._emit(t, "turn_completed", {  # a turn that raises has no finish reason
             "finish_reason": None if failed else t.finish.value, "usage": vars(t.usage),
             "guard_reason": t.guard_reason.value if t.guard_reason else None,
-            "steps": t.guard.steps, "tool_calls": t.guard.tool_calls, "content": t.content})
+            "steps": result.steps, "tool_calls": result.tool_calls, "content": t.content})
         if failed is not None:
             raise failed
         return result
@@ -2772,14 +2772,15 @@ class OpenAICompatLlm:
                 "name": t.name, "description": t.description, "parameters": t.input_schema}}
                 for t in req.tools]
             body["tool_choice"] = self.tool_choice  # llama.cpp calls no tool without it
-        json_mode = req.response_format == "json" and self.json_response_format
         # a server refusing a form (llama-cpp-python: HTTP 500 for json_schema) gets the next
         # from then on, and plain text after the last; a form is known by its keys
-        forms = [f for f in _json_forms(req.tools) if " ".join(f) not in self._rejected
-                 ] if json_mode else []
+        form = None
+        if req.response_format == "json" and self.json_response_format:
+            form = next((f for f in _json_forms(req.tools) if " ".join(f) not in self._rejected),
+                        None)
         options = {"temperature": self.temperature, "seed": self.seed,
                    "max_tokens": self.max_tokens, "stream": self.stream or None,
-                   "response_format": forms[0] if forms else None,
+                   "response_format": form,
                    "stream_options": ({"include_usage": True}
                                       if self.stream and self.stream_usage else None)}
         body.update((k, v) for k, v in options.items() if v is not None and k not in self._rejected)
