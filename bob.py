@@ -768,10 +768,6 @@ class LoopGuard:
         self._batches: dict[str, int] = {}
         self._texts: dict[str, int] = {}
 
-    def remaining_s(self) -> float:
-        """Seconds left until the turn deadline (never negative)."""
-        return max(0.0, self.deadline - time.monotonic())
-
     def out_of_time(self) -> Trip | None:
         """The turn deadline has passed."""
         if time.monotonic() < self.deadline:
@@ -1025,16 +1021,16 @@ class CompositeToolPort:
                                       f"{type(port).__name__}; rename one or leave one out")
                 owner[t.name] = i
                 tools.append(t)
-        self._owner: dict[str, ToolPort] = {name: self._ports[i] for name, i in owner.items()}
+        self._owner: dict[str, int] = owner
         return tools
 
     def call_tool(self, call: ToolCall, timeout_s: float,
                   cancel: CancelToken | None = None) -> ToolResult:
         """Route the call to the port that listed the tool."""
-        port = self._owner.get(call.name)
-        if port is None:
+        i = self._owner.get(call.name)
+        if i is None:
             return _error(call, f"unknown tool {call.name!r}")
-        return _run_tool(port, call, timeout_s, cancel)
+        return _run_tool(self._ports[i], call, timeout_s, cancel)
 
 
 def is_denied(name: str, patterns: Sequence[str]) -> bool:
@@ -1104,7 +1100,7 @@ def _session_json(state, known=None):
     return _head(state) + ", ".join(filter(None, parts)) + "]}"
 
 
-_SESSION_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+_SESSION_ID = re.compile(r"(?!.*\.\.)[A-Za-z0-9][A-Za-z0-9._-]{0,127}")   # fullmatch; no ".."
 _HEAD = re.compile(rb'\{\s*"version":\s*(\d+)\s*[,}]')   # how to_dict's JSON begins
 
 
@@ -1133,8 +1129,7 @@ class JsonFileSessionStore:
 
     def path_for(self, session_id: str) -> Path:
         """The file of a session; StoreError for an id that could escape the directory."""
-        if not isinstance(session_id, str) or ".." in session_id or not _SESSION_ID.fullmatch(
-                session_id):
+        if not isinstance(session_id, str) or not _SESSION_ID.fullmatch(session_id):
             raise StoreError(f"invalid session id {session_id!r}: use 1-128 letters, digits, "
                              "'.', '_' or '-', starting with a letter or digit")
         return self.directory / f"{session_id}.json"
@@ -1585,8 +1580,8 @@ class _Turn:
             worker = self._call_port(rt.tools.list_tools)
             if worker.done and worker.error is None:
                 self.tools = [d for d in worker.value if not is_denied(d.name, rt.deny_tools)]
-        unfit = next(((d, p) for d in self.tools if (p := _json_problem(d.input_schema))),
-                     None)
+        unfit = next((f"tool {d.name!r}: its input schema {p}" for d in self.tools
+                      if (p := _json_problem(d.input_schema))), None)
         self.tools = [] if unfit else list(map(_masked_tool, self.tools))
         # The trace's opening events, then the input (or the paused batch)
         self._trace_loaded()
@@ -1594,7 +1589,7 @@ class _Turn:
         self.started = True
         resume = self._resume_or_add_input()
         if unfit:
-            raise AgentError(f"tool {unfit[0].name!r}: its input schema {unfit[1]}; deny it")
+            raise AgentError(f"{unfit}; deny it")
         if worker is not None and (stop := self._end_if_failed(worker, "listing the tools")):
             return stop
         return State.CALL_TOOL if resume else State.BUILD_PROMPT
@@ -1651,7 +1646,7 @@ class _Turn:
         try:
             action = self._to_action(reply, f"call_{len(self.session.messages)}")
         except ActionParseError as e:
-            return self._reprompt(reply, e)
+            return self._reprompt(e)
         self.action = action
         self.parse_failures = 0
         self._emit("action_parsed", {
@@ -1762,11 +1757,11 @@ class _Turn:
         return Trip(GuardReason.TURN_TIMEOUT, f"{what} did not answer within "
                     f"turn_timeout_ms={self.policy.turn_timeout_ms}")
 
-    def _reprompt(self, reply, raw):
+    def _reprompt(self, raw):
         """A reply that is no action: the model is told so and asked again, once; the second
         in a row ends the turn with an AgentError."""
         self.parse_failures += 1
-        seen = redact(reply.content)   # as the trace has it: so a replay finds the same error
+        seen = redact(self.reply.content)   # as the trace has it: so a replay finds the same error
         json_mode = self.rt.action_mode == "json"
         e = raw
         if json_mode:   # the error of the masked reply, if it has one
@@ -1985,7 +1980,9 @@ class _Turn:
         for i, call in enumerate(calls):
             self._trace_call(call, results[i] is None)
             if results[i] is None:
-                timeout = min(self.policy.tool_timeout_ms / 1000, self.guard.remaining_s())
+                # tool_timeout_ms, never past the turn deadline (nor below 0 s)
+                timeout = min(self.policy.tool_timeout_ms / 1000,
+                              max(0.0, self.guard.deadline - time.monotonic()))
                 # rt.tools is not None here: _refusal_of_call lets only listed tools through
                 job = functools.partial(_run_tool, self.rt.tools, call, timeout, self.cancel)
                 running.append((i, _Worker(job, self.wake), timeout))
