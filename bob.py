@@ -903,6 +903,24 @@ class _Function:
     nullable: frozenset[str]     # params that accept None
 
 
+def _check_args(f, args):
+    """Why `args` do not fit the schema of `f` (a _Function), in words; None when they do."""
+    schema = f.descriptor.input_schema
+    params = schema["properties"]
+    unknown = sorted(set(args) - set(params))
+    missing = [p for p in schema["required"] if p not in args]
+    wrong = [f"{k} (expected {_expected(params[k])})"
+             for k, v in args.items() if k in params
+             and not (v is None and k in f.nullable) and not _matches(v, params[k])]
+    problems = {"unknown arguments": unknown, "missing arguments": missing,
+                "wrong types": wrong}
+    parts = [f"{what}: {', '.join(names)}" for what, names in problems.items() if names]
+    if not parts:
+        return None
+    return (f"invalid arguments for {f.descriptor.name}: {'; '.join(parts)}. "
+            f"Input schema: {json.dumps(schema, sort_keys=True)}")
+
+
 class FunctionTools:
     """Plain Python functions as tools: schema from type hints, description from the docstring;
     calls run inline (the runtime gives each a worker); a raise is an is_error result."""
@@ -955,7 +973,7 @@ class FunctionTools:
         try:
             if f is None:
                 raise LookupError(f"unknown tool {call.name!r}")
-            problem = self._check_args(f, call.arguments)
+            problem = _check_args(f, call.arguments)
             if problem is None:
                 value = f.fn(**call.arguments)
                 text = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False,
@@ -964,23 +982,6 @@ class FunctionTools:
             problem = f"{type(e).__name__}: {e}"
         # bad arguments, or the function raised: an error result
         return ToolResult(call.id, call.name, problem or text, problem is not None, _ms_since(t0))
-
-    @staticmethod
-    def _check_args(f, args):
-        schema = f.descriptor.input_schema
-        params = schema["properties"]
-        unknown = sorted(set(args) - set(params))
-        missing = [p for p in schema["required"] if p not in args]
-        wrong = [f"{k} (expected {_expected(params[k])})"
-                 for k, v in args.items() if k in params
-                 and not (v is None and k in f.nullable) and not _matches(v, params[k])]
-        problems = {"unknown arguments": unknown, "missing arguments": missing,
-                    "wrong types": wrong}
-        parts = [f"{what}: {', '.join(names)}" for what, names in problems.items() if names]
-        if not parts:
-            return None
-        return (f"invalid arguments for {f.descriptor.name}: {'; '.join(parts)}. "
-                f"Input schema: {json.dumps(schema, sort_keys=True)}")
 
 
 def _globs(what, patterns):
@@ -1095,7 +1096,7 @@ def _session_json(state, known=None):
     if known and len(known[0]) <= len(ms) and all(a is b for a, b in zip(known[0], ms)):
         parts.append(known[1])
         ms = ms[len(known[0]):]
-    parts += (json.dumps([m.to_dict() for m in ms[i:i + 1000]], ensure_ascii=True)[1:-1]
+    parts += (json.dumps([m.to_dict() for m in ms[i:i + 1000]])[1:-1]   # ASCII: json's default
               for i in range(0, len(ms), 1000))
     return _head(state) + ", ".join(filter(None, parts)) + "]}"
 
@@ -1319,12 +1320,12 @@ def _fit(call):
 
 
 def _data_json(data):
-    """Event data as ASCII JSON (lone surrogates too); unwritable data becomes a note of why."""
+    """Event data as ASCII JSON (json's default: lone surrogates too); unwritable data becomes a
+    note of why."""
     try:
-        return json.dumps(data, default=str, ensure_ascii=True)
+        return json.dumps(data, default=str)
     except Exception as e:  # also a str() that raises, from default=str
-        return json.dumps({"unwritable": f"{type(e).__name__}: {_excerpt(str(e), 100)}"},
-                          ensure_ascii=True)
+        return json.dumps({"unwritable": f"{type(e).__name__}: {_excerpt(str(e), 100)}"})
 
 
 class LoggingEventSink:
@@ -1354,13 +1355,13 @@ class JsonlEventSink:
         if event.kind == "text_delta":   # pieces cannot be masked (a secret pair spans several);
             return                        # llm_call_completed has the whole reply, masked
         head = json.dumps({"kind": event.kind, "session_id": event.session_id, "step": event.step,
-                           "ts": event.ts}, default=str, ensure_ascii=True)
-        line = f'{head[:-1]}, "data": {_data_json(event.data)}}}'  # the data as encoded
+                           "ts": event.ts}, default=str)   # ASCII, as the data
+        line = f'{head[:-1]}, "data": {_data_json(event.data)}}}\n'  # the data as encoded
         with self._lock:
             if self._file is None:   # opened on the first event, never blocking (a FIFO nobody
                 flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | _NONBLOCK
                 self._file = open(os.open(self.path, flags, 0o600), "a", encoding="utf-8")  # reads)
-            self._file.write(line + "\n")
+            self._file.write(line)
             self._file.flush()
 
     def close(self) -> None:
@@ -1637,7 +1638,11 @@ class _Turn:
             reply, tool_calls=tuple(map(_fit, reply.tool_calls)),
             reasoning=_str(reply.reasoning))
         self.usage += reply.usage
-        self._emit("llm_call_completed", lambda: self._trace_reply(duration))
+        # The event: the reply as the port gave it (ids before bob fixes them), so fitted
+        fitted = self.reply
+        self._emit("llm_call_completed", lambda: {
+            **vars(fitted), "tool_calls": [c.to_dict() for c in fitted.tool_calls],
+            "usage": vars(fitted.usage), "duration_ms": duration})
         return State.PARSE_ACTION
 
     def parse_action(self) -> State:
@@ -2028,12 +2033,6 @@ class _Turn:
     def _emit(self, kind, data):
         self.rt._emit(self, kind, data)
 
-    def _trace_reply(self, duration_ms):
-        """llm_call_completed: the reply as the port gave it (ids before bob fixes them)."""
-        reply = self.reply
-        return {**vars(reply), "tool_calls": [c.to_dict() for c in reply.tool_calls],
-                "usage": vars(reply.usage), "duration_ms": duration_ms}
-
     def _trace_call(self, call, runs):
         self._emit("tool_call_started", {"call_id": call.id, "name": call.name, "runs": runs,
                                          "arguments": call.arguments})
@@ -2061,7 +2060,7 @@ class _Turn:
                 for k, a in (self.request.approvals or {}).items()}})
 
 
-_OWN_DATA = frozenset({"state", "llm_call_started", "history_truncated"})  # nothing to mask
+_OWN_DATA = ("state", "llm_call_started", "history_truncated")  # events with nothing to mask
 
 
 class AgentRuntime:
