@@ -1209,7 +1209,7 @@ class JsonFileSessionStore:
 # ---- 8. Masking, event sinks and the trace ------------------------------------------------------
 # Everything bob shows or keeps (events, the trace, what the model sees of the tools) passes one
 # secret-name rule and one text mask. Every event is masked once, where it is emitted
-# (AgentRuntime._emit); a sink writes what it is given. Replay compares and digests that masked
+# (_Turn._emit); a sink writes what it is given. Replay compares and digests that masked
 # form, so a run whose secrets differ replays the same.
 
 # The one secret-name rule, for argument names, JSON keys, env variables and HTTP headers alike
@@ -1484,8 +1484,9 @@ def _wait_all(workers, deadlines, wake, cancel):
 # ---- 10. The scheduler: State, _Turn, AgentRuntime ----------------------------------------------
 # A turn is a walk through six explicit states. Each state's work is one method of _Turn that
 # returns the next state; AgentRuntime.run checks every transition against TRANSITIONS and
-# emits it. AgentRuntime holds the settings and ports, saves the session and emits the events;
-# _Turn holds what one turn knows and does its work, reaching the runtime through `self.rt`.
+# emits it. AgentRuntime holds the settings, ports and event sinks, and saves the session; _Turn
+# holds what one turn knows, does its work and emits its events, reaching the runtime through
+# `self.rt`.
 
 class State(str, enum.Enum):
     """The states of a turn."""
@@ -1523,6 +1524,9 @@ def _raised(e, state):
     error = AgentError(f"internal error in {state.value}: {type(e).__name__}: {e}")
     error.__cause__ = e
     return error
+
+
+_OWN_DATA = ("state", "llm_call_started", "history_truncated")  # events with nothing to mask
 
 
 @dataclass
@@ -2029,9 +2033,27 @@ class _Turn:
 
     # -- the trace: what the events carry --
 
-    # An event's data, or a function that builds it (called only when a sink listens)
     def _emit(self, kind, data):
-        self.rt._emit(self, kind, data)
+        """Send one event of this turn to every sink of the runtime; a sink that raises is
+        logged and ignored. `data`, or a function that builds it: built only when a sink
+        listens (trace data costs copies and hashes). Here, and only here, secrets are masked:
+        every event once, as the trace has it."""
+        rt = self.rt
+        if not rt.sinks:
+            return
+        data = data() if callable(data) else data
+        masked = data if kind in _OWN_DATA else redact(data)
+        if kind == "turn_started":   # masked at Start as the model sees them (_masked_tool)
+            masked["tools"] = data["tools"]
+        event = AgentEvent(kind, self.request.session_id, self.guard.steps, masked, time.time())
+        for sink in rt.sinks:
+            try:
+                sink.emit(event)
+            except Exception:  # the first failure of a sink in full, later ones quietly
+                first = id(sink) not in rt._failing
+                rt._failing.add(id(sink))
+                log.log(logging.WARNING if first else logging.DEBUG,
+                        "event sink %r failed on %s; ignored", sink, kind, exc_info=first)
 
     def _trace_call(self, call, runs):
         self._emit("tool_call_started", {"call_id": call.id, "name": call.name, "runs": runs,
@@ -2058,9 +2080,6 @@ class _Turn:
             "approver": rt.approver is not None, "approvals": {
                 k: dataclasses.asdict(a) if isinstance(a, Approval) else repr(a)
                 for k, a in (self.request.approvals or {}).items()}})
-
-
-_OWN_DATA = ("state", "llm_call_started", "history_truncated")  # events with nothing to mask
 
 
 class AgentRuntime:
@@ -2113,7 +2132,7 @@ class AgentRuntime:
                 nxt = getattr(turn, state.value)()
                 if nxt not in TRANSITIONS[state]:
                     raise AgentError(f"bug: illegal transition {state.value} -> {nxt.value}")
-                self._emit(turn, "state", {"from": state.value, "to": nxt.value})
+                turn._emit("state", {"from": state.value, "to": nxt.value})
                 state = nxt
         except BaseException as e:  # a bug, a broken store, Ctrl-C, a sink's SystemExit:
             if not turn.started:    # the session never loaded: saving would overwrite it
@@ -2161,43 +2180,21 @@ class AgentRuntime:
             self._traced[sid] = t.session.version   # not after a lost race
         except Exception as e:   # the next turn says what it loaded (session_loaded)
             self._traced.pop(sid, None)
-            self._emit(t, "error", {"error": f"{type(e).__name__}: {e}",
-                                    "where": "store.save"})
+            t._emit("error", {"error": f"{type(e).__name__}: {e}", "where": "store.save"})
             failed = e if isinstance(e, StoreError) else StoreError(
                 f"cannot save session {sid!r}: {type(e).__name__}: {e}")
             failed.result = result
         # Report: the turn's own error first (it is what the caller sees), then the end
         if t.error is not None:
-            self._emit(t, "error", {"error": f"{type(t.error).__name__}: {t.error}",
-                                    "where": "turn"})
+            t._emit("error", {"error": f"{type(t.error).__name__}: {t.error}", "where": "turn"})
         failed = t.error or failed
-        self._emit(t, "turn_completed", {  # a turn that raises has no finish reason
+        t._emit("turn_completed", {  # a turn that raises has no finish reason
             "finish_reason": None if failed else t.finish.value, "usage": vars(t.usage),
             "guard_reason": t.guard_reason.value if t.guard_reason else None,
             "steps": result.steps, "tool_calls": result.tool_calls, "content": t.content})
         if failed is not None:
             raise failed
         return result
-
-    def _emit(self, t, kind, data):
-        """Send one event to every sink; a sink that raises is logged and ignored. Data given
-        as a function is built only when a sink listens (trace data costs copies and hashes).
-        Here, and only here, secrets are masked: every event once, as the trace has it."""
-        if not self.sinks:
-            return
-        data = data() if callable(data) else data
-        masked = data if kind in _OWN_DATA else redact(data)
-        if kind == "turn_started":   # masked at Start as the model sees them (_masked_tool)
-            masked["tools"] = data["tools"]
-        event = AgentEvent(kind, t.request.session_id, t.guard.steps, masked, time.time())
-        for sink in self.sinks:
-            try:
-                sink.emit(event)
-            except Exception:  # the first failure of a sink in full, later ones quietly
-                first = id(sink) not in self._failing
-                self._failing.add(id(sink))
-                log.log(logging.WARNING if first else logging.DEBUG,
-                        "event sink %r failed on %s; ignored", sink, kind, exc_info=first)
 
 
 # ---- 11. LLM adapters: ScriptedLlm, OpenAICompatLlm ---------------------------------------------
