@@ -21,9 +21,9 @@ Sections:
 
 A turn in brief (section 10). AgentRuntime.run walks one _Turn through these states,
 checking each step against TRANSITIONS and emitting it. Each state is one method of _Turn
-that does its work and returns the next state; the guards it checks are LoopGuard's
-(section 5). A tripped guard, a cancel, an answer, a question or a pause ends the turn
-through _Turn.end; AgentRuntime._done saves it.
+(the table _Turn.WORK) that does its work and returns the next state; the guards it checks
+are LoopGuard's (section 5). A tripped guard, a cancel, an answer, a question or a pause ends
+the turn through _Turn.end; AgentRuntime._done saves it.
 
     START         _Turn.start: loads the session, lists the tools (the turn deadline and
                   cancel hold), adds the input or takes up a paused batch.
@@ -384,7 +384,7 @@ def _paused(p, n):
     # the guard's counts: integers, or dicts of integers; never the policy or the deadline
     counts = _field(p, "guard", dict)
     numbers = [i for v in counts.values() for i in (v.values() if isinstance(v, dict) else [v])]
-    if {"policy", "deadline"} & set(counts) or not all(type(i) is int for i in numbers):
+    if "policy" in counts or "deadline" in counts or not all(type(i) is int for i in numbers):
         raise ValueError("the paused turn's guard counts are not as bob saved them")
     # each decision: what Approval takes (it checks the types itself: a ConfigError)
     for decision in _field(p, "approvals", dict).values():
@@ -793,8 +793,8 @@ class LoopGuard:
         """Stagnation: the same non-final assistant text seen too often (catches A->B->A)."""
         if not text.strip():
             return None
-        masked = redact(text.strip())   # as a replay sees it
-        key = hashlib.sha1(masked.encode("utf-8", "surrogatepass")).hexdigest()
+        # the text as a replay sees it (masked), hashed
+        key = hashlib.sha1(redact(text.strip()).encode("utf-8", "surrogatepass")).hexdigest()
         self._texts[key] = seen = self._texts.get(key, 0) + 1
         if seen > self.policy.max_stagnation_steps:
             return Trip(GuardReason.STAGNATION,
@@ -1076,7 +1076,7 @@ class InMemorySessionStore:
         """Store a copy of `state`; StoreError if another turn saved the session meanwhile."""
         with self._lock:
             s = self._sessions.get(session_id)
-            _check_newer(session_id, None if s is None else s.version, state)
+            _check_newer(session_id, getattr(s, "version", None), state)
             self._sessions[session_id] = dataclasses.replace(state, messages=list(state.messages))
 
 
@@ -1711,6 +1711,11 @@ class _Turn:
             return self._end_cancelled()
         return State.BUILD_PROMPT
 
+    # Each state's work, which returns the next state (DONE has none): run() calls
+    # WORK[state](turn)
+    WORK = {State.START: start, State.BUILD_PROMPT: build_prompt, State.LLM_INFER: llm_infer,
+            State.PARSE_ACTION: parse_action, State.CALL_TOOL: call_tool}
+
     # -- ending the turn: `end` writes the outcome, the others say why --
 
     def end(self, finish=FinishReason.FINAL, content="",
@@ -2127,9 +2132,8 @@ class AgentRuntime:
         state = State.START
         try:
             while state is not State.DONE:
-                # Each state's work: the method of the turn named by the state's value (START:
-                # _Turn.start, ...), which returns the next state (DONE has none)
-                nxt = getattr(turn, state.value)()
+                # The state's work (_Turn.WORK), which returns the next state
+                nxt = _Turn.WORK[state](turn)
                 if nxt not in TRANSITIONS[state]:
                     raise AgentError(f"bug: illegal transition {state.value} -> {nxt.value}")
                 turn._emit("state", {"from": state.value, "to": nxt.value})
