@@ -1320,8 +1320,8 @@ def _fit(call):
 
 
 def _data_json(data):
-    """Event data as ASCII JSON (json's default: lone surrogates too); unwritable data becomes a
-    note of why."""
+    """Event data as ASCII JSON (json.dumps' default; lone surrogates too); unwritable data
+    becomes a note of why."""
     try:
         return json.dumps(data, default=str)
     except Exception as e:  # also a str() that raises, from default=str
@@ -1642,7 +1642,8 @@ class _Turn:
             reply, tool_calls=tuple(map(_fit, reply.tool_calls)),
             reasoning=_str(reply.reasoning))
         self.usage += reply.usage
-        # The event: the reply as the port gave it (ids before bob fixes them), so fitted
+        # llm_call_completed: the reply as fitted above, its ids as the port gave them (bob fixes
+        # them in parse_action)
         fitted = self.reply
         self._emit("llm_call_completed", lambda: {
             **vars(fitted), "tool_calls": [c.to_dict() for c in fitted.tool_calls],
