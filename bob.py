@@ -21,9 +21,9 @@ Sections:
 
 A turn in brief (section 10). AgentRuntime.run walks one _Turn through these states,
 checking each step against TRANSITIONS and emitting it. Each state is one method of _Turn
-that does its work and returns the next state; the guards it checks are LoopGuard's
-(section 5). A tripped guard, a cancel, an answer, a question or a pause ends the turn
-through _Turn.end; AgentRuntime._done saves it.
+(the table _Turn.WORK) that does its work and returns the next state; the guards it checks
+are LoopGuard's (section 5). A tripped guard, a cancel, an answer, a question or a pause ends
+the turn through _Turn.end; AgentRuntime._done saves it.
 
     START         _Turn.start: loads the session, lists the tools (the turn deadline and
                   cancel hold), adds the input or takes up a paused batch.
@@ -75,7 +75,7 @@ import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator, Literal, Protocol, Sequence, Union
+from typing import Any, Callable, Iterable, Literal, Protocol, Sequence, Union
 
 __all__ = [
     "BobError", "ConfigError", "LlmError", "ActionParseError", "StoreError", "AgentError",  # errors
@@ -236,13 +236,13 @@ class Message:
         role = _field(_want(d, dict, "a message"), "role", str)
         if role not in ("system", "user", "assistant", "tool"):
             raise ValueError(f"a message has the unknown role {_excerpt(role)!r}")
-        text = (str, type(None))
+        text = (str, types.NoneType)
         calls = []
         for c in _field(d, "tool_calls", list, []):
             c = _want(c, dict, "a tool call")
             calls.append(ToolCall(_field(c, "id", str), _field(c, "name", str),
                                   _field(c, "arguments", dict), _field(c, "error", text),
-                                  _field(c, "extra", (dict, type(None)))))
+                                  _field(c, "extra", (dict, types.NoneType))))
         return cls(role, _field(d, "content", str), tuple(calls),
                    _field(d, "tool_call_id", text), _field(d, "name", text),
                    _field(d, "is_error", bool, False), _field(d, "reasoning", text))
@@ -347,7 +347,7 @@ class Approval:
     arguments: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
-        _given(self, allow=bool, reason=str, arguments=(dict, type(None)))
+        _given(self, allow=bool, reason=str, arguments=(dict, types.NoneType))
 
 
 @dataclass
@@ -361,7 +361,8 @@ class AgentRequest:
     approvals: dict[str, Approval] | None = None
 
     def __post_init__(self) -> None:   # a bad value saved would make the session unloadable
-        _given(self, input=(str, type(None)), session_id=str, policy=(TurnPolicy, type(None)))
+        _given(self, input=(str, types.NoneType), session_id=str,
+               policy=(TurnPolicy, types.NoneType))
 
 
 @dataclass
@@ -383,7 +384,7 @@ def _paused(p, n):
     # the guard's counts: integers, or dicts of integers; never the policy or the deadline
     counts = _field(p, "guard", dict)
     numbers = [i for v in counts.values() for i in (v.values() if isinstance(v, dict) else [v])]
-    if {"policy", "deadline"} & set(counts) or not all(type(i) is int for i in numbers):
+    if "policy" in counts or "deadline" in counts or not all(type(i) is int for i in numbers):
         raise ValueError("the paused turn's guard counts are not as bob saved them")
     # each decision: what Approval takes (it checks the types itself: a ConfigError)
     for decision in _field(p, "approvals", dict).values():
@@ -415,7 +416,7 @@ class SessionState:
         """Reverse of `to_dict`; ValueError naming what is wrong."""
         u = _field(_want(d, dict, "the session"), "usage", dict, {})
         messages = [Message.from_dict(m) for m in _field(d, "messages", list)]
-        paused = _field(d, "paused", (dict, type(None)))
+        paused = _field(d, "paused", (dict, types.NoneType))
         return cls(messages, Usage(_field(u, "prompt_tokens", int, 0),
                                    _field(u, "completion_tokens", int, 0)),
                    _field(d, "version", int, 0),
@@ -572,7 +573,7 @@ def _json_problem(value):
             return "holds an integer over 4,000 digits long"
         elif isinstance(v, float) and v - v:   # inf - inf and nan - nan are nan: no JSON has them
             return "holds NaN or Infinity, which JSON does not allow"
-        elif not isinstance(v, (str, int, float, type(None))):  # a custom port's bytes, objects
+        elif not isinstance(v, (str, int, float, types.NoneType)):  # a custom port's bytes, objects
             return f"holds a value of type {type(v).__name__}, which JSON does not have"
     return None
 
@@ -631,15 +632,6 @@ def parse_action(text: str, call_id: str = "call_1") -> AgentAction:
             raise ActionParseError('"arguments" of a tool_call must be a JSON object')
         return CallTools((ToolCall(call_id, name, args),))
     raise ActionParseError(f'"type" must be "final", "tool_call" or "ask_user", got {kind!r}')
-
-
-def _parse_problem(text):
-    """Why `text` is not one valid action, or None."""
-    try:
-        parse_action(text)
-    except ActionParseError as e:
-        return e
-    return None
 
 
 def _portable(schema):
@@ -776,10 +768,6 @@ class LoopGuard:
         self._batches: dict[str, int] = {}
         self._texts: dict[str, int] = {}
 
-    def remaining_s(self) -> float:
-        """Seconds left until the turn deadline (never negative)."""
-        return max(0.0, self.deadline - time.monotonic())
-
     def out_of_time(self) -> Trip | None:
         """The turn deadline has passed."""
         if time.monotonic() < self.deadline:
@@ -789,16 +777,15 @@ class LoopGuard:
 
     def before_llm_call(self) -> Trip | None:
         """Checked before every LLM call: deadline, error streak, step budget."""
-        p = self.policy
         if trip := self.out_of_time():
             return trip
-        if self.consecutive_errors >= p.max_consecutive_errors:
+        if self.consecutive_errors >= self.policy.max_consecutive_errors:
             return Trip(GuardReason.MAX_CONSECUTIVE_ERRORS,
                         f"{self.consecutive_errors} tool errors in a row "
-                        f"(max_consecutive_errors={p.max_consecutive_errors})")
-        if self.steps >= p.max_steps:
+                        f"(max_consecutive_errors={self.policy.max_consecutive_errors})")
+        if self.steps >= self.policy.max_steps:
             return Trip(GuardReason.MAX_STEPS,
-                        f"the model needed more than max_steps={p.max_steps} LLM calls")
+                        f"the model needed more than max_steps={self.policy.max_steps} LLM calls")
         self.steps += 1
         return None
 
@@ -806,8 +793,8 @@ class LoopGuard:
         """Stagnation: the same non-final assistant text seen too often (catches A->B->A)."""
         if not text.strip():
             return None
-        masked = redact(text.strip())   # as a replay sees it
-        key = hashlib.sha1(masked.encode("utf-8", "surrogatepass")).hexdigest()
+        # the text as a replay sees it (masked), hashed
+        key = hashlib.sha1(redact(text.strip()).encode("utf-8", "surrogatepass")).hexdigest()
         self._texts[key] = seen = self._texts.get(key, 0) + 1
         if seen > self.policy.max_stagnation_steps:
             return Trip(GuardReason.STAGNATION,
@@ -829,12 +816,11 @@ class LoopGuard:
 
     def check_budget(self, runnable: int) -> Trip | None:
         """Before a batch runs: time left, and room for its `runnable` (not refused) calls?"""
-        p = self.policy
         if trip := self.out_of_time():  # no tool should start with a 0 ms timeout
             return trip
-        if self.tool_calls + runnable > p.max_tool_calls:
+        if self.tool_calls + runnable > self.policy.max_tool_calls:
             return Trip(GuardReason.MAX_TOOL_CALLS, f"{self.tool_calls} tool calls ran and "
-                        f"{runnable} more would pass max_tool_calls={p.max_tool_calls}")
+                        f"{runnable} more would pass max_tool_calls={self.policy.max_tool_calls}")
         return None
 
     def record_results(self, results: Sequence[ToolResult], ran: int) -> None:
@@ -843,10 +829,6 @@ class LoopGuard:
         self.tool_calls += ran
         for r in results:
             self.consecutive_errors = self.consecutive_errors + 1 if r.is_error else 0
-
-    def record_refusal(self) -> None:
-        """A refused batch (too many calls at once) counts as one error, not one per call."""
-        self.consecutive_errors += 1
 
     # -- a pause and its resume --
 
@@ -867,8 +849,8 @@ class LoopGuard:
 
 # ---- 6. Tools: functions, composite, policy -----------------------------------------------------
 
-_JSON_TYPES: dict[Any, str] = {str: "string", int: "integer", float: "number", bool: "boolean",
-                               list: "array", tuple: "array", dict: "object"}
+_JSON_TYPES = {str: "string", int: "integer", float: "number", bool: "boolean", list: "array",
+               tuple: "array", dict: "object"}
 
 
 def _schema_for(tp):
@@ -879,7 +861,7 @@ def _schema_for(tp):
     if origin is Literal:
         return {"type": _JSON_TYPES.get(type(args[0]), "string"), "enum": list(args)}
     if origin in (Union, types.UnionType):
-        options = [a for a in args if a is not type(None)]
+        options = [a for a in args if a is not types.NoneType]
         return _schema_for(options[0]) if len(options) == 1 else {
             "anyOf": [_schema_for(a) for a in options]}
     if origin in (list, tuple, collections.abc.Sequence):
@@ -917,9 +899,26 @@ def _ms_since(t0):
 @dataclass(frozen=True)
 class _Function:
     fn: Callable[..., Any]
-    descriptor: ToolDescriptor
-    params: dict[str, Any]       # name -> schema
+    descriptor: ToolDescriptor   # its input_schema's "properties": name -> schema
     nullable: frozenset[str]     # params that accept None
+
+
+def _check_args(f, args):
+    """Why `args` do not fit the schema of `f` (a _Function), in words; None when they do."""
+    schema = f.descriptor.input_schema
+    params = schema["properties"]
+    unknown = sorted(set(args) - set(params))
+    missing = [p for p in schema["required"] if p not in args]
+    wrong = [f"{k} (expected {_expected(params[k])})"
+             for k, v in args.items() if k in params
+             and not (v is None and k in f.nullable) and not _matches(v, params[k])]
+    problems = {"unknown arguments": unknown, "missing arguments": missing,
+                "wrong types": wrong}
+    parts = [f"{what}: {', '.join(names)}" for what, names in problems.items() if names]
+    if not parts:
+        return None
+    return (f"invalid arguments for {f.descriptor.name}: {'; '.join(parts)}. "
+            f"Input schema: {json.dumps(schema, sort_keys=True)}")
 
 
 class FunctionTools:
@@ -950,7 +949,7 @@ class FunctionTools:
                                   "named parameters")
             hint = hints.get(p.name, Any)
             props[p.name] = _schema_for(hint)
-            if type(None) in typing.get_args(hint):
+            if types.NoneType in typing.get_args(hint):
                 nullable.add(p.name)
             if p.default is p.empty:
                 required.append(p.name)
@@ -959,7 +958,7 @@ class FunctionTools:
         schema = {"type": "object", "properties": props, "required": required,
                   "additionalProperties": False}
         desc = description or (inspect.getdoc(fn) or "").split("\n\n")[0].strip() or name
-        self._functions[name] = _Function(fn, ToolDescriptor(name, desc, schema), props,
+        self._functions[name] = _Function(fn, ToolDescriptor(name, desc, schema),
                                           frozenset(nullable))
 
     def list_tools(self) -> list[ToolDescriptor]:
@@ -974,7 +973,7 @@ class FunctionTools:
         try:
             if f is None:
                 raise LookupError(f"unknown tool {call.name!r}")
-            problem = self._check_args(f, call.arguments)
+            problem = _check_args(f, call.arguments)
             if problem is None:
                 value = f.fn(**call.arguments)
                 text = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False,
@@ -983,22 +982,6 @@ class FunctionTools:
             problem = f"{type(e).__name__}: {e}"
         # bad arguments, or the function raised: an error result
         return ToolResult(call.id, call.name, problem or text, problem is not None, _ms_since(t0))
-
-    @staticmethod
-    def _check_args(f, args):
-        schema = f.descriptor.input_schema
-        unknown = sorted(set(args) - set(f.params))
-        missing = [p for p in schema["required"] if p not in args]
-        wrong = [f"{k} (expected {_expected(f.params[k])})"
-                 for k, v in args.items() if k in f.params
-                 and not (v is None and k in f.nullable) and not _matches(v, f.params[k])]
-        problems = {"unknown arguments": unknown, "missing arguments": missing,
-                    "wrong types": wrong}
-        parts = [f"{what}: {', '.join(names)}" for what, names in problems.items() if names]
-        if not parts:
-            return None
-        return (f"invalid arguments for {f.descriptor.name}: {'; '.join(parts)}. "
-                f"Input schema: {json.dumps(schema, sort_keys=True)}")
 
 
 def _globs(what, patterns):
@@ -1039,16 +1022,16 @@ class CompositeToolPort:
                                       f"{type(port).__name__}; rename one or leave one out")
                 owner[t.name] = i
                 tools.append(t)
-        self._owner: dict[str, ToolPort] = {name: self._ports[i] for name, i in owner.items()}
+        self._owner: dict[str, int] = owner
         return tools
 
     def call_tool(self, call: ToolCall, timeout_s: float,
                   cancel: CancelToken | None = None) -> ToolResult:
         """Route the call to the port that listed the tool."""
-        port = self._owner.get(call.name)
-        if port is None:
+        i = self._owner.get(call.name)
+        if i is None:
             return _error(call, f"unknown tool {call.name!r}")
-        return _run_tool(port, call, timeout_s, cancel)
+        return _run_tool(self._ports[i], call, timeout_s, cancel)
 
 
 def is_denied(name: str, patterns: Sequence[str]) -> bool:
@@ -1093,7 +1076,7 @@ class InMemorySessionStore:
         """Store a copy of `state`; StoreError if another turn saved the session meanwhile."""
         with self._lock:
             s = self._sessions.get(session_id)
-            _check_newer(session_id, None if s is None else s.version, state)
+            _check_newer(session_id, getattr(s, "version", None), state)
             self._sessions[session_id] = dataclasses.replace(state, messages=list(state.messages))
 
 
@@ -1113,18 +1096,21 @@ def _session_json(state, known=None):
     if known and len(known[0]) <= len(ms) and all(a is b for a, b in zip(known[0], ms)):
         parts.append(known[1])
         ms = ms[len(known[0]):]
-    parts += (json.dumps([m.to_dict() for m in ms[i:i + 1000]], ensure_ascii=True)[1:-1]
+    parts += (json.dumps([m.to_dict() for m in ms[i:i + 1000]])[1:-1]   # ASCII: json's default
               for i in range(0, len(ms), 1000))
     return _head(state) + ", ".join(filter(None, parts)) + "]}"
 
 
-_SESSION_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+_SESSION_ID = re.compile(r"(?!.*\.\.)[A-Za-z0-9][A-Za-z0-9._-]{0,127}")   # fullmatch; no ".."
 _HEAD = re.compile(rb'\{\s*"version":\s*(\d+)\s*[,}]')   # how to_dict's JSON begins
+
+
+_NONBLOCK = getattr(os, "O_NONBLOCK", 0)   # opening a FIFO must not wait for its other end
 
 
 def _read_file(path, size=-1):
     """A regular file's bytes, opened without blocking: a FIFO is an OSError, not a hang."""
-    with open(os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0)), "rb") as f:
+    with open(os.open(path, os.O_RDONLY | _NONBLOCK), "rb") as f:
         if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
             raise OSError("it is not a regular file; move it away")
         return f.read(size)
@@ -1144,8 +1130,7 @@ class JsonFileSessionStore:
 
     def path_for(self, session_id: str) -> Path:
         """The file of a session; StoreError for an id that could escape the directory."""
-        if not isinstance(session_id, str) or ".." in session_id or not _SESSION_ID.fullmatch(
-                session_id):
+        if not isinstance(session_id, str) or not _SESSION_ID.fullmatch(session_id):
             raise StoreError(f"invalid session id {session_id!r}: use 1-128 letters, digits, "
                              "'.', '_' or '-', starting with a letter or digit")
         return self.directory / f"{session_id}.json"
@@ -1224,7 +1209,7 @@ class JsonFileSessionStore:
 # ---- 8. Masking, event sinks and the trace ------------------------------------------------------
 # Everything bob shows or keeps (events, the trace, what the model sees of the tools) passes one
 # secret-name rule and one text mask. Every event is masked once, where it is emitted
-# (AgentRuntime._emit); a sink writes what it is given. Replay compares and digests that masked
+# (_Turn._emit); a sink writes what it is given. Replay compares and digests that masked
 # form, so a run whose secrets differ replays the same.
 
 # The one secret-name rule, for argument names, JSON keys, env variables and HTTP headers alike
@@ -1335,12 +1320,12 @@ def _fit(call):
 
 
 def _data_json(data):
-    """Event data as ASCII JSON (lone surrogates too); unwritable data becomes a note of why."""
+    """Event data as ASCII JSON (json.dumps' default; lone surrogates too); unwritable data
+    becomes a note of why."""
     try:
-        return json.dumps(data, default=str, ensure_ascii=True)
+        return json.dumps(data, default=str)
     except Exception as e:  # also a str() that raises, from default=str
-        return json.dumps({"unwritable": f"{type(e).__name__}: {_excerpt(str(e), 100)}"},
-                          ensure_ascii=True)
+        return json.dumps({"unwritable": f"{type(e).__name__}: {_excerpt(str(e), 100)}"})
 
 
 class LoggingEventSink:
@@ -1370,13 +1355,13 @@ class JsonlEventSink:
         if event.kind == "text_delta":   # pieces cannot be masked (a secret pair spans several);
             return                        # llm_call_completed has the whole reply, masked
         head = json.dumps({"kind": event.kind, "session_id": event.session_id, "step": event.step,
-                           "ts": event.ts}, default=str, ensure_ascii=True)
-        line = f'{head[:-1]}, "data": {_data_json(event.data)}}}'  # the data as encoded
+                           "ts": event.ts}, default=str)   # ASCII, as the data
+        line = f'{head[:-1]}, "data": {_data_json(event.data)}}}\n'  # the data as encoded
         with self._lock:
             if self._file is None:   # opened on the first event, never blocking (a FIFO nobody
-                flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | getattr(os, "O_NONBLOCK", 0)
+                flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | _NONBLOCK
                 self._file = open(os.open(self.path, flags, 0o600), "a", encoding="utf-8")  # reads)
-            self._file.write(line + "\n")
+            self._file.write(line)
             self._file.flush()
 
     def close(self) -> None:
@@ -1526,8 +1511,9 @@ def _wait_all(workers, deadlines, wake, cancel):
 # ---- 10. The scheduler: State, _Turn, AgentRuntime ----------------------------------------------
 # A turn is a walk through six explicit states. Each state's work is one method of _Turn that
 # returns the next state; AgentRuntime.run checks every transition against TRANSITIONS and
-# emits it. AgentRuntime holds the settings and ports, saves the session and emits the events;
-# _Turn holds what one turn knows and does its work, reaching the runtime through `self.rt`.
+# emits it. AgentRuntime holds the settings, ports and event sinks, and saves the session; _Turn
+# holds what one turn knows, does its work and emits its events, reaching the runtime through
+# `self.rt`.
 
 class State(str, enum.Enum):
     """The states of a turn."""
@@ -1551,9 +1537,9 @@ TRANSITIONS: dict[State, frozenset[State]] = {
 
 
 def _too_long(e):
-    """The endpoint refused the request as too long for the model's context."""
+    """Truthy when the endpoint refused the request as too long for the model's context."""
     return (isinstance(e, LlmError) and e.status_code == 400
-            and bool(_CONTEXT_TOO_LONG.search(e.body)))
+            and _CONTEXT_TOO_LONG.search(e.body))
 
 
 def _raised(e, state):
@@ -1565,6 +1551,9 @@ def _raised(e, state):
     error = AgentError(f"internal error in {state.value}: {type(e).__name__}: {e}")
     error.__cause__ = e
     return error
+
+
+_OWN_DATA = ("state", "llm_call_started", "history_truncated")  # events with nothing to mask
 
 
 @dataclass
@@ -1623,8 +1612,8 @@ class _Turn:
             worker = self._call_port(rt.tools.list_tools, rt.tools)
             if worker.done and worker.error is None:
                 self.tools = [d for d in worker.value if not is_denied(d.name, rt.deny_tools)]
-        unfit = next(((d, p) for d in self.tools if (p := _json_problem(d.input_schema))),
-                     None)
+        unfit = next((f"tool {d.name!r}: its input schema {p}" for d in self.tools
+                      if (p := _json_problem(d.input_schema))), None)
         self.tools = [] if unfit else list(map(_masked_tool, self.tools))
         # The trace's opening events, then the input (or the paused batch)
         self._trace_loaded()
@@ -1632,7 +1621,7 @@ class _Turn:
         self.started = True
         resume = self._resume_or_add_input()
         if unfit:
-            raise AgentError(f"tool {unfit[0].name!r}: its input schema {unfit[1]}; deny it")
+            raise AgentError(f"{unfit}; deny it")
         if worker is not None and (stop := self._end_if_failed(worker, "listing the tools")):
             return stop
         return State.CALL_TOOL if resume else State.BUILD_PROMPT
@@ -1680,7 +1669,12 @@ class _Turn:
             reply, tool_calls=tuple(map(_fit, reply.tool_calls)),
             reasoning=_str(reply.reasoning))
         self.usage += reply.usage
-        self._emit("llm_call_completed", lambda: self._trace_reply(duration))
+        # llm_call_completed: the reply as fitted above, its ids as the port gave them (bob fixes
+        # them in parse_action)
+        fitted = self.reply
+        self._emit("llm_call_completed", lambda: {
+            **vars(fitted), "tool_calls": [c.to_dict() for c in fitted.tool_calls],
+            "usage": vars(fitted.usage), "duration_ms": duration})
         return State.PARSE_ACTION
 
     def parse_action(self) -> State:
@@ -1689,7 +1683,7 @@ class _Turn:
         try:
             action = self._to_action(reply, f"call_{len(self.session.messages)}")
         except ActionParseError as e:
-            return self._reprompt(reply, e)
+            return self._reprompt(e)
         self.action = action
         self.parse_failures = 0
         self._emit("action_parsed", {
@@ -1710,7 +1704,6 @@ class _Turn:
 
     def call_tool(self) -> State:
         """Guard the batch, get its decisions, run it, append the results in call order."""
-        assert isinstance(self.action, CallTools)
         calls = self.action.calls
         self.session.paused = None   # answered below, or paused afresh
         resumed = self.resumed
@@ -1745,6 +1738,11 @@ class _Turn:
         if self.caller_cancel.cancelled:
             return self._end_cancelled()
         return State.BUILD_PROMPT
+
+    # Each state's work, which returns the next state (DONE has none): run() calls
+    # WORK[state](turn)
+    WORK = {State.START: start, State.BUILD_PROMPT: build_prompt, State.LLM_INFER: llm_infer,
+            State.PARSE_ACTION: parse_action, State.CALL_TOOL: call_tool}
 
     # -- ending the turn: `end` writes the outcome, the others say why --
 
@@ -1801,13 +1799,18 @@ class _Turn:
         return Trip(GuardReason.TURN_TIMEOUT, f"{what} did not answer within "
                     f"turn_timeout_ms={self.policy.turn_timeout_ms}")
 
-    def _reprompt(self, reply, raw):
+    def _reprompt(self, raw):
         """A reply that is no action: the model is told so and asked again, once; the second
         in a row ends the turn with an AgentError."""
         self.parse_failures += 1
-        seen = redact(reply.content)   # as the trace has it: so a replay finds the same error
+        seen = redact(self.reply.content)   # as the trace has it: so a replay finds the same error
         json_mode = self.rt.action_mode == "json"
-        e = (json_mode and _parse_problem(seen)) or raw
+        e = raw
+        if json_mode:   # the error of the masked reply, if it has one
+            try:
+                parse_action(seen)
+            except ActionParseError as masked:
+                e = masked
         self._emit("parse_error", {"error": str(e), "attempt": self.parse_failures})
         if self.parse_failures >= 2:
             return self.end(error=AgentError(
@@ -1827,9 +1830,9 @@ class _Turn:
         for i in kept:
             if i not in self.wire:
                 self.wire[i] = render_for_wire(messages[i], self.rt.action_mode)
-        json_mode = self.rt.action_mode == "json"
+        response_format = "json" if self.rt.action_mode == "json" else None
         return LlmRequest([self.system, *(self.wire[i] for i in kept)],
-                          self.tools, "json" if json_mode else None, self.guard.deadline)
+                          self.tools, response_format, self.guard.deadline)
 
     def _complete(self, prompt):
         return self._call_port(lambda: self.rt.llm.complete(prompt, self.cancel, self._delta),
@@ -1879,8 +1882,8 @@ class _Turn:
             self.session.paused = None
             self._answer_unrun(waiting, "not run: the user sent a new message instead of "
                                         "deciding on this call")
-            self.session.messages.append(Message("user", request.input))
-            self.input_index = len(self.session.messages) - 1
+            messages.append(Message("user", request.input))
+            self.input_index = len(messages) - 1
             return False
         # Resuming: the pause's counts and decisions, and the decisions given now
         if not (paused and waiting):
@@ -1962,8 +1965,8 @@ class _Turn:
     def _record_decision(self, call, approval):
         """Keep a decision on `call` for this batch. Its arguments are checked as the model's
         are (they reach history and the wire): unfit ones decline the call."""
-        args = approval.arguments   # a dict or None: Approval checks the type
-        if args is not None and (problem := _json_problem(args)):
+        # a dict or None (Approval checks the type); None has no problem
+        if problem := _json_problem(approval.arguments):
             approval = Approval(False, f"the approver's arguments were unfit: it {problem}")
         self.approvals[call.id] = approval
         changed = approval.allow and approval.arguments not in (None, call.arguments)
@@ -1993,7 +1996,7 @@ class _Turn:
         self._answer_unrun(calls, f"not run: this batch has {len(calls)} calls and at most "
                                   f"max_parallel_tools={n} may run at once; call at most {n} "
                                   "tools at a time")
-        self.guard.record_refusal()
+        self.guard.consecutive_errors += 1   # the batch counts as one error, not one per call
         return State.BUILD_PROMPT
 
     def _stop_batch_on_guard(self, trip):
@@ -2021,17 +2024,20 @@ class _Turn:
         for i, call in enumerate(calls):
             self._trace_call(call, results[i] is None)
             if results[i] is None:
-                timeout = min(self.policy.tool_timeout_ms / 1000, self.guard.remaining_s())
+                # tool_timeout_ms, never past the turn deadline (nor below 0 s)
+                timeout = min(self.policy.tool_timeout_ms / 1000,
+                              max(0.0, self.guard.deadline - time.monotonic()))
                 # rt.tools is not None here: _refusal_of_call lets only listed tools through
                 job = functools.partial(_run_tool, self.rt.tools, call, timeout, self.cancel)
                 running.append((i, _Worker(job, self.wake, self.rt.tools), timeout))
         t0 = time.monotonic()
         _wait_all([w for _, w, _ in running], [t0 + s for _, _, s in running], self.wake,
                   self.cancel)
-        # The results, after one wait for all: no call counts as timed out before a cancel
+        # The results, after one wait for all: no call counts as timed out before a cancel;
+        # each call that ran fills its place, so every place holds a result
         for i, worker, timeout in running:
             results[i] = self._result_of(calls[i], worker, timeout)
-        return [r for r in results if r is not None], len(running)
+        return results, len(running)
 
     def _result_of(self, call, worker, timeout):
         """The result of one worker: its value, an error, a timeout or an interruption."""
@@ -2044,15 +2050,15 @@ class _Turn:
         if (e := worker.error) is not None:
             return _error(call, f"executor unavailable: {type(e).__name__}: {e}")
         r = worker.value
-        if not isinstance(r, ToolResult) or not isinstance(r.content, str):
-            if isinstance(r, ToolResult):
-                got = f"a ToolResult whose content is {type(r.content).__name__}"
-            else:
-                got = type(r).__name__
-            return _error(call, f"executor unavailable: the tool port returned {got}, not a "
-                                "ToolResult with text")
-        content = cut_output(r.content, self.policy.max_tool_output_chars)
-        return ToolResult(call.id, call.name, content, r.is_error, r.duration_ms)
+        if not isinstance(r, ToolResult):
+            got = type(r).__name__
+        elif not isinstance(r.content, str):
+            got = f"a ToolResult whose content is {type(r.content).__name__}"
+        else:   # a result: its text, cut to max_tool_output_chars
+            content = cut_output(r.content, self.policy.max_tool_output_chars)
+            return ToolResult(call.id, call.name, content, r.is_error, r.duration_ms)
+        return _error(call, f"executor unavailable: the tool port returned {got}, not a "
+                            "ToolResult with text")
 
     def _append_results(self, results):
         for r in results:
@@ -2062,15 +2068,27 @@ class _Turn:
 
     # -- the trace: what the events carry --
 
-    # An event's data, or a function that builds it (called only when a sink listens)
     def _emit(self, kind, data):
-        self.rt._emit(self, kind, data)
-
-    def _trace_reply(self, duration_ms):
-        """llm_call_completed: the reply as the port gave it (ids before bob fixes them)."""
-        reply = self.reply
-        return {**vars(reply), "tool_calls": [c.to_dict() for c in reply.tool_calls],
-                "usage": vars(reply.usage), "duration_ms": duration_ms}
+        """Send one event of this turn to every sink of the runtime; a sink that raises is
+        logged and ignored. `data`, or a function that builds it: built only when a sink
+        listens (trace data costs copies and hashes). Here, and only here, secrets are masked:
+        every event once, as the trace has it."""
+        rt = self.rt
+        if not rt.sinks:
+            return
+        data = data() if callable(data) else data
+        masked = data if kind in _OWN_DATA else redact(data)
+        if kind == "turn_started":   # masked at Start as the model sees them (_masked_tool)
+            masked["tools"] = data["tools"]
+        event = AgentEvent(kind, self.request.session_id, self.guard.steps, masked, time.time())
+        for sink in rt.sinks:
+            try:
+                sink.emit(event)
+            except Exception:  # the first failure of a sink in full, later ones quietly
+                first = id(sink) not in rt._failing
+                rt._failing.add(id(sink))
+                log.log(logging.WARNING if first else logging.DEBUG,
+                        "event sink %r failed on %s; ignored", sink, kind, exc_info=first)
 
     def _trace_call(self, call, runs):
         self._emit("tool_call_started", {"call_id": call.id, "name": call.name, "runs": runs,
@@ -2099,9 +2117,6 @@ class _Turn:
                 for k, a in (self.request.approvals or {}).items()}})
 
 
-_OWN_DATA = frozenset({"state", "llm_call_started", "history_truncated"})  # nothing to mask
-
-
 class AgentRuntime:
     """Runs agent turns: the FSM over an LlmPort, a ToolPort, a store and event sinks."""
 
@@ -2114,7 +2129,7 @@ class AgentRuntime:
                  approver: Callable[[ToolCall], Approval] | None = None):
         if action_mode not in ("json", "native"):
             raise ConfigError(f"action_mode must be 'json' or 'native', got {action_mode!r}")
-        if not isinstance(policy, (TurnPolicy, type(None))):
+        if not isinstance(policy, (TurnPolicy, types.NoneType)):
             raise ConfigError(f"policy must be a TurnPolicy, got {type(policy).__name__}")
         # The ports and settings every turn reads
         self.llm = llm
@@ -2147,12 +2162,11 @@ class AgentRuntime:
         state = State.START
         try:
             while state is not State.DONE:
-                # Each state's work: the method of the turn named by the state's value (START:
-                # _Turn.start, ...), which returns the next state (DONE has none)
-                nxt = getattr(turn, state.value)()
+                # The state's work (_Turn.WORK), which returns the next state
+                nxt = _Turn.WORK[state](turn)
                 if nxt not in TRANSITIONS[state]:
                     raise AgentError(f"bug: illegal transition {state.value} -> {nxt.value}")
-                self._emit(turn, "state", {"from": state.value, "to": nxt.value})
+                turn._emit("state", {"from": state.value, "to": nxt.value})
                 state = nxt
         except BaseException as e:  # a bug, a broken store, Ctrl-C, a sink's SystemExit:
             if not turn.started:    # the session never loaded: saving would overwrite it
@@ -2194,48 +2208,27 @@ class AgentRuntime:
         # Save: a failure is raised after the events, and holds the result (not stored, but
         # not lost)
         failed = None
+        sid = t.request.session_id
         try:
-            self.store.save(t.request.session_id, t.session)
-            self._traced[t.request.session_id] = t.session.version   # not after a lost race
+            self.store.save(sid, t.session)
+            self._traced[sid] = t.session.version   # not after a lost race
         except Exception as e:   # the next turn says what it loaded (session_loaded)
-            self._traced.pop(t.request.session_id, None)
-            self._emit(t, "error", {"error": f"{type(e).__name__}: {e}",
-                                    "where": "store.save"})
+            self._traced.pop(sid, None)
+            t._emit("error", {"error": f"{type(e).__name__}: {e}", "where": "store.save"})
             failed = e if isinstance(e, StoreError) else StoreError(
-                f"cannot save session {t.request.session_id!r}: {type(e).__name__}: {e}")
+                f"cannot save session {sid!r}: {type(e).__name__}: {e}")
             failed.result = result
         # Report: the turn's own error first (it is what the caller sees), then the end
         if t.error is not None:
-            self._emit(t, "error", {"error": f"{type(t.error).__name__}: {t.error}",
-                                    "where": "turn"})
+            t._emit("error", {"error": f"{type(t.error).__name__}: {t.error}", "where": "turn"})
         failed = t.error or failed
-        self._emit(t, "turn_completed", {  # a turn that raises has no finish reason
-            "finish_reason": None if failed else t.finish.value, "usage": dict(vars(t.usage)),
+        t._emit("turn_completed", {  # a turn that raises has no finish reason
+            "finish_reason": None if failed else t.finish.value, "usage": vars(t.usage),
             "guard_reason": t.guard_reason.value if t.guard_reason else None,
-            "steps": t.guard.steps, "tool_calls": t.guard.tool_calls, "content": t.content})
+            "steps": result.steps, "tool_calls": result.tool_calls, "content": t.content})
         if failed is not None:
             raise failed
         return result
-
-    def _emit(self, t, kind, data):
-        """Send one event to every sink; a sink that raises is logged and ignored. Data given
-        as a function is built only when a sink listens (trace data costs copies and hashes).
-        Here, and only here, secrets are masked: every event once, as the trace has it."""
-        if not self.sinks:
-            return
-        data = data() if callable(data) else data
-        masked = data if kind in _OWN_DATA else redact(data)
-        if kind == "turn_started":   # masked at Start as the model sees them (_masked_tool)
-            masked["tools"] = data["tools"]
-        event = AgentEvent(kind, t.request.session_id, t.guard.steps, masked, time.time())
-        for sink in self.sinks:
-            try:
-                sink.emit(event)
-            except Exception:  # the first failure of a sink in full, later ones quietly
-                first = id(sink) not in self._failing
-                self._failing.add(id(sink))
-                log.log(logging.WARNING if first else logging.DEBUG,
-                        "event sink %r failed on %s; ignored", sink, kind, exc_info=first)
 
 
 # ---- 11. LLM adapters: ScriptedLlm, OpenAICompatLlm ---------------------------------------------
@@ -2526,7 +2519,7 @@ def _tracking_session(inflight, cancels
     except ImportError as e:
         raise ConfigError(f"OpenAICompatLlm needs requests ({e}): pip install requests") from e
     class Session(requests.Session):
-        def resolve_redirects(self, *args: Any, **kwargs: Any) -> Iterator[Any]:
+        def resolve_redirects(self, *args, **kwargs):
             return iter(())  # none followed: requests reads a 3xx body whole, even not following
 
     session = Session()
@@ -2806,14 +2799,15 @@ class OpenAICompatLlm:
                 "name": t.name, "description": t.description, "parameters": t.input_schema}}
                 for t in req.tools]
             body["tool_choice"] = self.tool_choice  # llama.cpp calls no tool without it
-        json_mode = req.response_format == "json" and self.json_response_format
         # a server refusing a form (llama-cpp-python: HTTP 500 for json_schema) gets the next
         # from then on, and plain text after the last; a form is known by its keys
-        forms = [f for f in _json_forms(req.tools) if " ".join(f) not in self._rejected
-                 ] if json_mode else []
+        form = None
+        if req.response_format == "json" and self.json_response_format:
+            form = next((f for f in _json_forms(req.tools) if " ".join(f) not in self._rejected),
+                        None)
         options = {"temperature": self.temperature, "seed": self.seed,
                    "max_tokens": self.max_tokens, "stream": self.stream or None,
-                   "response_format": forms[0] if forms else None,
+                   "response_format": form,
                    "stream_options": ({"include_usage": True}
                                       if self.stream and self.stream_usage else None)}
         body.update((k, v) for k, v in options.items() if v is not None and k not in self._rejected)
