@@ -2619,15 +2619,16 @@ class OpenAICompatLlm:
         self.extra_body = extra_body or {}
         # what requests can send as it is: a name that is an HTTP token, a value of one line of
         # ASCII without spaces around it (else every call failed as an internal error), and no
-        # header that frames the body (bob sets those)
+        # header that says what the body is or frames it: bob sends JSON and sets those (a
+        # Content-Type given replaced bob's, and a server read the JSON as something else)
         if not isinstance(headers, dict) or not all(
                 isinstance(k, str) and HEADER_NAME.fullmatch(k) and isinstance(v, str)
                 and v.isascii() and v.isprintable() and v == v.strip()
-                and k.lower() not in ("content-length", "transfer-encoding")
+                and k.lower() not in ("content-length", "transfer-encoding", "content-type")
                 for k, v in headers.items()):
             raise ConfigError("headers must map header names (letters, digits, - and _; not "
-                              "Content-Length) to values of one line of ASCII, e.g. "
-                              "{'api-key': '...'}")
+                              "Content-Type or Content-Length, which bob sets) to values of one "
+                              "line of ASCII, e.g. {'api-key': '...'}")
         try:
             json.dumps(_want(self.extra_body, dict, "extra_body"), allow_nan=False)
         except (TypeError, ValueError, RecursionError) as e:

@@ -89,6 +89,16 @@ def test_bad_headers_or_extra_body_are_config_errors(kw, says):
         OpenAICompatLlm("ollama:x", **kw)
 
 
+@pytest.mark.parametrize("name", ["Content-Type", "content-type"])
+def test_a_content_type_header_is_a_config_error_not_a_replaced_body_type(name):
+    # Given in headers, it replaced bob's "application/json": a server that reads the type
+    # (text/plain) then refused or misread every request, and nothing said why.
+    with FakeOpenAI(["hi"]) as srv:
+        with pytest.raises(ConfigError, match="Content-Type"):
+            OpenAICompatLlm("openai:x", base_url=srv.url, api_key="k",
+                            headers={name: "text/plain"})
+
+
 def test_llm_headers_and_extra_body_from_agent_toml(tmp_path):
     with FakeOpenAI(['{"type":"final","content":"hi"}']) as srv:
         write_config(tmp_path, srv, '[llm.headers]\nX-Title = "bob"\n'
