@@ -118,7 +118,8 @@ class LlmError(BobError):
 
     def __init__(self, message: str, status_code: int | None = None, body: str = ""):
         super().__init__(message)
-        self.status_code, self.body = status_code, body
+        self.status_code = status_code
+        self.body = body
 
 
 class ActionParseError(BobError):

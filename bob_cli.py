@@ -196,7 +196,8 @@ def _read_toml(path):
 def load_config(path: str | os.PathLike[str], environ: dict[str, str] | None = None) -> Config:
     """Read and check an agent.toml; every problem is a ConfigError naming file, table and key."""
     path = _path(os.fspath(path), "--config", Path()).absolute()
-    where, env = str(path), dict(os.environ if environ is None else environ)
+    where = str(path)
+    env = dict(os.environ if environ is None else environ)
     doc = _checked(_read_toml(path), "the top level", where, _SCHEMA["top level"])
     t = {name: _checked(doc.get(name, {}), f"[{name}]", where, _SCHEMA[name])
          for name in _SCHEMA["top level"]}
@@ -209,7 +210,8 @@ def load_config(path: str | os.PathLike[str], environ: dict[str, str] | None = N
         t["llm"]["headers"] = _expand(t["llm"]["headers"], f"{where}: [llm] headers", env)
     servers = tuple(_mcp_server(s, n, where, path.parent, env)
                     for n, s in enumerate(t["mcp"].get("servers", []), 1))
-    rt, store = t["runtime"], t["store"].get("path")
+    rt = t["runtime"]
+    store = t["store"].get("path")
     if rt.get("action_mode", "json") not in ("json", "native"):
         raise bob.ConfigError(f'{where}: [runtime] action_mode must be "json" or "native"')
     try:  # TurnPolicy checks its own values
@@ -355,13 +357,21 @@ class _TurnView:
 
     def __init__(self, out, max_steps, calls=True,
                  stream=None, json_mode=True):
-        self.out, self.max_steps, self.calls, self._lock = out, max_steps, calls, threading.Lock()
-        self.stream, self.json_mode = stream, json_mode
+        self.out = out
+        self.max_steps = max_steps
+        self.calls = calls
+        self._lock = threading.Lock()
+        self.stream = stream
+        self.json_mode = json_mode
         self.begin(draw=False)
 
     def begin(self, draw=True):
         """A turn starts (loading the session and, at first, waiting for MCP servers)."""
-        self.t0, self.state, self.step, self.raw, self.shown = time.monotonic(), "start", 0, "", ""
+        self.t0 = time.monotonic()
+        self.state = "start"
+        self.step = 0
+        self.raw = ""     # the reply streamed so far
+        self.shown = ""   # what of it was printed
         self.drawing = draw and self.out is not None
         self.error = None   # why the session could not be saved (a str)
         self.cut = False                # a reply was cut by the token limit
@@ -458,7 +468,10 @@ class _Approvals:
     (Shell._run hands the call over); -p and piped runs allow all with --yes, else decline."""
 
     def __init__(self, interactive, yes):
-        self.interactive, self.yes, self.always, self.session = interactive, yes, set[Any](), ""
+        self.interactive = interactive
+        self.yes = yes
+        self.always = set[Any]()   # (session, tool name) pairs answered "always"
+        self.session = ""
         self.asks = queue.SimpleQueue()   # (call, a queue for its bob.Approval)
         self.cancel = bob.CancelToken()   # the running turn's
 
@@ -716,7 +729,8 @@ class Shell:
 
     def _print_tools(self):
         tools, sources = (self.mcp.list_tools(), self.mcp.tool_sources()) if self.mcp else ([], {})
-        width, deny = max((len(t.name) for t in tools), default=0), self.runtime.deny_tools
+        width = max((len(t.name) for t in tools), default=0)
+        deny = self.runtime.deny_tools
         for t in tools:
             mark = "  (denied by [policy])" if bob.is_denied(t.name, deny) else ""
             print(_cut(f"  {t.name:<{width}}  {sources.get(t.name, '?'):<12} {t.description}",
@@ -754,7 +768,11 @@ def _prompt(prompt, stdin):
     piped = "" if stdin.isatty() and prompt != "-" else _bounded(stdin.read, "stdin")
     if prompt == "-" and not piped.strip():
         raise bob.ConfigError("-p -: stdin is empty; pipe the prompt in, or pass -p TEXT")
-    return piped if prompt == "-" else f"{prompt}\n\n{piped}" if piped.strip() else prompt
+    if prompt == "-":
+        return piped
+    if piped.strip():   # -p TEXT with text piped in: the text, then what was piped
+        return f"{prompt}\n\n{piped}"
+    return prompt
 
 
 def _by_use(store):
@@ -938,7 +956,8 @@ def _find_config(arg, verbose):
 
 def _llm(cfg, args):
     """The adapter: flags first, then the environment people already use, then [llm]."""
-    options, env = dict(cfg.llm), os.environ   # a copy: its base_url and api_key_env are set
+    options = dict(cfg.llm)   # a copy: its base_url and api_key_env are set
+    env = os.environ
     model = args.model or env.get("BOB_MODEL") or cfg.default_model
     provider = model.partition(":")[0]
     env_url = env.get("OPENAI_BASE_URL") if provider == "openai" or (
@@ -1111,7 +1130,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.prompt is not None and not args.prompt.strip():
         parser.error("-p needs a prompt (or '-' to read it from stdin)")
-    sys.stdin, sys.stderr = sys.stdin or open(os.devnull), sys.stderr or open(os.devnull, "w")
+    sys.stdin = sys.stdin or open(os.devnull)   # closed (bob <&-): read as empty
+    sys.stderr = sys.stderr or open(os.devnull, "w")
     # Out: a lone surrogate (a cut emoji) prints as U+FFFD; in: bytes not UTF-8 read as U+FFFD.
     codecs.register_error("bob", lambda e: ("\ufffd".encode(e.encoding, "replace"), e.end))
     for stream, errors in ((sys.stdin, "replace"), (sys.stdout, "bob"), (sys.stderr, "bob")):

@@ -329,7 +329,8 @@ class _Server:
                     client_info=mcp.types.Implementation(name="bob", version="1")))
                 await session.initialize()
                 self.tools = await _list_all(session)
-                self.session, self._scope.deadline = session, math.inf
+                self.session = session
+                self._scope.deadline = math.inf   # started: the startup timeout is over
                 self.ready.set_result(None)
                 with anyio.CancelScope() as self._scope:  # cancelled: leave the SDK's managers
                     while getattr(self._process, "returncode", None) is None:   # it may exit
@@ -417,7 +418,8 @@ class _Server:
 
     def _read_stderr(self, final: bool = False) -> None:
         """Log stderr lines (INFO), keep the last; when readable, and once more (final) at exit."""
-        data, eof = b"", False
+        data = b""
+        eof = False
         with contextlib.suppress(BlockingIOError):
             while chunk := os.read(self._stderr, 65536):
                 data += chunk
@@ -566,7 +568,8 @@ class McpToolPort:
             raise McpError(f"MCP servers need the MCP SDK ({e}); pip install mcp") from e
         servers = self._servers = [_Server(c) for c in self._configs]
         results = await asyncio.gather(*(s.ready for s in servers), return_exceptions=True)
-        self._servers, failed = [], []
+        self._servers = []
+        failed = []
         for server, error in zip(servers, results, strict=True):
             if error is None:
                 self._servers.append(server)
