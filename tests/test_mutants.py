@@ -23,7 +23,7 @@ from bob import (ACTION_CONTRACT, ActionParseError, AgentError, AgentRequest, Ag
                  Approval, CancelToken, ConfigError, FinishReason, FunctionTools, GuardReason,
                  InMemorySessionStore, JsonFileSessionStore, LlmError, LlmResponse, Message,
                  ScriptedLlm, SessionState, StoreError, ToolCall, ToolDescriptor, ToolResult,
-                 TurnPolicy, parse_action)
+                 TurnPolicy, parse_action, redact)
 from conftest import (Counter, ListSink, agent, assert_tripped, assert_well_formed, batch, final,
                       tc)
 
@@ -363,6 +363,24 @@ def test_a_reply_may_hold_a_14000_bit_integer_and_not_a_longer_one():
     assert parse_action(json.dumps({**reply, "n": 2**14000 - 1})).content == "ok"
     with pytest.raises(ActionParseError, match="integer over 4,000 digits"):
         parse_action(json.dumps({**reply, "n": 2**14000}))
+
+
+def test_a_reply_that_is_no_action_is_reported_as_its_masked_text_parses():
+    # the error the model and the trace are told is that of the reply as the trace has it
+    # (masked), so a replay finds the same one; here masking moves the column it names
+    bad = '{"api_key": "sk-0123456789abcdef", oops}'
+    errors = []
+    for text in (bad, redact(bad)):
+        with pytest.raises(ActionParseError) as raised:
+            parse_action(text)
+        errors.append(str(raised.value))
+    assert errors[0] != errors[1]
+    sink = ListSink()
+    result = agent([bad, final("ok")], events=sink).run(AgentRequest("go"))
+    assert result.content == "ok"
+    assert sink.of("parse_error") == [{"error": errors[1], "attempt": 1}]
+    reprompt = [m.content for m in result.history if m.role == "user"][-1]
+    assert f"not a valid action: {errors[1]}." in reprompt
 
 
 # ---- 6. Stores and sinks ------------------------------------------------------------------------
