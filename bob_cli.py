@@ -196,7 +196,7 @@ def _read_toml(path):
 def load_config(path: str | os.PathLike[str], environ: dict[str, str] | None = None) -> Config:
     """Read and check an agent.toml; every problem is a ConfigError naming file, table and key."""
     path = _path(os.fspath(path), "--config", Path()).absolute()
-    where, env = str(path), dict(os.environ if environ is None else environ)
+    where, env = str(path), os.environ if environ is None else environ   # only read
     doc = _checked(_read_toml(path), "the top level", where, _SCHEMA["top level"])
     t = {name: _checked(doc.get(name, {}), f"[{name}]", where, _SCHEMA[name])
          for name in _SCHEMA["top level"]}
@@ -458,7 +458,7 @@ class _Approvals:
     (Shell._run hands the call over); -p and piped runs allow all with --yes, else decline."""
 
     def __init__(self, interactive, yes):
-        self.interactive, self.yes, self.always, self.session = interactive, yes, set[Any](), ""
+        self.interactive, self.yes, self.always, self.session = interactive, yes, set(), ""
         self.asks = queue.SimpleQueue()   # (call, a queue for its bob.Approval)
         self.cancel = bob.CancelToken()   # the running turn's
 
@@ -951,10 +951,9 @@ def _llm(cfg, args):
         "OPENAI_API_KEY" if provider not in bob.PROVIDERS and env.get("OPENAI_API_KEY") else None)
     options.update(base_url=url, api_key_env=key_env)
     stream = options.pop("stream_default", False)   # [llm]'s, not an option of the adapter
-    if args.stream is not None:
-        stream = args.stream
-    try:
-        return bob.OpenAICompatLlm(model, stream=stream, **options)
+    try:   # --stream or --no-stream wins
+        return bob.OpenAICompatLlm(model, stream=stream if args.stream is None else args.stream,
+                                   **options)
     except bob.ConfigError as e:
         hint = (f"; a local server needs none: {'' if url else 'pass --base-url URL and '}a "
                 "model of a provider bob does not know, e.g. --model local:NAME; --demo shows "
@@ -973,10 +972,11 @@ def _llm_or_ask(cfg, args):
                 raise
             _note(str(e))
             url, _, name = _input("bob: or type a local server's URL and its model's name, e.g. "
-                                 "http://127.0.0.1:8080/v1 qwen2.5 (Enter quits)> ").partition(" ")
-            if not url.strip():
+                                 "http://127.0.0.1:8080/v1 qwen2.5 (Enter quits)> "
+                                 ).strip().partition(" ")
+            if not url:
                 raise
-            args.base_url, args.model = url.strip(), f"local:{name.strip() or 'default'}"
+            args.base_url, args.model = url, f"local:{name.strip() or 'default'}"
 
 
 def _store(cfg, args):
@@ -1121,11 +1121,14 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(signum, lambda n, frame: sys.exit(128 + n))  # exit stops MCP servers
     opened: list[Shell] = []
     try:
-        return _start(args, opened)
+        code = _start(args, opened)
+        sys.stderr.flush()   # raises if -v's reader left (`2>&1 | head`): Python's exit says 120
+        return code
     except bob.ConfigError as e:
         return _fail(e, 2, args.verbose)
     except BrokenPipeError:  # e.g. `bob -p ... | head -1`: the reader left; say nothing more
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        for fd in (1, 2):   # stdout, stderr: what is still buffered for them goes nowhere
+            os.dup2(os.open(os.devnull, os.O_WRONLY), fd)
         return 141
     except Exception as e:  # BobError (LlmError, AgentError, StoreError...) or a bug
         return _fail(e, 1, args.verbose)
