@@ -197,7 +197,7 @@ def load_config(path: str | os.PathLike[str], environ: dict[str, str] | None = N
     """Read and check an agent.toml; every problem is a ConfigError naming file, table and key."""
     path = _path(os.fspath(path), "--config", Path()).absolute()
     where = str(path)
-    env = dict(os.environ if environ is None else environ)
+    env = os.environ if environ is None else environ   # only read
     doc = _checked(_read_toml(path), "the top level", where, _SCHEMA["top level"])
     t = {name: _checked(doc.get(name, {}), f"[{name}]", where, _SCHEMA[name])
          for name in _SCHEMA["top level"]}
@@ -219,8 +219,8 @@ def load_config(path: str | os.PathLike[str], environ: dict[str, str] | None = N
     except bob.ConfigError as e:
         raise bob.ConfigError(f"{where}: [runtime] {e}") from None
     return Config(path, **{k: v for k, v in rt.items() if k not in _POLICY_KEYS}, policy=policy,
-                  llm=t["llm"], deny_tools=tuple(t["policy"].get("deny_tools", ())),
-                  ask_tools=tuple(t["policy"].get("ask_tools", ())), mcp_servers=servers,
+                  llm=t["llm"], **{k: tuple(v) for k, v in t["policy"].items()},  # deny_, ask_tools
+                  mcp_servers=servers,
                   store_path=None if store is None else _path(store, f"{where}: [store] path",
                                                             path.parent))
 
@@ -351,17 +351,16 @@ def _final_so_far(raw):
 
 
 class _TurnView:
-    """What a person sees of a turn: the answer streamed to `stream` (json mode: a `final`'s
-    content; `shown`: what the last LLM call printed); on a terminal (`out`) a status line and
-    tool calls above it; the notes said after a turn (a failed save, a reply cut short)."""
+    """What a person sees of a turn: the answer streamed to stdout, as Shell.turn prints it
+    (json mode: a `final`'s content; `shown`: what the last LLM call printed); on a terminal
+    (`out`) a status line and tool calls above it; the notes said after a turn (a failed save,
+    a reply cut short)."""
 
-    def __init__(self, out, max_steps, calls=True,
-                 stream=None, json_mode=True):
+    def __init__(self, out, max_steps, calls=True, json_mode=True):
         self.out = out
         self.max_steps = max_steps
         self.calls = calls
         self._lock = threading.Lock()
-        self.stream = stream
         self.json_mode = json_mode
         self.begin(draw=False)
 
@@ -386,11 +385,11 @@ class _TurnView:
             text = _final_so_far(self.raw) if self.json_mode else self.raw
             if len(text) > len(self.shown):
                 with contextlib.suppress(BrokenPipeError):   # the reader left (`| head`):
-                    print(text[len(self.shown):], end="", file=self.stream, flush=True)
+                    print(text[len(self.shown):], end="", flush=True)
                 self.shown = text   # the answer's print after the turn says so (exit 141)
         elif kind == "llm_call_started":
             if self.shown:  # text shown before a tool call stays; the next goes below it
-                print(file=self.stream)
+                print()
             self.raw = self.shown = ""
         elif kind == "state":
             self.state = d["to"]
@@ -470,7 +469,7 @@ class _Approvals:
     def __init__(self, interactive, yes):
         self.interactive = interactive
         self.yes = yes
-        self.always = set[Any]()   # (session, tool name) pairs answered "always"
+        self.always = set()   # (session, tool name) pairs answered "always"
         self.session = ""
         self.asks = queue.SimpleQueue()   # (call, a queue for its bob.Approval)
         self.cancel = bob.CancelToken()   # the running turn's
@@ -970,10 +969,9 @@ def _llm(cfg, args):
         "OPENAI_API_KEY" if provider not in bob.PROVIDERS and env.get("OPENAI_API_KEY") else None)
     options.update(base_url=url, api_key_env=key_env)
     stream = options.pop("stream_default", False)   # [llm]'s, not an option of the adapter
-    if args.stream is not None:
-        stream = args.stream
-    try:
-        return bob.OpenAICompatLlm(model, stream=stream, **options)
+    try:   # --stream or --no-stream wins
+        return bob.OpenAICompatLlm(model, stream=stream if args.stream is None else args.stream,
+                                   **options)
     except bob.ConfigError as e:
         hint = (f"; a local server needs none: {'' if url else 'pass --base-url URL and '}a "
                 "model of a provider bob does not know, e.g. --model local:NAME; --demo shows "
@@ -992,14 +990,16 @@ def _llm_or_ask(cfg, args):
                 raise
             _note(str(e))
             url, _, name = _input("bob: or type a local server's URL and its model's name, e.g. "
-                                 "http://127.0.0.1:8080/v1 qwen2.5 (Enter quits)> ").partition(" ")
-            if not url.strip():
+                                 "http://127.0.0.1:8080/v1 qwen2.5 (Enter quits)> "
+                                 ).strip().partition(" ")
+            if not url:
                 raise
-            args.base_url, args.model = url.strip(), f"local:{name.strip() or 'default'}"
+            args.base_url, args.model = url, f"local:{name.strip() or 'default'}"
 
 
 def _store(cfg, args):
-    """The session store ([store] path, else $XDG_DATA_HOME/bob/sessions) and the session id."""
+    """The session store ([store] path, else $XDG_DATA_HOME/bob/sessions), the session id, and
+    the _STICKY flags a resumed session fills in `args` (those not given)."""
     store = bob.JsonFileSessionStore(cfg.store_path or _xdg("XDG_DATA_HOME", ".local/share")
                                      / "bob" / "sessions")
     with contextlib.suppress(OSError):   # conversations: owner-only (a failing save says why)
@@ -1014,17 +1014,23 @@ def _store(cfg, args):
         store.path_for("x" if session_id is None else session_id)   # "": refused
     except bob.StoreError as e:
         raise bob.ConfigError(f"--session: {e}") from None
-    kept = session_id and _resumed(store, session_id)   # None: a new session
-    for key, value in (kept or {}).items():
-        if getattr(args, key) is None:   # a flag given again wins
-            setattr(args, key, value)
-    return store, session_id or _new_session_id()
+    kept = {key: value for key, value in (session_id and _resumed(store, session_id) or {}).items()
+            if getattr(args, key) is None}   # {}: a new session; a flag given again wins
+    vars(args).update(kept)
+    return store, session_id or _new_session_id(), kept
 
 
 def _build_shell(cfg, args):
     """Wire what the config names: the LLM (its key checked now), store, sinks, MCP servers."""
-    store, session_id = _store(cfg, args)   # first: a resumed session's flags fill args
-    llm = _llm_or_ask(cfg, args)
+    store, session_id, kept = _store(cfg, args)   # first: a resumed session's flags fill args
+    try:
+        llm = _llm_or_ask(cfg, args)
+    except bob.ConfigError as e:   # a hand-edited ID.flags, a key variable since unset
+        if not kept:
+            raise
+        names = " ".join(f"--{key.replace('_', '-')}" for key in kept)
+        raise bob.ConfigError(f"{e} ({names} remembered by session {session_id}: pass {names} "
+                              f"again to override, or --forget {session_id})") from None
     policy = cfg.policy
     if args.max_steps is not None:
         try:
@@ -1032,7 +1038,7 @@ def _build_shell(cfg, args):
         except bob.ConfigError as e:
             raise bob.ConfigError(f"--max-steps: {e}") from None
     view = _TurnView(sys.stderr if sys.stderr.isatty() and not args.verbose else None,
-                     policy.max_steps, not args.quiet, sys.stdout, cfg.action_mode == "json")
+                     policy.max_steps, not args.quiet, cfg.action_mode == "json")
     mcp = None
     if cfg.mcp_servers:   # they start in the background: the prompt does not wait for them
         import bob_mcp
@@ -1068,8 +1074,10 @@ def _start(args, opened):
     if sys.stdout is None:   # `>&-`: print() would drop every answer without a word
         raise bob.BobError("stdout is closed, so answers would be lost; redirect it to a file "
                            "or to /dev/null")
-    if args.init or args.demo:
-        return _init() if args.init else _run_demo(_sinks(args))
+    if args.init:
+        return _init()
+    if args.demo:
+        return _run_demo(_sinks(args))
     found = _find_config(args.config, args.verbose)
     cfg = load_config(found) if found else Config()
     if args.sessions or args.forget:   # need no key
@@ -1141,11 +1149,14 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(signum, lambda n, frame: sys.exit(128 + n))  # exit stops MCP servers
     opened: list[Shell] = []
     try:
-        return _start(args, opened)
+        code = _start(args, opened)
+        sys.stderr.flush()   # raises if -v's reader left (`2>&1 | head`): Python's exit says 120
+        return code
     except bob.ConfigError as e:
         return _fail(e, 2, args.verbose)
     except BrokenPipeError:  # e.g. `bob -p ... | head -1`: the reader left; say nothing more
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        for fd in (1, 2):   # stdout, stderr: what is still buffered for them goes nowhere
+            os.dup2(os.open(os.devnull, os.O_WRONLY), fd)
         return 141
     except Exception as e:  # BobError (LlmError, AgentError, StoreError...) or a bug
         return _fail(e, 1, args.verbose)
