@@ -15,9 +15,10 @@ import termios
 import unicodedata
 from pathlib import Path
 
-from conftest import CLI, MCP_SERVER, Terminal, final, write_config, xdg_env
+from conftest import CLI, Terminal, final, write_config, xdg_env
 from fake_openai import FakeOpenAI, completion, stream_reply
 
+RAW_SERVER = Path(__file__).resolve().parent / "mcp_raw_server.py"
 WIDE = "漢字かな😀" * 40   # 2 cells a character: 400 cells
 COMBINED = "e\u0301" * 100   # é as e + a combining acute: 100 cells in 200 code points
 
@@ -57,11 +58,14 @@ def assert_fits(raw: bytes, columns: int) -> None:
 
 
 def echo_config(tmp_path: Path, srv, runtime: str = "turn_timeout_ms = 20000\n") -> None:
-    """An agent.toml with the echo MCP server, its calls asked. The turn's time includes the
-    server's start (the MCP SDK's import: seconds under load), hence 20 s unless given."""
+    """An agent.toml with the echo MCP server, its calls asked. The server is the hand-written
+    one (tests/mcp_raw_server.py, as test_cli_daily's approval tests use): the SDK's own server
+    costs a second of import, and the CLI and the SDK are not what these tests are about. The
+    turn's time includes the server's start (and the CLI's SDK import), hence 20 s unless
+    given."""
     write_config(tmp_path, srv, runtime=runtime, extra=(
         '[policy]\nask_tools = ["t__echo"]\n'
-        f'[[mcp.servers]]\nid = "t"\ncommand = "{sys.executable}"\nargs = ["{MCP_SERVER}"]\n'))
+        f'[[mcp.servers]]\nid = "t"\ncommand = "{sys.executable}"\nargs = ["{RAW_SERVER}"]\n'))
 
 
 # ---- 1. one-line displays are cut in terminal cells ----
@@ -186,7 +190,7 @@ def test_the_approval_prompt_ends_with_its_turn(tmp_path, srv):
     # the answer went nowhere and the REPL showed the turn's end only after it.
     call = json.dumps({"type": "tool_call", "name": "t__echo", "arguments": {"text": "x"}})
     srv.push(call, final("unused"))
-    echo_config(tmp_path, srv, runtime="turn_timeout_ms = 3000\n")
+    echo_config(tmp_path, srv, runtime="turn_timeout_ms = 2000\n")
     term = Terminal(tmp_path, env=xdg_env(tmp_path))
     try:
         term.expect(b"bob> ")
