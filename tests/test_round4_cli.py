@@ -107,20 +107,26 @@ def test_wide_characters_never_wrap_the_verbose_event_lines(tmp_path, srv):
     assert_fits("\n".join(events).encode(), 50)
 
 
-def test_the_status_line_fits_a_narrow_terminal(tmp_path, srv):
-    # "  llm_infer  step 0/12  0.4s" wrapped on a 20-column terminal: each redraw a new line.
+def status_redraws(tmp_path: Path, srv, columns: int, mark: bytes, times: int) -> bytes:
+    """What the status line drew, `times` redraws ending in `mark`, on a terminal `columns`
+    wide while the model does not answer."""
     srv.push(FakeOpenAI.HANG)
     write_config(tmp_path, srv)
-    term = narrow(tmp_path, 20, TERM="xterm")
+    term = narrow(tmp_path, columns, TERM="xterm")
     try:
         term.expect(b"bob> ")
         term.send(b"go\r")
         assert srv.wait_for_requests(1, timeout=10)
-        seen = b"llm_infer".join(term.expect(b"llm_infer") for _ in range(3))   # redrawn
+        seen = mark.join(term.expect(mark) for _ in range(times))   # redrawn
         srv.release()
     finally:
         term.close()
-    assert_fits(seen, 20)
+    return seen
+
+
+def test_the_status_line_fits_a_narrow_terminal(tmp_path, srv):
+    # "  llm_infer  step 0/12  0.4s" wrapped on a 20-column terminal: each redraw a new line.
+    assert_fits(status_redraws(tmp_path, srv, 20, b"llm_infer", 3), 20)
 
 
 # ---- 2. /model is remembered with the session; /resume goes back to its model ----

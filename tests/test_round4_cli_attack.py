@@ -10,9 +10,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-from conftest import CLI, KEY, Terminal, final, write_config, xdg_env
-from fake_openai import FakeOpenAI, stream_reply
-from test_round4_cli import assert_fits, bob, echo_config, narrow, screen_lines
+from conftest import CLI, KEY, Terminal, final, xdg_env
+from fake_openai import stream_reply
+from test_round4_cli import (assert_fits, bob, echo_config, narrow, screen_lines,
+                             status_redraws)
 
 
 def sessions(tmp_path: Path) -> Path:
@@ -24,17 +25,7 @@ def sessions(tmp_path: Path) -> Path:
 def test_the_status_line_fits_a_terminal_narrower_than_its_ellipsis(tmp_path, srv):
     # On a 2-column terminal the status line was cut to "..." (3 columns): it wrapped, and each
     # redraw (10 a second) added a line.
-    srv.push(FakeOpenAI.HANG)
-    write_config(tmp_path, srv)
-    term = narrow(tmp_path, 2, TERM="xterm")
-    try:
-        term.expect(b"bob> ")
-        term.send(b"go\r")
-        assert srv.wait_for_requests(1, timeout=10)
-        seen = b"\x1b[K".join(term.expect(b"\x1b[K") for _ in range(6))   # redrawn
-        srv.release()
-    finally:
-        term.close()
+    seen = status_redraws(tmp_path, srv, 2, b"\x1b[K", 6)
     assert b"." in seen
     assert_fits(seen, 2)
 
