@@ -976,7 +976,11 @@ def _llm(cfg, args):
         hint = (f"; a local server needs none: {'' if url else 'pass --base-url URL and '}a "
                 "model of a provider bob does not know, e.g. --model local:NAME; --demo shows "
                 "bob without any key" if "no API key" in str(e) else "")
-        where = "--model: " if args.model else f"{cfg.path}: " if cfg.path else ""
+        where = ""   # what to fix: the flag, else the file, else the built-in defaults
+        if args.model:
+            where = "--model: "
+        elif cfg.path:
+            where = f"{cfg.path}: "
         raise bob.ConfigError(f"{where}{e}{hint}") from None
 
 
