@@ -26,11 +26,27 @@ def work_config(tmp_path: Path, srv: FakeOpenAI, **kw: str) -> Path:
 def bob(tmp_path: Path, *args: str, stdin: str | None = None,
         **env: str) -> subprocess.CompletedProcess[str]:
     """The CLI in tmp_path/work (created empty), stdin piped (empty unless given)."""
+    return finished(started(tmp_path, *args, **env), stdin)
+
+
+def started(tmp_path: Path, *args: str, **env: str) -> subprocess.Popen[str]:
+    """bob() begun, not waited for: finished() collects it (runs side by side on 2 cores)."""
     work = tmp_path / "work"
     work.mkdir(exist_ok=True)
-    return subprocess.run([sys.executable, str(CLI), *args], cwd=work, input=stdin or "",
-                          env=xdg_env(tmp_path, **env), capture_output=True, text=True,
-                          timeout=15, check=False)
+    return subprocess.Popen([sys.executable, str(CLI), *args], cwd=work, text=True,
+                            env=xdg_env(tmp_path, **env), stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+def finished(proc: subprocess.Popen[str], stdin: str | None = None
+             ) -> subprocess.CompletedProcess[str]:
+    try:
+        out, err = proc.communicate(stdin or "", timeout=15)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
 # ---- 1. Start anywhere ----
@@ -228,16 +244,22 @@ def test_ctrl_c_at_the_approval_prompt_cancels_the_turn(tmp_path, srv):
 
 
 def test_one_shot_declines_without_yes_and_says_how_to_allow(tmp_path, srv):
-    srv.push(echo_call("a"), final("declined"), echo_call("b"), final("allowed"))
-    (tmp_path / "work").mkdir()
-    mcp_config(tmp_path / "work", srv)
-    r = bob(tmp_path, "-p", "go")
+    # The two runs side by side (each imports the MCP SDK), each with its own model and dirs.
+    srv.push(echo_call("a"), final("declined"))
+    with FakeOpenAI() as srv_yes:
+        srv_yes.push(echo_call("b"), final("allowed"))
+        procs = {}
+        for name, server, flags in (("no", srv, ()), ("yes", srv_yes, ("--yes",))):
+            (tmp_path / name / "work").mkdir(parents=True)
+            mcp_config(tmp_path / name / "work", server)
+            procs[name] = started(tmp_path / name, *flags, "-p", "go")
+        r, r_yes = finished(procs["no"]), finished(procs["yes"])
     assert r.returncode == 0 and r.stdout == "declined\n", r.stderr
     assert "bob: warning: t__echo not run" in r.stderr and "--yes" in r.stderr
     assert "no one can approve" in messages_of(srv.requests[1])
-    r = bob(tmp_path, "--yes", "-p", "go")
-    assert r.returncode == 0 and r.stdout == "allowed\n" and "warning" not in r.stderr
-    assert "no one can approve" not in messages_of(srv.requests[3])
+    assert r_yes.returncode == 0 and r_yes.stdout == "allowed\n", r_yes.stderr
+    assert "warning" not in r_yes.stderr
+    assert "no one can approve" not in messages_of(srv_yes.requests[1])
 
 
 def test_a_malformed_base_url_flag_or_environment_is_a_usage_error(tmp_path):
