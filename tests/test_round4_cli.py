@@ -74,8 +74,9 @@ def test_wide_characters_never_wrap_a_one_line_display(tmp_path, srv):
     # A line was cut by code points: 60 wide characters took 120 columns and wrapped.
     call = json.dumps({"type": "tool_call", "name": "t__echo", "arguments": {"text": WIDE}})
     srv.push(final("first"), call, final("done"))
-    echo_config(tmp_path, srv)
+    write_config(tmp_path, srv)       # the one-shot calls no tool: no MCP server (a second)
     assert bob(tmp_path, "--session", "wide", "-p", COMBINED + WIDE).returncode == 0
+    echo_config(tmp_path, srv)
     term = narrow(tmp_path, 60)
     try:
         seen = term.expect(b"bob> ")

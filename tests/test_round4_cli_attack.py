@@ -10,7 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from conftest import CLI, KEY, Terminal, final, xdg_env
+from conftest import CLI, KEY, Terminal, final, write_config, xdg_env
 from fake_openai import stream_reply
 from test_round4_cli import (assert_fits, bob, echo_config, narrow, screen_lines,
                              status_redraws)
@@ -40,8 +40,9 @@ def test_bidi_controls_from_the_model_or_a_server_never_reach_the_terminal(tmp_p
     evil = f"{BIDI}gnp.exe"
     call = json.dumps({"type": "tool_call", "name": "t__echo", "arguments": {"text": evil}})
     srv.push(final("first"), call, final("done"))
-    echo_config(tmp_path, srv, runtime="turn_timeout_ms = 20000\n")   # the MCP server starts
+    write_config(tmp_path, srv)       # the one-shot calls no tool: no MCP server (a second)
     assert bob(tmp_path, "--session", "bidi", "-p", evil).returncode == 0
+    echo_config(tmp_path, srv, runtime="turn_timeout_ms = 20000\n")   # the MCP server starts
     term = narrow(tmp_path, 200)
     try:
         term.expect(b"bob> ")
