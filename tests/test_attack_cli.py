@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import select
-import socket
 import subprocess
 import sys
 import time
@@ -14,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import CLI, MCP_SERVER, Terminal, final, wait_until, write_config, xdg_env
+from conftest import CLI, Terminal, final, write_config, xdg_env
+from mcp_http_server import McpHttpServer
 
 
 def bob(tmp_path: Path, *args: str, stdin: str = "", **env: str) -> subprocess.CompletedProcess:
@@ -140,22 +140,10 @@ def test_a_one_shot_with_stdin_closed_runs(tmp_path, srv):
 
 @pytest.fixture
 def http_mcp():
-    """tests/mcp_server.py over streamable HTTP on a free loopback port: its base URL."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, str(MCP_SERVER), "--http", str(port)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-
-    def ready() -> bool:
-        with socket.socket() as s:
-            return proc.poll() is None and s.connect_ex(("127.0.0.1", port)) == 0
-    try:
-        assert wait_until(ready, timeout=15), "the HTTP MCP server did not come up"
-        yield f"http://127.0.0.1:{port}/mcp"
-    finally:
-        proc.kill()
-        proc.wait(5)
+    """A Streamable HTTP MCP server on a loopback port (tests/mcp_http_server.py, in a thread:
+    the SDK's own server cost a second of import, and the URL is bob's, not the server's)."""
+    with McpHttpServer() as server:
+        yield server.url
 
 
 def test_verbose_never_shows_a_token_in_an_mcp_url(tmp_path, srv, http_mcp):
