@@ -199,9 +199,11 @@ class Together:
                 yield started            # a test: started.result("a"), a CompletedProcess
     """
 
-    def __init__(self, commands: dict) -> None:     # {key: argv}
+    def __init__(self, commands: dict, env: dict | None = None,   # {key: argv}
+                 cwd: dict | None = None) -> None:                # {key: its directory}
         self.procs = {key: subprocess.Popen(command, stdin=subprocess.DEVNULL, text=True,
-                                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                            env=env, cwd=(cwd or {}).get(key))
                       for key, command in commands.items()}
 
     def result(self, key, timeout: float = 60) -> subprocess.CompletedProcess[str]:

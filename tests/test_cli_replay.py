@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import Together
 from fake_openai import FakeOpenAI, tool_calls_reply
 
 REPO = Path(__file__).resolve().parent.parent
@@ -52,16 +53,33 @@ def recorded(tmp_path, recording) -> Path:
     return tmp_path / "t.jsonl"
 
 
-def test_a_cli_trace_replays_without_the_server(tmp_path, recorded):
+@pytest.fixture(scope="module")
+def live_runs(tmp_path_factory, recording):
+    """The three tests' `replay --live-tools` runs (each starts the MCP server, and the CLI
+    imports the MCP SDK: a second of CPU), each in its own copy, started together when the
+    first test asks; each test collects its own: live_runs.result("same")."""
+    dirs = {key: tmp_path_factory.mktemp(key) for key in ("same", "changed", "renamed")}
+    for where in dirs.values():
+        for name in ("agent.toml", "t.jsonl"):
+            (where / name).write_bytes((recording / name).read_bytes())
+    write_config(dirs["changed"], "http://127.0.0.1:9/v1", "bob")   # the tool now says bob
+    config = dirs["renamed"] / "agent.toml"
+    config.write_text(config.read_text().replace('id = "t"', 'id = "u"'))
+    live = [sys.executable, str(CLI), "replay", "t.jsonl", "--live-tools"]
+    with Together({"same": [*live, "--config", "agent.toml"], "changed": live, "renamed": live},
+                  env=ENV, cwd=dirs) as started:
+        yield started
+
+
+def test_a_cli_trace_replays_without_the_server(tmp_path, recorded, live_runs):
     run = cli(tmp_path, "replay", "t.jsonl")
     assert (run.returncode, run.stdout) == (0, "turn 1: same (2 LLM calls, 1 tool calls, final)\n")
-    live = cli(tmp_path, "replay", "t.jsonl", "--live-tools", "--config", "agent.toml")
+    live = live_runs.result("same")
     assert (live.returncode, live.stdout) == (0, run.stdout), live.stderr
 
 
-def test_a_changed_live_tool_exits_1_with_the_report(tmp_path, recorded):
-    write_config(tmp_path, "http://127.0.0.1:9/v1", "bob")
-    run = cli(tmp_path, "replay", "t.jsonl", "--live-tools")
+def test_a_changed_live_tool_exits_1_with_the_report(live_runs):
+    run = live_runs.result("changed")
     assert run.returncode == 1, run.stderr
     assert run.stdout.splitlines() == [
         "turn 1: DIFFERENT", "turn 1, step 1: tool_call_completed content",
@@ -95,11 +113,9 @@ def test_a_cut_trace_exits_2_naming_the_line(tmp_path, recorded):
     assert run.stdout == ""
 
 
-def test_live_tools_renamed_are_named_in_the_report(tmp_path, recorded):
+def test_live_tools_renamed_are_named_in_the_report(live_runs):
     # issue 20: which tools were added, removed or changed, not two digests
-    config = tmp_path / "agent.toml"
-    config.write_text(config.read_text().replace('id = "t"', 'id = "u"'))
-    run = cli(tmp_path, "replay", "t.jsonl", "--live-tools")
+    run = live_runs.result("renamed")
     assert run.returncode == 1, run.stderr
     report = run.stdout.splitlines()[1]
     assert report.startswith("turn 1, step 1: the tools offered differ: removed: t__")
