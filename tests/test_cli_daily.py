@@ -249,11 +249,17 @@ def test_one_shot_declines_without_yes_and_says_how_to_allow(tmp_path, srv):
     with FakeOpenAI() as srv_yes:
         srv_yes.push(echo_call("b"), final("allowed"))
         procs = {}
-        for name, server, flags in (("no", srv, ()), ("yes", srv_yes, ("--yes",))):
-            (tmp_path / name / "work").mkdir(parents=True)
-            mcp_config(tmp_path / name / "work", server)
-            procs[name] = started(tmp_path / name, *flags, "-p", "go")
-        r, r_yes = finished(procs["no"]), finished(procs["yes"])
+        try:
+            for name, server, flags in (("no", srv, ()), ("yes", srv_yes, ("--yes",))):
+                (tmp_path / name / "work").mkdir(parents=True)
+                mcp_config(tmp_path / name / "work", server)
+                procs[name] = started(tmp_path / name, *flags, "-p", "go")
+            r, r_yes = finished(procs["no"]), finished(procs["yes"])
+        finally:
+            for proc in procs.values():   # the other one too, when the first failed
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.communicate()
     assert r.returncode == 0 and r.stdout == "declined\n", r.stderr
     assert "bob: warning: t__echo not run" in r.stderr and "--yes" in r.stderr
     assert "no one can approve" in messages_of(srv.requests[1])
