@@ -173,13 +173,13 @@ def test_model_switched_in_the_repl_is_remembered_by_the_session(tmp_path, srv):
 
 # ---- 3. other known gaps ----
 
-def test_stream_into_a_reader_that_left_is_141_without_a_warning(tmp_path, srv):
-    # `bob --stream -p ... | head -c 10`: "warning: event sink <_TurnView object at 0x...>
-    # failed on text_delta; ignored", then exit 141.
-    pieces = ['{"type": "final", "content": "'] + ["word " * 2000] * 40 + ['"}']
-    srv.push(stream_reply(pieces))   # 400 KB: more than a pipe holds
-    write_config(tmp_path, srv)
-    proc = subprocess.Popen([sys.executable, str(CLI), "--stream", "-p", "hi"], cwd=tmp_path,
+LONG_REPLY = ['{"type": "final", "content": "'] + ["word " * 2000] * 40 + ['"}']   # 400 KB:
+                                                                  # more than a pipe holds
+
+
+def streamed_to_a_reader_that_leaves(tmp_path: Path, *args: str) -> None:
+    """`bob --stream ARGS | head -c 10`: the CLI exits 141 and says nothing on stderr."""
+    proc = subprocess.Popen([sys.executable, str(CLI), "--stream", *args], cwd=tmp_path,
                             env=xdg_env(tmp_path), stdin=subprocess.DEVNULL,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
@@ -190,6 +190,13 @@ def test_stream_into_a_reader_that_left_is_141_without_a_warning(tmp_path, srv):
     finally:
         proc.kill()
         proc.wait()
+
+def test_stream_into_a_reader_that_left_is_141_without_a_warning(tmp_path, srv):
+    # `bob --stream -p ... | head -c 10`: "warning: event sink <_TurnView object at 0x...>
+    # failed on text_delta; ignored", then exit 141.
+    srv.push(stream_reply(LONG_REPLY))
+    write_config(tmp_path, srv)
+    streamed_to_a_reader_that_leaves(tmp_path, "-p", "hi")
 
 
 def test_the_approval_prompt_ends_with_its_turn(tmp_path, srv):

@@ -6,14 +6,12 @@ against fake_openai, HOME and XDG_* in a temp dir."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
-from conftest import CLI, KEY, Terminal, final, write_config, xdg_env
+from conftest import KEY, Terminal, final, write_config, xdg_env
 from fake_openai import stream_reply
-from test_round4_cli import (assert_fits, bob, echo_config, narrow, screen_lines,
-                             status_redraws)
+from test_round4_cli import (LONG_REPLY, assert_fits, bob, echo_config, narrow, screen_lines,
+                             status_redraws, streamed_to_a_reader_that_leaves)
 
 
 def sessions(tmp_path: Path) -> Path:
@@ -141,21 +139,9 @@ def test_resume_says_what_it_did_when_the_remembered_flags_do_not_work(tmp_path,
 def test_a_stream_whose_reader_left_keeps_the_turn_its_flags_and_its_trace(tmp_path, srv):
     # The session held the turn, but its flags were written after the answer's print, which
     # met the broken pipe: `bob -c` went back to the default model.
-    pieces = ['{"type": "final", "content": "'] + ["word " * 2000] * 40 + ['"}']
-    srv.push(stream_reply(pieces), final("again"))   # 400 KB: more than a pipe holds
-    proc = subprocess.Popen([sys.executable, str(CLI), "--stream", "--base-url", srv.url,
-                             "--model", "local:kept", "--session", "s", "--trace", "t.jsonl",
-                             "-p", "hi"], cwd=tmp_path, env=xdg_env(tmp_path),
-                            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE)
-    try:
-        assert proc.stdout.read(10) == b"word word "
-        proc.stdout.close()          # the reader leaves, as head does
-        assert proc.wait(15) == 141
-        assert proc.stderr.read() == b""
-    finally:
-        proc.kill()
-        proc.wait()
+    srv.push(stream_reply(LONG_REPLY), final("again"))
+    streamed_to_a_reader_that_leaves(tmp_path, "--base-url", srv.url, "--model", "local:kept",
+                                     "--session", "s", "--trace", "t.jsonl", "-p", "hi")
     state = json.loads((sessions(tmp_path) / "s.json").read_text())
     assert [m["role"] for m in state["messages"]] == ["user", "assistant"]
     kinds = [json.loads(line)["kind"] for line in (tmp_path / "t.jsonl").open()]
