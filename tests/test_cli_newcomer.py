@@ -122,18 +122,21 @@ def test_commands_without_their_argument_say_what_they_need(tmp_path, srv):
         term.close()
 
 
-def test_ctrl_d_inside_a_block_sends_what_was_typed(tmp_path, srv):
-    srv.push(final("got the block"))
+@pytest.mark.parametrize("typed, shown, sent", [
+    (b'"""\rline one\rline two\r', b"... line two", "line one\\nline two"),  # inside a block
+    (b"first line \\\r", b"... ", "first line")])   # on the line after a trailing backslash
+def test_ctrl_d_on_a_continuation_line_sends_what_was_typed(tmp_path, srv, typed, shown, sent):
+    srv.push(final("got it"))
     write_config(tmp_path, srv)
     term = repl(tmp_path)
     try:
-        term.send(b'"""\rline one\rline two\r')
-        term.expect(b"... line two")
-        term.send(b"\x04")
-        assert b"got the block" in term.expect(b"bob> ", timeout=5)
+        term.send(typed)
+        term.expect(shown)
+        term.send(b"\x04")   # Ctrl-D on the continuation line
+        assert b"got it" in term.expect(b"bob> ", timeout=5)
     finally:
         term.close()
-    assert "line one\\nline two" in str(srv.requests[0]["body"]["messages"])
+    assert sent in messages_of(srv.requests[0])
 
 
 def test_reset_forgets_the_pending_question_prompt(tmp_path, srv):
@@ -281,20 +284,6 @@ def test_counts_save_twice_and_an_empty_history_read_well(tmp_path, srv):
         term.close()
     listed = bob(tmp_path, "--sessions").stdout
     assert "turns   1 " in listed, listed
-
-
-def test_ctrl_d_after_a_trailing_backslash_sends_what_was_typed(tmp_path, srv):
-    srv.push(final("got it"))
-    write_config(tmp_path, srv)
-    term = repl(tmp_path)
-    try:
-        term.send(b"first line \\\r")
-        term.expect(b"... ")
-        term.send(b"\x04")   # Ctrl-D on the empty continuation line
-        assert b"got it" in term.expect(b"bob> ", timeout=5)
-    finally:
-        term.close()
-    assert "first line" in messages_of(srv.requests[0])
 
 
 def test_a_redirected_stdout_gets_answers_but_no_prompts(tmp_path, srv):
