@@ -157,9 +157,34 @@ class FirstFormPort:
         return ToolResult(call.id, call.name, "old ok")
 
 
-@pytest.mark.parametrize("composite", [False, True])
-def test_a_port_of_the_first_published_form_works_unchanged(composite):
-    port = CompositeToolPort([FirstFormPort()]) if composite else FirstFormPort()
+class Unhashable:
+    """A callable object that cannot be a dict key (it defines __eq__ without __hash__)."""
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def __eq__(self, other):
+        return self is other
+
+    def __call__(self, *args, **kwargs):
+        return self.fn(*args, **kwargs)
+
+
+def instance_form_port(takes_cancel: bool):
+    """A port whose call_tool is an instance attribute: an unhashable callable object (whether
+    it takes `cancel` is asked of each such object, not remembered by type)."""
+    port = FirstFormPort()
+    old = port.call_tool
+    port.call_tool = Unhashable(
+        (lambda call, timeout_s, cancel=None: old(call, timeout_s)) if takes_cancel else old)
+    return port
+
+
+@pytest.mark.parametrize("make", [FirstFormPort, lambda: CompositeToolPort([FirstFormPort()]),
+                                  lambda: instance_form_port(False),
+                                  lambda: instance_form_port(True)])
+def test_a_port_of_the_first_published_form_works_unchanged(make):
+    port = make()
     r = AgentRuntime(ScriptedLlm([tc("old"), final("done")]), port).run(AgentRequest("go"))
     result = r.history[-2]
     assert (result.content, result.is_error) == ("old ok", False), result

@@ -78,6 +78,22 @@ def test_a_reply_deleted_from_the_middle_is_a_trace_error_at_once(tmp_path):
     assert time.monotonic() - t0 < 2.0   # not the recorded 4 s deadline
 
 
+def test_an_edit_in_a_later_turn_is_named_by_its_line_in_the_file(tmp_path):
+    # Each turn's events were once numbered again from 1 while replaying it: an error in turn 2
+    # named a line of turn 1
+    path = tmp_path / "t.jsonl"
+    record(path, ["first", calls(("c1", "add", {"a": 1, "b": 2})), "3"], ["hi", "sum"])
+    lines = path.read_text().splitlines()
+    bad = [n for n, line in enumerate(lines, 1) if '"llm_call_completed"' in line][-1]
+    edited = json.loads(lines[bad - 1])
+    edited["data"]["content"] = 5
+    lines[bad - 1] = json.dumps(edited)
+    path.write_text("\n".join(lines) + "\n")
+    assert bad > 20   # in the second turn
+    with pytest.raises(TraceError, match=f"^line {bad}: this llm_call_completed is not as bob"):
+        bob.replay(path)
+
+
 def test_a_recorded_turn_timeout_replays_without_waiting_for_it(tmp_path, hang):
     path, release = tmp_path / "t.jsonl", hang()
 
