@@ -1226,13 +1226,13 @@ class JsonFileSessionStore:
 # as the last part of a longer name ("OPENAI_API_KEY", "x-api-key"), not "key" or "monkey".
 _SECRETS = (r"api[_-]?key|[_-]key(?![a-z])|password|passwd|secret|token(?!s)|authoriz|auth(?!or)|"
             r"cookie|credential")
-_SECRET_KEY = re.compile(_SECRETS)   # matched against lowered text: (?i) is twice as slow
+_SECRET_KEY = re.compile(f"(?i){_SECRETS}")
 
 
 @functools.lru_cache(maxsize=4096)  # keys repeat across calls: 20,000 calls mask in milliseconds
 def secret_name(key: Any) -> bool:
     """True when a name (argument, JSON key, env variable, header) says its value is a secret."""
-    return isinstance(key, str) and bool(_SECRET_KEY.search(key.casefold()))
+    return isinstance(key, str) and bool(_SECRET_KEY.search(key))
 
 
 # Secret keys in text (a reply, a tool result): "key":, \"key\": in JSON inside a JSON string, and
@@ -1271,7 +1271,7 @@ def _mask_text(text):
         return text
     low = text.lower()   # matched case-sensitively ((?i) made it twice as slow); "İ" lowers to 2
     low = low if len(low) == len(text) else text.translate(dict(zip(range(65, 91), range(97, 123))))
-    if not _SECRET_KEY.search(low):   # no secret name anywhere (a third of the time of finditer)
+    if not re.search(_SECRETS, low):   # no secret name anywhere (a third of finditer's time)
         return text
     out = []
     at = 0

@@ -228,6 +228,9 @@ def test_secret_names_in_text_are_found_in_any_case(tmp_path):
     record(path, [f'{{"API_KEY": "{SECRET}", "Password": "hunter2"}}'], ["?"])
     assert_no_secret(path, SECRET, "hunter2")
     assert bob.redact({"API_KEY": SECRET}) == {"API_KEY": "***"}
+    # a name is matched case-blind as re's IGNORECASE has it: a Turkish dotted capital I, or a
+    # dotless i, is still an "i" (lowering or casefolding the name first loses them)
+    assert bob.secret_name("AUTHOR\u0130ZATION") and bob.secret_name("credent\u0131al")
 
 
 # ---- 4. Every turn in the record is whole -------------------------------------------------------
