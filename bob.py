@@ -2982,13 +2982,11 @@ class _Replay:
             if not asked:   # a reply twice, or one added: the mirror of a reply deleted
                 raise TraceError(f"line {e['line']}: this llm_call_completed answers no "
                                  "llm_call_started: the trace was edited")
-            _field(d, "content", str)
-            _field(d, "finish_reason", (str, type(None)))
-            calls = tuple(ToolCall(**c) for c in d["tool_calls"])
-            for c in calls:
-                _given(c, id=str, name=str, arguments=dict)
-            self._script[-1][1] = LlmResponse(d["content"], calls, Usage(**d["usage"]),
-                                              d["finish_reason"], d.get("reasoning"))
+            # its content, calls and reasoning checked as a saved message's are
+            m = Message.from_dict({**d, "role": "assistant"})
+            self._script[-1][1] = LlmResponse(m.content, m.tool_calls, Usage(**d["usage"]),
+                                              _field(d, "finish_reason", (str, types.NoneType)),
+                                              m.reasoning)
             asked = None
         elif asked and kind == "guard_tripped":   # the only guard that trips while waiting
             self._script[-1][1] = _TIMED_OUT
