@@ -1,8 +1,9 @@
 """The CLI's known gaps closed in the fifth round: the REPL with stdout redirected (`bob >
-answers.txt`) keeps line editing and history recall, its answers go to the file and nothing
-typed does, its one-line displays fit the terminal; `/resume` of a session whose remembered
-flag fails says so as a remembered flag. Every run is a real subprocess on a pty against
-fake_openai, HOME and XDG_* in a temp dir."""
+answers.txt`) keeps line editing and history recall (at the approval prompt too), its answers
+go to the file and nothing typed does, its one-line displays fit the terminal as it is resized,
+and a reader that left (`bob | head -1`) ends it with 141; `/resume` of a session whose
+remembered flag fails says so as a remembered flag. Every run is a real subprocess on a pty
+against fake_openai, HOME and XDG_* in a temp dir."""
 from __future__ import annotations
 
 import contextlib
@@ -38,7 +39,7 @@ def user_messages(request: dict) -> list[str]:
 def test_a_redirected_repl_edits_lines_recalls_history_and_files_only_answers(tmp_path, srv):
     # input() used readline only with stdout a terminal: a left arrow went into the message
     # as "\x1b[D", and the up arrow recalled nothing.
-    srv.push(final("ANSWER-ONE"), final("ANSWER-TWO"))
+    srv.push(final("ANSWER-ONE"), final("ANSWER-TWO"), final("ANSWER-THREE"))
     write_config(tmp_path, srv)
     term = redirected(tmp_path, TERM="xterm")   # xterm: bracketed paste, the status line
     try:   # a turn's end: its stats line, then the prompt (readline draws it again at times)
@@ -49,12 +50,15 @@ def test_a_redirected_repl_edits_lines_recalls_history_and_files_only_answers(tm
         seen += term.expect(b"bob> ")
         term.send(UP + b" again\r")                         # the first line, recalled
         seen += term.expect(b"LLM calls", timeout=10) + term.expect(b"bob> ")
+        term.send(b"\x1b[200~pasted one\npasted two\x1b[201~\r")   # a bracketed paste
+        seen += term.expect(b"LLM calls", timeout=10) + term.expect(b"bob> ")
         term.send(b"\x04")                                  # Ctrl-D quits
         assert term.proc.wait(10) == 0
     finally:
         term.close()
-    assert [user_messages(r)[-1] for r in srv.requests] == ["world", "world again"]
-    assert (tmp_path / "out.txt").read_bytes() == b"ANSWER-ONE\nANSWER-TWO\n"
+    assert [user_messages(r)[-1] for r in srv.requests] == [
+        "world", "world again", "pasted one\npasted two"]
+    assert (tmp_path / "out.txt").read_bytes() == b"ANSWER-ONE\nANSWER-TWO\nANSWER-THREE\n"
     assert b"ANSWER" not in seen, seen                      # the answers are not on the terminal
     assert b"world" in seen and b"tool calls 0" in seen     # what was typed, the stats line are
 
