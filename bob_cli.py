@@ -353,7 +353,7 @@ class _TurnView:
     (json mode: a `final`'s content; `shown`: what the last LLM call printed); on a terminal
     (`out`) a status line and tool calls above it; the notes said after a turn (a failed save,
     a reply cut short)."""
-    out: TextIO | None   # the terminal (stderr); None: no status line, no tool calls
+    out: Any   # the terminal (stderr), or None: no status line, no tool calls
     max_steps: int
     calls: bool = True   # tool calls are shown
     json_mode: bool = True
@@ -467,7 +467,10 @@ def _input(prompt):
     the file with the answers, and on a terminal readline edits the line (input() uses it only
     when fd 1 is a terminal). Nothing else writes to fd 1 meanwhile: a turn's worker waits for
     the approval prompt, and MCP servers write to their pipe."""
-    sys.stdout.flush()   # what is buffered is the file's (input() flushes it first)
+    # What is buffered is the file's (input() flushes it first). A file that cannot take it (a
+    # full disk) was said after the turn: input() then shows it on the terminal, not lost
+    with contextlib.suppress(OSError):
+        sys.stdout.flush()
     held = os.dup(1)
     _Above.prompt = prompt
     try:
@@ -804,12 +807,11 @@ def _run_piped(shell, lines):
 def _prompt(prompt, stdin):
     """-p's text: `-` is all of stdin; piped text follows the prompt after a blank line."""
     piped = "" if stdin.isatty() and prompt != "-" else _bounded(stdin.read, "stdin")
-    if prompt == "-" and not piped.strip():
+    if prompt != "-":   # -p TEXT with text piped in: the text, then what was piped
+        return f"{prompt}\n\n{piped}" if piped.strip() else prompt
+    if not piped.strip():
         raise bob.ConfigError("-p -: stdin is empty; pipe the prompt in, or pass -p TEXT")
-    if prompt == "-":
-        return piped
-    # -p TEXT with text piped in: the text, then what was piped
-    return f"{prompt}\n\n{piped}" if piped.strip() else prompt
+    return piped
 
 
 def _by_use(store):

@@ -112,6 +112,26 @@ def test_a_redirected_repl_whose_reader_left_ends_as_one_shot_runs_do(tmp_path, 
     assert b"bob: " not in rest, rest
 
 
+def test_a_redirected_repl_whose_file_is_full_says_so_once_a_turn(tmp_path, srv):
+    # `bob > file` on a full disk: the answer's print failed, and then the flush before each
+    # prompt did too, and the REPL said `No space left on device` again and again, forever.
+    srv.push(final("ANSWER"))
+    write_config(tmp_path, srv)
+    full = os.open("/dev/full", os.O_WRONLY)
+    term = Terminal(tmp_path, env=xdg_env(tmp_path), stdout=full)
+    os.close(full)
+    try:
+        term.expect(b"bob> ")
+        term.send(b"hi\r")
+        said = term.expect(b"bob> ", timeout=10)
+        term.send(b"\x04")
+        assert term.proc.wait(10) == 0
+    finally:
+        term.close()
+    assert said.count(b"No space left on device") == 1, said
+    assert b"ANSWER" in said   # shown rather than lost
+
+
 def event_lines(raw: bytes) -> list[str]:
     """The -v event lines drawn (`  [step] kind  data`), escape sequences left out."""
     text = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", raw.decode("utf-8", "replace"))
