@@ -292,27 +292,24 @@ def _plain():
     return os.environ.get("TERM", "dumb") == "dumb" or "NO_COLOR" in os.environ
 
 
-def _cells(char):
-    """The terminal columns a character takes: 2 when East Asian wide or fullwidth (CJK, most
-    emoji), 0 for a combining mark (the accent of e + U+0301), else 1. Never fewer than a
-    terminal draws, but for a few spacing marks of rare scripts: an emoji's variation selector
-    (U+FE0F, which makes the heart U+2764 two columns wide) counts 1."""
-    if unicodedata.combining(char):
-        return 0
-    return 2 if unicodedata.east_asian_width(char) in "WF" else 1
-
-
 def _cut(text, reserve=0):
     """One line of `text` that fits the terminal, less `reserve` columns: cut, with "...", by
     the columns its characters take (60 CJK characters are 120 columns, not 60). Text from the
     model or a server must not drive the terminal: control characters are made harmless."""
-    room = shutil.get_terminal_size().columns - reserve
+    # $COLUMNS, else stdout's terminal, else stderr's (`bob > file`: the one the user sees)
+    room = shutil.get_terminal_size(os.get_terminal_size(2) if os.isatty(2) else (80, 24)
+                                    ).columns - reserve
     # 4 characters a column at most: a combining mark takes none, and a line of 200,000 of
     # them was written whole (1 MB of them took a second); Thai or Hindi use under 2
     text = text[:room * 4].translate(_CONTROLS)
     used = end = 0   # the columns so far; the characters that leave room for "..."
     for i, char in enumerate(text):   # a line may be a 20 MB message
-        used += _cells(char)
+        # The columns a character takes: 2 when East Asian wide or fullwidth (CJK, most
+        # emoji), 0 for a combining mark (the accent of e + U+0301), else 1. Never fewer than
+        # a terminal draws, but for a few spacing marks of rare scripts: an emoji's variation
+        # selector (U+FE0F, which makes the heart U+2764 two columns wide) counts 1.
+        if not unicodedata.combining(char):
+            used += 2 if unicodedata.east_asian_width(char) in "WF" else 1
         if used > room:   # a terminal 1 or 2 columns wide gets what fits of "..."
             return text[:end] + "..."[:room]
         if used <= room - 3:
@@ -350,28 +347,29 @@ def _final_so_far(raw):
     return text[:-1] if text and "\ud800" <= text[-1] <= "\udbff" else text
 
 
+@dataclass
 class _TurnView:
     """What a person sees of a turn: the answer streamed to stdout, as Shell.turn prints it
     (json mode: a `final`'s content; `shown`: what the last LLM call printed); on a terminal
     (`out`) a status line and tool calls above it; the notes said after a turn (a failed save,
     a reply cut short)."""
+    out: Any   # the terminal (stderr), or None: no status line, no tool calls
+    max_steps: int
+    calls: bool = True   # tool calls are shown
+    json_mode: bool = True
+    _lock: Any = field(default_factory=threading.Lock)   # the worker's events, the main thread
 
-    def __init__(self, out, max_steps, calls=True, json_mode=True):
-        self.out = out
-        self.max_steps = max_steps
-        self.calls = calls
-        self._lock = threading.Lock()
-        self.json_mode = json_mode
-        self.begin(draw=False)
+    def __post_init__(self):
+        self.begin()   # nothing draws before a turn begins
 
-    def begin(self, draw=True):
+    def begin(self):
         """A turn starts (loading the session and, at first, waiting for MCP servers)."""
         self.t0 = time.monotonic()
         self.state = "start"
         self.step = 0
         self.raw = ""     # the reply streamed so far
         self.shown = ""   # what of it was printed
-        self.drawing = draw and self.out is not None
+        self.drawing = self.out is not None
         self.error = None   # why the session could not be saved (a str)
         self.cut = False                # a reply was cut by the token limit
 
@@ -419,7 +417,7 @@ class _TurnView:
             if self.drawing:   # "\x1b[K" erases the line, from where "\r" took the cursor
                 print(text.replace("\x1b[K", "") if _plain() else text, end="", file=self.out,
                       flush=True)
-            self.drawing = self.drawing and not stop
+            self.drawing &= not stop
 
     def stats(self, r):
         """steps, tool calls, tokens in/out (? when the server said nothing), elapsed."""
@@ -448,13 +446,43 @@ def _one_line(e):
     return " ".join(str(e).split()).translate(_CONTROLS) or type(e).__name__   # a server's text
 
 
+class _Above(logging.StreamHandler):  # type: ignore[type-arg]
+    """Log records on stderr. While bob waits at a prompt (an MCP server dies then), a record
+    goes on a new line, and the prompt and what was typed so far are drawn again."""
+    prompt = ""   # _input's, while it waits for a line
+
+    def emit(self, record):
+        if not self.prompt:
+            return super().emit(record)
+        readline = sys.modules.get("readline")
+        self.stream.write("\n")
+        super().emit(record)
+        self.stream.write(self.prompt + (readline.get_line_buffer() if readline else ""))
+        self.flush()
+
+
 def _input(prompt):
-    """input(); with stdout not a terminal (`bob > file`), the prompt goes to stderr, as notes do
-    (input() would write it into the file, with the answers)."""
-    if sys.stdout.isatty():
+    """input(), while a log record goes above the prompt (_Above). With stdout not a terminal
+    (`bob > file`), stderr takes fd 1 while it reads: the prompt goes where notes do, not into
+    the file with the answers, and on a terminal readline edits the line (input() uses it only
+    when fd 1 is a terminal). Nothing else writes to fd 1 meanwhile: a turn's worker waits for
+    the approval prompt, and MCP servers write to their pipe."""
+    # What is buffered is the file's (input() flushes it first). A file that cannot take it (a
+    # full disk) was said after the turn: input() then shows it on the terminal, not lost
+    with contextlib.suppress(OSError):
+        sys.stdout.flush()
+    held = os.dup(1)
+    _Above.prompt = prompt
+    try:
+        if not sys.stdout.isatty():
+            os.dup2(2, 1)
         return input(prompt)
-    print(prompt, end="", file=sys.stderr, flush=True)
-    return input()
+    finally:   # Ctrl-C, Ctrl-D too. Python raises a signal's KeyboardInterrupt after a call
+        # returns, never before this block's first one: a Ctrl-C as input() returns cannot
+        # leave fd 1 on the terminal
+        _Above.prompt = ""
+        os.dup2(held, 1)
+        os.close(held)
 
 
 def _note(text):
@@ -553,6 +581,20 @@ def _forget(store, session_id):
     except FileNotFoundError:
         return False
     return True
+
+
+def _remembered(use, session_id, kept, fix):
+    """use(), which puts the LLM on a session's `kept` flags. If they fail (a hand-edited
+    ID.flags, a key variable since unset), its ConfigError says so as the session's flags, not
+    as flags typed: which, why, and `fix` or --forget."""
+    try:
+        return use()
+    except bob.ConfigError as e:
+        if not kept:
+            raise
+        names = " ".join(f"--{key.replace('_', '-')}" for key in kept)
+        raise bob.ConfigError(f"session {session_id} remembers {names}, which fails: "
+                              f"{e}; {fix}, or --forget {session_id}") from None
 
 
 def _new_session_id():
@@ -685,14 +727,14 @@ class Shell:
                 if (kept := _resumed(store, arg)) is None:
                     print(f"no session {arg} in {store.directory}; /sessions lists them")
                 else:   # on the model and endpoint it ran with, if it remembers them and
-                    self.session_id = arg   # they work (else an error says why, and the
-                    self._use(kept)         # session goes on with the running ones)
+                    self.session_id = arg   # they work
+                    _remembered(lambda: self._use(kept), arg, kept, "the session goes on with "
+                                "the running model: /model NAME")
             case "/history", _:   # one line a message
-                messages = self._state().messages   # loaded once: a session may be 20 MB
+                for m in (messages := self._state().messages):   # loaded once: it may be 20 MB
+                    print(_cut(" ".join([f"{m.role}:", m.content, *_calls(m)])))
                 if not messages:
                     print(f"session {self.session_id} is empty: no messages yet")
-                for m in messages:
-                    print(_cut(" ".join([f"{m.role}:", m.content, *_calls(m)])))
             case "/model", True:
                 self._use({"model": arg})
             case "/save", True:
@@ -765,13 +807,11 @@ def _run_piped(shell, lines):
 def _prompt(prompt, stdin):
     """-p's text: `-` is all of stdin; piped text follows the prompt after a blank line."""
     piped = "" if stdin.isatty() and prompt != "-" else _bounded(stdin.read, "stdin")
-    if prompt == "-" and not piped.strip():
+    if prompt != "-":   # -p TEXT with text piped in: the text, then what was piped
+        return f"{prompt}\n\n{piped}" if piped.strip() else prompt
+    if not piped.strip():
         raise bob.ConfigError("-p -: stdin is empty; pipe the prompt in, or pass -p TEXT")
-    if prompt == "-":
-        return piped
-    if piped.strip():   # -p TEXT with text piped in: the text, then what was piped
-        return f"{prompt}\n\n{piped}"
-    return prompt
+    return piped
 
 
 def _by_use(store):
@@ -790,21 +830,6 @@ def _list_sessions(store):
     return 0
 
 
-class _Above(logging.StreamHandler):  # type: ignore[type-arg]
-    """Log records on stderr. While the REPL waits at its prompt (an MCP server dies then), a
-    record goes on a new line, and the prompt and what was typed so far are drawn again."""
-    prompt = ""   # the REPL's, while it waits for a line
-
-    def emit(self, record):
-        if not self.prompt:
-            return super().emit(record)
-        readline = sys.modules.get("readline")
-        self.stream.write("\n")
-        super().emit(record)
-        self.stream.write(self.prompt + (readline.get_line_buffer() if readline else ""))
-        self.flush()
-
-
 def _save_history(readline, path):
     with contextlib.suppress(OSError):  # e.g. a read-only HOME: not worth a traceback at exit
         readline.write_history_file(path)
@@ -813,15 +838,14 @@ def _save_history(readline, path):
 def _read_message(prompt):
     """One message: a line ending in `\\` goes on; `\"\"\"` opens a block; a paste comes whole."""
     lines = [_input(prompt).strip()]
-    if lines[0] == '"""':   # up to the next line that is just """, kept as typed
-        block = []
-        with contextlib.suppress(EOFError):   # Ctrl-D sends what was typed; the next one quits
-            block.extend(iter(lambda: _input("... "), '"""'))
-        return "\n".join(block)
-    with contextlib.suppress(EOFError):   # Ctrl-D sends what was typed, as in a block
-        while lines[-1].endswith("\\"):
-            lines[-1] = lines[-1][:-1]
-            lines.append(_input("... "))
+    with contextlib.suppress(EOFError):   # Ctrl-D sends what was typed; the next one quits
+        if lines == ['"""']:   # up to the next line that is just """, kept as typed
+            lines = []
+            lines.extend(iter(lambda: _input("... "), '"""'))
+        else:
+            while lines[-1].endswith("\\"):
+                lines[-1] = lines[-1][:-1]
+                lines.append(_input("... "))
     return "\n".join(lines)
 
 
@@ -838,15 +862,11 @@ def _run_repl(shell, banner):
         if os.environ.get("TERM", "dumb") != "dumb":   # a paste of many lines: one message
             readline.parse_and_bind("set enable-bracketed-paste on")
         atexit.register(_save_history, readline, path)
-    print(banner, file=sys.stderr, flush=True)
+    _note(banner)
     prompt = "bob> "
     while True:
         try:
-            _Above.prompt = prompt   # a log record now goes above the prompt
-            try:
-                line = _read_message(prompt)
-            finally:
-                _Above.prompt = ""
+            line = _read_message(prompt)
             if line in ("help", "exit", "quit"):   # a newcomer's words, not a message
                 line = f"/{line}"
             if line.startswith("/"):
@@ -860,6 +880,8 @@ def _run_repl(shell, banner):
             print(file=sys.stderr)
             if isinstance(e, EOFError):
                 return 0
+        except BrokenPipeError:   # stdout's reader left (`bob | head`): end as -p does, 141
+            raise
         except (bob.BobError, OSError) as e:   # OSError: e.g. /save to a directory not there
             _note(f"error: {_one_line(e)}")
             import bob_mcp   # cheap; loaded already when MCP servers are configured
@@ -976,21 +998,19 @@ def _llm(cfg, args):
         hint = (f"; a local server needs none: {'' if url else 'pass --base-url URL and '}a "
                 "model of a provider bob does not know, e.g. --model local:NAME; --demo shows "
                 "bob without any key" if "no API key" in str(e) else "")
-        where = ""   # what to fix: the flag, else the file, else the built-in defaults
-        if args.model:
-            where = "--model: "
-        elif cfg.path:
-            where = f"{cfg.path}: "
+        # what to fix: the file, unless a --model (given or remembered) is in use: the error
+        # names the model; else the built-in defaults
+        where = f"{cfg.path}: " if cfg.path and not args.model else ""
         raise bob.ConfigError(f"{where}{e}{hint}") from None
 
 
-def _llm_or_ask(cfg, args):
+def _llm_or_ask(cfg, args, interactive):
     """_llm; with no API key, the REPL asks for a local server instead (-p and pipes: exit 2)."""
     while True:
         try:
             return _llm(cfg, args)
         except bob.ConfigError as e:
-            if "no API key" not in str(e) or args.prompt is not None or not sys.stdin.isatty():
+            if "no API key" not in str(e) or not interactive:
                 raise
             _note(str(e))
             url, _, name = _input("bob: or type a local server's URL and its model's name, e.g. "
@@ -1027,14 +1047,9 @@ def _store(cfg, args):
 def _build_shell(cfg, args):
     """Wire what the config names: the LLM (its key checked now), store, sinks, MCP servers."""
     store, session_id, kept = _store(cfg, args)   # first: a resumed session's flags fill args
-    try:
-        llm = _llm_or_ask(cfg, args)
-    except bob.ConfigError as e:   # a hand-edited ID.flags, a key variable since unset
-        if not kept:
-            raise
-        names = " ".join(f"--{key.replace('_', '-')}" for key in kept)
-        raise bob.ConfigError(f"{e} ({names} remembered by session {session_id}: pass {names} "
-                              f"again to override, or --forget {session_id})") from None
+    approvals = _Approvals(args.prompt is None and sys.stdin.isatty(), args.yes)   # the REPL
+    llm = _remembered(lambda: _llm_or_ask(cfg, args, approvals.interactive), session_id, kept,
+                      "a flag given again wins")
     policy = cfg.policy
     if args.max_steps is not None:
         try:
@@ -1050,7 +1065,6 @@ def _build_shell(cfg, args):
             mcp = bob_mcp.McpToolPort(cfg.mcp_servers).start(wait=False)
         except bob.ConfigError as e:   # an id used twice
             raise bob.ConfigError(f"{cfg.path}: {e}") from None
-    approvals = _Approvals(args.prompt is None and sys.stdin.isatty(), args.yes)
     runtime = bob.AgentRuntime(llm, mcp, store=store, policy=policy,
                                events=[view, *_sinks(args)],
                                system_prompt=args.system or cfg.system_prompt,
@@ -1097,7 +1111,7 @@ def _start(args, opened):
     if not sys.stdin.isatty():
         return _run_piped(shell, iter(lambda: _bounded(sys.stdin.readline, "a stdin line"), ""))
     servers = f"; {len(cfg.mcp_servers)} MCP server(s) starting" if cfg.mcp_servers else ""
-    return _run_repl(shell, f"bob: {shell.runtime.llm.describe()}, session "
+    return _run_repl(shell, f"{shell.runtime.llm.describe()}, session "
                      f"{shell.session_id}{servers}. /help lists commands, Ctrl-D quits.")
 
 

@@ -269,12 +269,13 @@ POLL_SYSCALLS = {"x86_64": ("7", "23", "270", "271"), "aarch64": ("72", "73")}
 class Terminal:
     """The CLI on a pseudo terminal (its controlling tty), read with select and a deadline."""
 
-    def __init__(self, tmp_path: Path, *args: str, env: dict[str, str] | None = None):
+    def __init__(self, tmp_path: Path, *args: str, env: dict[str, str] | None = None,
+                 stdout=None):   # a file: stdout redirected (`bob > file` on a terminal)
         master, slave = pty.openpty()
         fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 200, 0, 0))
         self.proc = subprocess.Popen(
             [sys.executable, str(CLI), *args], cwd=tmp_path, env=env or child_env(tmp_path),
-            stdin=slave, stdout=slave, stderr=slave, start_new_session=True,
+            stdin=slave, stdout=stdout or slave, stderr=slave, start_new_session=True,
             preexec_fn=lambda: fcntl.ioctl(0, termios.TIOCSCTTY, 0))  # noqa: PLW1509 - no lock
         os.close(slave)                                              # taken: just one syscall
         self.fd, self.seen = master, b""

@@ -3,8 +3,6 @@ notices, owner-only files, TERM=dumb / NO_COLOR, the README's known gaps, small 
 run is a real subprocess (or a pty) against fake_openai, HOME and XDG_* in a temp dir."""
 from __future__ import annotations
 
-import os
-import pty
 import signal
 import stat
 import subprocess
@@ -289,19 +287,17 @@ def test_counts_save_twice_and_an_empty_history_read_well(tmp_path, srv):
 def test_a_redirected_stdout_gets_answers_but_no_prompts(tmp_path, srv):
     srv.push(final("the answer"))
     write_config(tmp_path, srv)
-    master, slave = pty.openpty()
     out = tmp_path / "out.txt"
     with open(out, "w") as stdout:
-        proc = subprocess.Popen([sys.executable, str(CLI)], cwd=tmp_path, env=xdg_env(tmp_path),
-                                stdin=slave, stdout=stdout, stderr=slave, start_new_session=True)
-    os.close(slave)
-    try:
-        os.write(master, b"hi\n")
-        os.write(master, b"\x04")
-        assert proc.wait(10) == 0
+        term = Terminal(tmp_path, env=xdg_env(tmp_path), stdout=stdout)
+    try:   # each typed at its prompt: readline reads raw, and a Ctrl-D typed ahead is a NUL
+        term.expect(b"bob> ")
+        term.send(b"hi\n")
+        term.expect(b"bob> ", timeout=10)
+        term.send(b"\x04")
+        assert term.proc.wait(10) == 0
     finally:
-        proc.kill()
-        os.close(master)
+        term.close()
     assert out.read_text() == "the answer\n"
 
 

@@ -55,7 +55,7 @@ def test_verbose_into_a_stderr_reader_that_left_is_141_the_answer_whole(tmp_path
 
 def test_a_remembered_flag_that_fails_says_so_and_how_to_override_it(tmp_path, srv):
     # A hand-edited ID.flags, or a key variable since unset, read as if typed:
-    # `bob: error: --model: model 'x' must be 'provider:model'...`
+    # `bob: error: --model: model 'x' must be 'provider:model'...`; now as the session's flags.
     srv.push(final("one"), final("two"))
     write_config(tmp_path, srv)
     assert bob(tmp_path, "--session", "s1", "-p", "hi", "--model", "local:m").returncode == 0
@@ -65,11 +65,11 @@ def test_a_remembered_flag_that_fails_says_so_and_how_to_override_it(tmp_path, s
     run = bob(tmp_path, "--session", "s1", "-p", "again")
     error = run.stderr.decode().splitlines()[-1]
     assert run.returncode == 2 and "provider:model" in error, run.stderr
-    assert "--model remembered by session s1" in error, error
-    assert "pass --model again" in error and "--forget s1" in error, error
+    assert "session s1 remembers --model, which fails: model 'x'" in error, error
+    assert error.endswith("; a flag given again wins, or --forget s1"), error
     flags.write_text(json.dumps({"model": "openai:x", "api_key_env": "GONE"}))   # since unset
     error = bob(tmp_path, "--session", "s1", "-p", "again").stderr.decode().splitlines()[-1]
-    assert "GONE" in error and "--model --api-key-env remembered by session s1" in error, error
+    assert "GONE" in error and "session s1 remembers --model --api-key-env, which" in error, error
     run = bob(tmp_path, "--session", "s1", "-p", "again", "--model", "local:m",
               "--api-key-env", "BOB_TEST_KEY")   # a flag given wins: the session goes on
     assert run.returncode == 0 and run.stdout == b"two\n", run.stderr
