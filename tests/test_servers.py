@@ -20,7 +20,7 @@ from conftest import KEY, child_env, make_llm, run_cli, write_config
 from bob import (ActionParseError, AgentRequest, AgentRuntime, CallTools, CancelToken,
                  ConfigError, Final, FinishReason, FunctionTools, GuardReason,
                  JsonFileSessionStore, JsonlEventSink, LlmError, LlmRequest, Message,
-                 OpenAICompatLlm, ToolCall, ToolDescriptor, TurnPolicy, parse_action)
+                 OpenAICompatLlm, ToolCall, ToolDescriptor, TurnPolicy, parse_action, replay)
 
 
 def ask(*messages: Message, tools=(), json_mode: bool = False) -> LlmRequest:
@@ -337,11 +337,13 @@ def offered(request) -> list[str]:
     return [f["properties"]["name"]["enum"][0] for f in forms if "name" in f["properties"]]
 
 
-def test_a_small_model_that_repeats_its_call_after_the_result_is_led_to_answer():
+def test_a_small_model_that_repeats_its_call_after_the_result_is_led_to_answer(tmp_path):
     # SmolLM2-135M held to the schema repeats a call after its result until LOOP_DETECTED; a
     # call repeated up to the loop limit leaves its tool out of the next step's schema
+    trace = tmp_path / "trace.jsonl"
     with serve(small_model_on_llama_cpp) as srv:
-        rt = AgentRuntime(make_llm(srv), sum_tools(), action_mode="json")
+        rt = AgentRuntime(make_llm(srv), sum_tools(), action_mode="json",
+                          events=JsonlEventSink(trace))
         result = rt.run(AgentRequest("What is 93 plus 51? Use the get_sum tool."))
         sent = [r for r in srv.requests if r["body"]["response_format"]["type"] != "json_schema"]
     assert result.finish_reason is FinishReason.FINAL, result.content
@@ -350,6 +352,7 @@ def test_a_small_model_that_repeats_its_call_after_the_result_is_led_to_answer()
     # the system message still lists every tool; only the schema leaves one out, for one step
     assert "- get_sum:" in sent[2]["body"]["messages"][0]["content"]
     assert [m.tool_calls[0].name for m in result.history if m.tool_calls] == ["get_sum"] * 2
+    assert replay(trace).ok   # the step's schema is in its digest; a replay hides it too
 
 
 def test_a_repeated_call_is_offered_again_after_another_action_and_guards_still_end_the_turn():
