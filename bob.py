@@ -543,9 +543,9 @@ class EventSink(Protocol):
 
 ACTION_CONTRACT = """\
 Reply with exactly one JSON object and nothing else, in one of these forms:
-{"type": "final", "content": "<your answer to the user>"}
-{"type": "tool_call", "name": "<tool name>", "arguments": {<arguments matching its input schema>}}
-{"type": "ask_user", "question": "<what you need to know from the user>"}
+{"type": "final", "content": "..."} to answer the user;
+{"type": "tool_call", "name": "...", "arguments": {...}} to call a tool (see its input schema);
+{"type": "ask_user", "question": "..."} to ask the user what you need to know.
 Call one tool at a time; you will see its result, then reply again."""
 
 DEFAULT_INSTRUCTIONS = "You are a helpful assistant. Use the tools when they help."
@@ -658,14 +658,11 @@ def build_system_prompt(instructions: str, tools: Sequence[ToolDescriptor], mode
     """Instructions, then (json mode) the action contract and one block per tool."""
     if mode != "json":
         return instructions
-    parts = [instructions, "", ACTION_CONTRACT]
-    if tools:
-        parts += ["", "Tools you can call:"]
-        for t in tools:
-            schema = json.dumps(t.input_schema, separators=(",", ":"), sort_keys=True)
-            parts.append(f"- {t.name}: {t.description}\n  input schema: {schema}")
-    else:
-        parts += ["", "No tools are available: answer with final or ask_user."]
+    parts = [instructions, "", ACTION_CONTRACT, "", "Tools you can call:" if tools else
+             "No tools are available: answer with final or ask_user."]
+    for t in tools:
+        schema = json.dumps(t.input_schema, separators=(",", ":"), sort_keys=True)
+        parts.append(f"- {t.name}: {t.description}\n  input schema: {schema}")
     return "\n".join(parts)
 
 
@@ -759,6 +756,12 @@ class Trip:
     detail: str
 
 
+def _signature(calls):
+    """A batch's names and canonical arguments, masked as a replay sees them."""
+    return "|".join(sorted(c.name + json.dumps(redact(c.arguments), sort_keys=True, default=str)
+                           for c in calls))
+
+
 class LoopGuard:
     """Counts steps, tool calls, errors, repeated batches and repeated texts in one turn."""
 
@@ -803,11 +806,14 @@ class LoopGuard:
                         f"(max_stagnation_steps={self.policy.max_stagnation_steps})")
         return None
 
+    def at_loop_limit(self, calls: Sequence[ToolCall]) -> bool:
+        """This batch was repeated (requested twice or more) and once more trips LOOP_DETECTED."""
+        return self._batches.get(_signature(calls), 0) >= max(
+            2, self.policy.max_repeated_batches)
+
     def check_loop(self, calls: Sequence[ToolCall]) -> Trip | None:
         """Before a batch runs: the same batch (names, canonical arguments) seen too often."""
-        sig = "|".join(sorted(c.name + json.dumps(redact(c.arguments), sort_keys=True,
-                                                  default=str)   # masked, as a replay sees it
-                              for c in calls))
+        sig = _signature(calls)
         self._batches[sig] = seen = self._batches.get(sig, 0) + 1
         if seen > self.policy.max_repeated_batches:
             return Trip(GuardReason.LOOP_DETECTED,
@@ -1845,9 +1851,17 @@ class _Turn:
         for i in kept:
             if i not in self.wire:
                 self.wire[i] = render_for_wire(messages[i], self.rt.action_mode)
-        response_format = "json" if self.rt.action_mode == "json" else None
+        json_mode = self.rt.action_mode == "json"
+        # json mode: a call repeated up to the loop limit leaves its tool out of the action's
+        # schema for the next step, so a model held to the schema (one that repeats a call
+        # after its result, as small ones do) answers, asks or calls another tool instead of
+        # tripping LOOP_DETECTED; the system message still lists the tool
+        last = getattr(self.action, "calls", ())   # a CallTools' calls
+        tools = self.tools
+        if json_mode and self.guard.at_loop_limit(last):
+            tools = [t for t in tools if t.name not in {c.name for c in last}]
         return LlmRequest([self.system, *(self.wire[i] for i in kept)],
-                          self.tools, response_format, self.guard.deadline)
+                          tools, "json" if json_mode else None, self.guard.deadline)
 
     def _complete(self, prompt):
         return self._call_port(lambda: self.rt.llm.complete(prompt, self.cancel, self._delta),

@@ -168,3 +168,26 @@ def llama_cpp_python(body: Any, headers: Any) -> Any:
             "\"Input should be 'text' or 'json_object'\", 'input': 'json_schema'}]"),
             "type": "internal_server_error"}}}
     return completion('{"type": "final", "content": "ok"}')
+
+
+# ---- A small model (SmolLM2-135M) on llama-cpp-python, decoding held to the action's schema -----
+
+def small_model_on_llama_cpp(body: Any, headers: Any) -> Any:
+    """What bench/small_model.py measured: after a tool's result the model repeats its last
+    call verbatim for as long as the schema offers that tool (its next-token preference for
+    "tool" over "final" is ~5 nats, whatever the wording); when the tool is not offered it
+    answers with the result's words. The first call takes "A plus B" from the question."""
+    refused = llama_cpp_python(body, headers)
+    if refused.get("status"):
+        return refused
+    forms = body["response_format"]["schema"]["anyOf"]
+    offered = [f["properties"]["name"]["enum"][0] for f in forms if "name" in f["properties"]]
+    said = [m["content"] for m in body["messages"] if m["role"] == "assistant"]
+    if said and json.loads(said[-1])["name"] in offered:
+        return completion(said[-1])
+    if said:
+        result = body["messages"][-1]["content"].split("Result:\n")[-1]
+        return completion(json.dumps({"type": "final", "content": result}))
+    a, b = re.search(r"(\d+) plus (\d+)", body["messages"][-1]["content"]).groups()
+    return completion(json.dumps({"type": "tool_call", "name": offered[0],
+                                  "arguments": {"a": int(a), "b": int(b)}}))

@@ -12,15 +12,15 @@ from __future__ import annotations
 import json
 
 import pytest
-from fake_openai import FakeOpenAI, chunk, completion
+from fake_openai import FakeOpenAI, chunk, completion, tool_calls_reply
 from servers import (AZURE_KEY, azure, deepseek, gemini, groq, llama_cpp_python, mistral, ollama,
-                     openrouter, serve)
+                     openrouter, serve, small_model_on_llama_cpp)
 
 from conftest import KEY, child_env, make_llm, run_cli, write_config
 from bob import (ActionParseError, AgentRequest, AgentRuntime, CallTools, CancelToken,
-                 ConfigError, Final, FinishReason, FunctionTools, JsonFileSessionStore,
-                 JsonlEventSink, LlmError, LlmRequest, Message, OpenAICompatLlm, ToolCall,
-                 ToolDescriptor, TurnPolicy, parse_action)
+                 ConfigError, Final, FinishReason, FunctionTools, GuardReason,
+                 JsonFileSessionStore, JsonlEventSink, LlmError, LlmRequest, Message,
+                 OpenAICompatLlm, ToolCall, ToolDescriptor, TurnPolicy, parse_action, replay)
 
 
 def ask(*messages: Message, tools=(), json_mode: bool = False) -> LlmRequest:
@@ -317,3 +317,65 @@ def test_sloppy_but_unambiguous_json_actions_are_read(text, action):
 def test_ambiguous_json_actions_still_get_the_corrective_re_prompt(text):
     with pytest.raises(ActionParseError):
         parse_action(text)
+
+
+def sum_tools() -> FunctionTools:
+    def get_sum(a: float, b: float) -> str:
+        """Add two numbers."""
+        return f"The sum of {a:g} and {b:g} is {a + b:g}."
+
+    def echo(text: str) -> str:
+        """Echo the text."""
+        return text
+    return FunctionTools([get_sum, echo])
+
+
+def offered(request) -> list[str]:
+    """The tool names a request's action schema offers."""
+    rf = request["body"]["response_format"]   # OpenAI's json_schema, or llama.cpp's form
+    forms = rf.get("schema", rf.get("json_schema", {}).get("schema"))["anyOf"]
+    return [f["properties"]["name"]["enum"][0] for f in forms if "name" in f["properties"]]
+
+
+def test_a_small_model_that_repeats_its_call_after_the_result_is_led_to_answer(tmp_path):
+    # SmolLM2-135M held to the schema repeats a call after its result until LOOP_DETECTED; a
+    # call repeated up to the loop limit leaves its tool out of the next step's schema
+    trace = tmp_path / "trace.jsonl"
+    with serve(small_model_on_llama_cpp) as srv:
+        rt = AgentRuntime(make_llm(srv), sum_tools(), action_mode="json",
+                          events=JsonlEventSink(trace))
+        result = rt.run(AgentRequest("What is 93 plus 51? Use the get_sum tool."))
+        sent = [r for r in srv.requests if r["body"]["response_format"]["type"] != "json_schema"]
+    assert result.finish_reason is FinishReason.FINAL, result.content
+    assert result.content == "The sum of 93 and 51 is 144."
+    assert [offered(r) for r in sent] == [["get_sum", "echo"], ["get_sum", "echo"], ["echo"]]
+    # the system message still lists every tool; only the schema leaves one out, for one step
+    assert "- get_sum:" in sent[2]["body"]["messages"][0]["content"]
+    assert [m.tool_calls[0].name for m in result.history if m.tool_calls] == ["get_sum"] * 2
+    assert replay(trace).ok   # the step's schema is in its digest; a replay hides it too
+
+
+def test_a_repeated_call_is_offered_again_after_another_action_and_guards_still_end_the_turn():
+    calls = [{"type": "tool_call", "name": "get_sum", "arguments": {"a": 1, "b": 2}}] * 2 + [
+        {"type": "tool_call", "name": "echo", "arguments": {"text": "x"}}] + [
+        {"type": "tool_call", "name": "get_sum", "arguments": {"a": 1, "b": 2}}]
+    with FakeOpenAI([json.dumps(c) for c in calls]) as srv:
+        rt = AgentRuntime(make_llm(srv), sum_tools(), action_mode="json")
+        result = rt.run(AgentRequest("add"))
+        schemas = [offered(r) for r in srv.requests]
+    assert schemas == [["get_sum", "echo"], ["get_sum", "echo"], ["echo"], ["get_sum", "echo"]]
+    assert result.guard_reason is GuardReason.LOOP_DETECTED   # a server that ignores the schema
+
+
+def test_native_mode_and_a_higher_loop_limit_keep_every_tool_offered():
+    call = tool_calls_reply([("get_sum", {"a": 1, "b": 2})])
+    with FakeOpenAI([call] * 2 + ["3"]) as srv:
+        rt = AgentRuntime(make_llm(srv), sum_tools(), action_mode="native")
+        assert rt.run(AgentRequest("add")).content == "3"
+        assert all(len(r["body"]["tools"]) == 2 for r in srv.requests)
+    same = json.dumps({"type": "tool_call", "name": "get_sum", "arguments": {"a": 1, "b": 2}})
+    with FakeOpenAI([same] * 3 + ['{"type": "final", "content": "3"}']) as srv:
+        rt = AgentRuntime(make_llm(srv), sum_tools(), action_mode="json",
+                          policy=TurnPolicy(max_repeated_batches=3))
+        assert rt.run(AgentRequest("add")).content == "3"
+        assert [len(offered(r)) for r in srv.requests] == [2, 2, 2, 1]
