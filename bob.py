@@ -430,7 +430,7 @@ class CancelToken:
     def __init__(self) -> None:
         self._event = threading.Event()
         self._lock = threading.Lock()
-        self._callbacks: list[Callable[[], None]] = []
+        self._callbacks = []   # functions of no argument, run once at cancel
 
     def cancel(self) -> None:
         """Set the flag and run the callbacks once; safe from any thread, idempotent."""
@@ -769,8 +769,8 @@ class LoopGuard:
         self.policy = policy
         self.deadline = deadline
         self.steps = self.tool_calls = self.consecutive_errors = 0
-        self._batches: dict[str, int] = {}
-        self._texts: dict[str, int] = {}
+        self._batches = {}   # a batch's _signature -> how often it was requested
+        self._texts = {}     # an assistant text's sha1 -> how often it was seen
 
     def out_of_time(self) -> Trip | None:
         """The turn deadline has passed."""
@@ -1037,7 +1037,7 @@ class CompositeToolPort:
                                       f"{type(port).__name__}; rename one or leave one out")
                 owner[t.name] = i
                 tools.append(t)
-        self._owner: dict[str, int] = owner
+        self._owner = owner
         return tools
 
     def call_tool(self, call: ToolCall, timeout_s: float,
@@ -1079,7 +1079,7 @@ class InMemorySessionStore:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._sessions: dict[str, SessionState] = {}
+        self._sessions = {}   # session id -> its SessionState
 
     def load(self, session_id: str) -> SessionState | None:
         """A copy of the stored state, or None."""
@@ -1389,10 +1389,11 @@ class JsonlEventSink:
                 self._file = None
 
 
-def request_digest(req: LlmRequest, cache: dict[int, tuple[Any, str]] | None = None) -> str:
+def request_digest(req: LlmRequest, cache: dict | None = None) -> str:
     """sha256 of the canonical JSON of {"messages" (masked), "response_format", "tools"};
-    `cache` keeps each message's part and the tools' (and the object, so its id stays its own:
-    give a cache only for requests whose list of tools does not change, as a turn's)."""
+    `cache` (a dict) keeps each message's part and each list of tools' by the object (held,
+    so its id stays its own): give a cache only to requests whose lists of tools are not
+    changed in place, as a turn's are not (a step that offers fewer tools gets a new list)."""
     cache = {} if cache is None else cache
     canonical = functools.partial(json.dumps, sort_keys=True, separators=(",", ":"), default=str)
     for obj in (req.tools, *req.messages):   # each encoded once while it lives
@@ -1522,8 +1523,10 @@ def _wait_all(workers, deadlines, wake, cancel):
             pending = [d for w, d in zip(workers, deadlines) if not w.done and d > now]
             if not pending:
                 break
+            # 50 ms at most at a time: the kernel may hand a Ctrl-C to any thread, and Python
+            # raises it here only when this thread runs again (else: at the tool's timeout)
             with contextlib.suppress(queue.Empty):
-                wake.get(timeout=min(pending) - now)
+                wake.get(timeout=min(min(pending) - now, 0.05))
     finally:
         for w in workers:
             w.give_up()
@@ -1546,14 +1549,14 @@ class State(str, enum.Enum):
     DONE = "done"
 
 
-TRANSITIONS: dict[State, frozenset[State]] = {
+TRANSITIONS: dict[State, tuple[State, ...]] = {
     # START goes to CALL_TOOL when it takes up a paused batch
-    State.START: frozenset({State.BUILD_PROMPT, State.CALL_TOOL, State.DONE}),
-    State.BUILD_PROMPT: frozenset({State.LLM_INFER}),
-    State.LLM_INFER: frozenset({State.PARSE_ACTION, State.DONE}),
-    State.PARSE_ACTION: frozenset({State.BUILD_PROMPT, State.CALL_TOOL, State.DONE}),
-    State.CALL_TOOL: frozenset({State.BUILD_PROMPT, State.DONE}),
-    State.DONE: frozenset(),
+    State.START: (State.BUILD_PROMPT, State.CALL_TOOL, State.DONE),
+    State.BUILD_PROMPT: (State.LLM_INFER,),
+    State.LLM_INFER: (State.PARSE_ACTION, State.DONE),
+    State.PARSE_ACTION: (State.BUILD_PROMPT, State.CALL_TOOL, State.DONE),
+    State.CALL_TOOL: (State.BUILD_PROMPT, State.DONE),
+    State.DONE: (),
 }
 
 
@@ -1609,7 +1612,7 @@ class _Turn:
     approvals: dict[str, Approval] = field(default_factory=dict)  # decisions, by call id
     resumed: bool = False                   # took up a paused batch (its guards already ran)
     pending: tuple[ToolCall, ...] = ()      # calls left waiting for a decision
-    parts: dict[int, tuple[Message, str]] = field(default_factory=dict)  # for request_digest
+    parts: dict = field(default_factory=dict)   # request_digest's cache
     started: bool = False                   # turn_started was emitted: the turn must end too
 
     # -- the states, in the order a turn visits them --
@@ -2673,8 +2676,7 @@ class OpenAICompatLlm:
         self._secrets = sorted(words.union(values) - {""}, key=len, reverse=True)
 
     def __repr__(self) -> str:
-        return (f"OpenAICompatLlm({self.provider + ':' + self.model!r}, "
-                f"base_url={self._shown.removesuffix('/chat/completions')!r})")
+        return f"OpenAICompatLlm({self.describe()!r})"
 
     def describe(self) -> str:
         """One line for humans, e.g. "openai:gpt-4o-mini at https://api.openai.com/v1"."""

@@ -426,6 +426,38 @@ def test_ctrl_c_during_a_turn_saves_the_users_message(tmp_path):
     assert_well_formed(r.history)
 
 
+CTRL_C_ON_A_WORKER = """
+import signal, sys, threading, time
+sys.path.insert(0, {repo!r})
+import bob
+sent = []
+def slow(x: int) -> str:
+    "Takes a Ctrl-C meant for the whole process, as the kernel may hand it to any thread."
+    sent.append(time.monotonic())
+    signal.pthread_kill(threading.get_ident(), signal.SIGINT)
+    threading.Event().wait(30)
+    return "late"
+call = bob.ToolCall("c1", "slow", {{"x": 1}})
+rt = bob.AgentRuntime(bob.ScriptedLlm([bob.LlmResponse("", (call,))]), bob.FunctionTools([slow]),
+                      action_mode="native", policy=bob.TurnPolicy(tool_timeout_ms=20_000))
+try:
+    rt.run(bob.AgentRequest("go"))
+except KeyboardInterrupt:
+    print(f"KeyboardInterrupt after {{time.monotonic() - sent[0]:.3f}} s")
+"""
+
+
+def test_a_ctrl_c_taken_by_a_worker_thread_still_stops_the_turn_at_once():
+    # The kernel hands a process's SIGINT to any thread that does not block it, and Python runs
+    # the handler on the main thread only when that thread next runs Python code: the loop,
+    # waiting out a 20 s tool call, saw such a Ctrl-C 20 s late (the test above met it now and
+    # then: the signal came as the loop began to wait)
+    child = subprocess.run([sys.executable, "-c", CTRL_C_ON_A_WORKER.format(repo=str(REPO))],
+                           capture_output=True, text=True, timeout=60)
+    assert child.stdout.startswith("KeyboardInterrupt after "), child.stderr
+    assert float(child.stdout.split()[2]) < 1.0, child.stdout   # 0.1 s, with room for load
+
+
 def test_a_jsonl_sink_on_a_fifo_nobody_reads_does_not_block_the_turn(tmp_path):
     fifo = tmp_path / "trace.fifo"
     os.mkfifo(fifo)
