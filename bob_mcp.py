@@ -372,12 +372,11 @@ class _Server:
 
     def _finish(self) -> None:
         """Say why the owner ended: to start() while starting, else in `dead` for the calls."""
-        error = self._error
         code = getattr(self._process, "returncode", None)
         ready = self.ready.done()                 # False: it never started
-        leaf = _leaf(error)                       # the real error (None if none)
+        leaf = _leaf(self._error)                 # the real error (None if none)
         if isinstance(leaf, mcp.MCPError) and leaf.error.code == mcp.types.CONNECTION_CLOSED:
-            error = None                  # it ended the connection; its exit code says more
+            leaf = None                   # it ended the connection; its exit code says more
             if code == -signal.SIGTERM:   # the SDK's stop, at EOF
                 code = None
         if not ready and self.closing:
@@ -389,7 +388,7 @@ class _Server:
                      f"{sorted(self.cfg.headers or {})}")
         elif self.status == 404:          # the SDK says "Session terminated" or "Not Found"
             cause = "HTTP 404: it does not know bob's session (it restarted?) or this URL"
-        elif error is None:   # not what bob did to it after an error: the SDK's error says why
+        elif leaf is None:   # not what bob did to it after an error: the SDK's error says why
             cause = "closed the connection" if code is None else f"exited (code {code})"
         else:
             hint = " (is it installed and on PATH?)" if isinstance(leaf, FileNotFoundError) else ""
@@ -419,17 +418,17 @@ class _Server:
     def _read_stderr(self, final: bool = False) -> None:
         """Log stderr lines (INFO), keep the last; when readable, and once more (final) at exit."""
         data = b""
-        eof = False
+        last = final                              # no more to read: at exit, or at EOF
         with contextlib.suppress(BlockingIOError):
             while chunk := os.read(self._stderr, 65536):
                 data += chunk
                 if not final:                     # one read per call, the loop calls again
                     break
             else:
-                eof = True                        # every holder of the write end closed it
+                last = True                       # every holder of the write end closed it
         lines = (self._partial + data).split(b"\n")
-        self._partial = b"" if eof or final else lines.pop()[-65536:]  # a line without end
-        if eof or final:
+        self._partial = b"" if last else lines.pop()[-65536:]  # a line without end
+        if last:
             asyncio.get_running_loop().remove_reader(self._stderr)
         for line in filter(None, lines):
             self.tail.append(self._show(line.decode("utf-8", "replace").rstrip()))
@@ -465,10 +464,16 @@ class _Server:
         except UnicodeEncodeError:   # the SDK's writer would fail on it and end the session
             return ("the arguments hold a lone surrogate (half a character, e.g. a cut emoji) "
                     "that cannot be sent; call again with valid text"), True
-        # Started (at once, usually); or a restart under way: another call met a 404.
-        await asyncio.wait({self.ready}, timeout=timeout_s)
-        if not self.ready.done():   # a new session (after a 404) still starting at the deadline
-            raise TimeoutError      # call_tool says the call timed out
+        # Started (at once, usually); or a restart under way: another call met a 404. The run
+        # this call waits for may have ended as it began, and another call's restart begun
+        # meanwhile: then it waits for the new run (it took the new run's state for the ended
+        # one's: a start not done, and said `timed out` in ~30 ms).
+        run = None
+        while run is not self.task:
+            run = self.task
+            # Not started at the deadline (a restart still under way): call_tool says timed out
+            if not (await asyncio.wait({self.ready}, timeout=deadline - time.monotonic()))[0]:
+                raise TimeoutError
         if self.session:   # else it is gone already
             try:
                 result = await self.session.call_tool(tool, arguments,
@@ -478,10 +483,10 @@ class _Server:
                 err = e.error
                 if err.code == mcp.types.REQUEST_TIMEOUT and err.message.startswith("Request "):
                     raise TimeoutError
-                if (err.code, err.message, err.data) != (mcp.types.CONNECTION_CLOSED,
-                                                         "Connection closed", None):
-                    if self.status != 404:   # 404: the session is gone (see below)
-                        return f"MCP error from server {self.cfg.id}: {err.message}", True
+                # Not the SDK's own "Connection closed", nor a 404 (the session is gone, below)
+                if self.status != 404 and (err.code, err.message, err.data) != (
+                        mcp.types.CONNECTION_CLOSED, "Connection closed", None):
+                    return f"MCP error from server {self.cfg.id}: {err.message}", True
             except (RuntimeError, ValueError) as e:   # it answered, but not with a valid result
                 return f"invalid result from server {self.cfg.id}: {e}", True
             except Exception as e:                    # the transport failed (e.g. HTTP refused)
@@ -491,7 +496,7 @@ class _Server:
         # begun the new session yet (calls in flight with it get "Connection closed"). Read
         # before the owner has ended: a restart resets it.
         lost = self.status == 404
-        await asyncio.wait({self.task}, timeout=_GRACE_S)
+        await asyncio.wait({run}, timeout=_GRACE_S)
         if lost and retry:
             if self.dead:                             # not restarted yet by another call
                 self.start()
@@ -683,8 +688,8 @@ class McpToolPort:
         """Exposed tool name -> id of the server providing it (for listings such as /tools)."""
         return {name: server.cfg.id for name, (server, _) in self._names.items()}
 
-    async def _stop_all(self, budget_s: float) -> None:
-        deadline = time.monotonic() + budget_s
+    async def _stop_all(self) -> None:
+        deadline = time.monotonic() + _CLOSE_S
         for server in reversed(self._servers):
             await server.stop(deadline - time.monotonic())
 
@@ -706,7 +711,7 @@ class McpToolPort:
         if self._loop is None:
             return
         try:
-            self._run(self._stop_all(_CLOSE_S), _CLOSE_S + 2.0)
+            self._run(self._stop_all(), _CLOSE_S + 2.0)
             concurrent.futures.wait([self._started], 1.0)  # let a startup finish
         except BaseException as e:  # the loop is stuck, or Ctrl-C: kill them from this thread
             log.warning("MCP servers did not stop in time (%r); killing them", e)

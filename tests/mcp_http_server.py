@@ -65,6 +65,9 @@ class _Handler(BaseHTTPRequestHandler):
 
 class _Http(ThreadingHTTPServer):
     daemon_threads = True
+    # socketserver's default listen backlog is 5: 20 calls at once overflowed it, and a
+    # connection the kernel gave up on failed the session (`ReadError`), as no real server would
+    request_queue_size = 128
     owner: McpHttpServer
 
 
