@@ -130,7 +130,8 @@ def _problem(c: McpServerConfig) -> str | None:
                 return (f"{key}.{name} holds a control or non-ASCII character (a stray CR "
                         "or LF?); fix the value")
     for key in ("tool_timeout_ms", "startup_timeout_ms"):
-        if type(getattr(c, key)) is not int or not 0 < getattr(c, key) <= _DAY_MS:  # no bool
+        value = getattr(c, key)
+        if type(value) is not int or not 0 < value <= _DAY_MS:  # no bool
             return f"{key} must be between 1 and {_DAY_MS} (a day)"
     if c.transport == "stdio":
         return None if c.command else 'transport "stdio" needs command = "..."'
@@ -457,7 +458,8 @@ class _Server:
         """(text, is_error) of one tool call, unmasked; a server that is gone is error text.
         A Streamable HTTP server that answers 404 has lost bob's session (it restarted): as
         the MCP spec says, a new session (initialize again), then the same call once more
-        (retry), all within timeout_s; a second 404 is the call's error result."""
+        (retry), all within timeout_s; a second 404 is the call's error result: the server's
+        JSON-RPC error if it sent one (then the new session stays), else `HTTP 404`."""
         deadline = time.monotonic() + timeout_s
         try:
             json.dumps(arguments, ensure_ascii=False).encode()
@@ -483,8 +485,12 @@ class _Server:
                 err = e.error
                 if err.code == mcp.types.REQUEST_TIMEOUT and err.message.startswith("Request "):
                     raise TimeoutError
-                # Not the SDK's own "Connection closed", nor a 404 (the session is gone, below)
-                if self.status != 404 and (err.code, err.message, err.data) != (
+                # The server's error, unless the session is gone: a 404 (below; but a second
+                # one, on the session just begun, is the server's own JSON-RPC error if it sent
+                # one: the SDK's stand-in for a body that is none says "Session terminated"), or
+                # the SDK's own "Connection closed" (the session ended under the call)
+                gone = self.status == 404 and (retry or err.message == "Session terminated")
+                if not gone and (err.code, err.message, err.data) != (
                         mcp.types.CONNECTION_CLOSED, "Connection closed", None):
                     return f"MCP error from server {self.cfg.id}: {err.message}", True
             except (RuntimeError, ValueError) as e:   # it answered, but not with a valid result
@@ -702,22 +708,19 @@ class McpToolPort:
             self._close_done.wait(_CLOSE_S + 5.0)
             return
         try:
-            self._stop()
+            if self._loop is None:   # never started: nothing runs
+                return
+            try:   # the servers, on the loop
+                self._run(self._stop_all(), _CLOSE_S + 2.0)
+                concurrent.futures.wait([self._started], 1.0)  # let a startup finish
+            except BaseException as e:  # the loop is stuck, or Ctrl-C: kill them from here
+                log.warning("MCP servers did not stop in time (%r); killing them", e)
+                for server in self._servers:
+                    _kill(server.pgid, server._family)
+                if not isinstance(e, Exception):
+                    raise
+            self._loop.call_soon_threadsafe(self._loop.stop)   # then the loop
+            self._thread.join(2.0)
         finally:
             self._close_done.set()
             atexit.unregister(self.close)   # only now: an exit meanwhile still waits for it
-
-    def _stop(self) -> None:
-        if self._loop is None:
-            return
-        try:
-            self._run(self._stop_all(), _CLOSE_S + 2.0)
-            concurrent.futures.wait([self._started], 1.0)  # let a startup finish
-        except BaseException as e:  # the loop is stuck, or Ctrl-C: kill them from this thread
-            log.warning("MCP servers did not stop in time (%r); killing them", e)
-            for server in self._servers:
-                _kill(server.pgid, server._family)
-            if not isinstance(e, Exception):
-                raise
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(2.0)
