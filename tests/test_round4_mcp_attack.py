@@ -10,8 +10,6 @@ import threading
 import time
 from pathlib import Path
 
-import pytest
-
 import bob
 import bob_mcp
 from bob import CancelToken, ToolCall
