@@ -130,7 +130,8 @@ def _problem(c: McpServerConfig) -> str | None:
                 return (f"{key}.{name} holds a control or non-ASCII character (a stray CR "
                         "or LF?); fix the value")
     for key in ("tool_timeout_ms", "startup_timeout_ms"):
-        if type(getattr(c, key)) is not int or not 0 < getattr(c, key) <= _DAY_MS:  # no bool
+        value = getattr(c, key)
+        if type(value) is not int or not 0 < value <= _DAY_MS:  # no bool
             return f"{key} must be between 1 and {_DAY_MS} (a day)"
     if c.transport == "stdio":
         return None if c.command else 'transport "stdio" needs command = "..."'
@@ -372,12 +373,11 @@ class _Server:
 
     def _finish(self) -> None:
         """Say why the owner ended: to start() while starting, else in `dead` for the calls."""
-        error = self._error
         code = getattr(self._process, "returncode", None)
         ready = self.ready.done()                 # False: it never started
-        leaf = _leaf(error)                       # the real error (None if none)
+        leaf = _leaf(self._error)                 # the real error (None if none)
         if isinstance(leaf, mcp.MCPError) and leaf.error.code == mcp.types.CONNECTION_CLOSED:
-            error = None                  # it ended the connection; its exit code says more
+            leaf = None                   # it ended the connection; its exit code says more
             if code == -signal.SIGTERM:   # the SDK's stop, at EOF
                 code = None
         if not ready and self.closing:
@@ -389,7 +389,7 @@ class _Server:
                      f"{sorted(self.cfg.headers or {})}")
         elif self.status == 404:          # the SDK says "Session terminated" or "Not Found"
             cause = "HTTP 404: it does not know bob's session (it restarted?) or this URL"
-        elif error is None:   # not what bob did to it after an error: the SDK's error says why
+        elif leaf is None:   # not what bob did to it after an error: the SDK's error says why
             cause = "closed the connection" if code is None else f"exited (code {code})"
         else:
             hint = " (is it installed and on PATH?)" if isinstance(leaf, FileNotFoundError) else ""
@@ -419,17 +419,17 @@ class _Server:
     def _read_stderr(self, final: bool = False) -> None:
         """Log stderr lines (INFO), keep the last; when readable, and once more (final) at exit."""
         data = b""
-        eof = False
+        last = final                              # no more to read: at exit, or at EOF
         with contextlib.suppress(BlockingIOError):
             while chunk := os.read(self._stderr, 65536):
                 data += chunk
                 if not final:                     # one read per call, the loop calls again
                     break
             else:
-                eof = True                        # every holder of the write end closed it
+                last = True                       # every holder of the write end closed it
         lines = (self._partial + data).split(b"\n")
-        self._partial = b"" if eof or final else lines.pop()[-65536:]  # a line without end
-        if eof or final:
+        self._partial = b"" if last else lines.pop()[-65536:]  # a line without end
+        if last:
             asyncio.get_running_loop().remove_reader(self._stderr)
         for line in filter(None, lines):
             self.tail.append(self._show(line.decode("utf-8", "replace").rstrip()))
@@ -458,17 +458,24 @@ class _Server:
         """(text, is_error) of one tool call, unmasked; a server that is gone is error text.
         A Streamable HTTP server that answers 404 has lost bob's session (it restarted): as
         the MCP spec says, a new session (initialize again), then the same call once more
-        (retry), all within timeout_s; a second 404 is the call's error result."""
+        (retry), all within timeout_s; a second 404 is the call's error result: the server's
+        JSON-RPC error if it sent one (then the new session stays), else `HTTP 404`."""
         deadline = time.monotonic() + timeout_s
         try:
             json.dumps(arguments, ensure_ascii=False).encode()
         except UnicodeEncodeError:   # the SDK's writer would fail on it and end the session
             return ("the arguments hold a lone surrogate (half a character, e.g. a cut emoji) "
                     "that cannot be sent; call again with valid text"), True
-        # Started (at once, usually); or a restart under way: another call met a 404.
-        await asyncio.wait({self.ready}, timeout=timeout_s)
-        if not self.ready.done():   # a new session (after a 404) still starting at the deadline
-            raise TimeoutError      # call_tool says the call timed out
+        # Started (at once, usually); or a restart under way: another call met a 404. The run
+        # this call waits for may have ended as it began, and another call's restart begun
+        # meanwhile: then it waits for the new run (it took the new run's state for the ended
+        # one's: a start not done, and said `timed out` in ~30 ms).
+        run = None
+        while run is not self.task:
+            run = self.task
+            # Not started at the deadline (a restart still under way): call_tool says timed out
+            if not (await asyncio.wait({self.ready}, timeout=deadline - time.monotonic()))[0]:
+                raise TimeoutError
         if self.session:   # else it is gone already
             try:
                 result = await self.session.call_tool(tool, arguments,
@@ -478,10 +485,14 @@ class _Server:
                 err = e.error
                 if err.code == mcp.types.REQUEST_TIMEOUT and err.message.startswith("Request "):
                     raise TimeoutError
-                if (err.code, err.message, err.data) != (mcp.types.CONNECTION_CLOSED,
-                                                         "Connection closed", None):
-                    if self.status != 404:   # 404: the session is gone (see below)
-                        return f"MCP error from server {self.cfg.id}: {err.message}", True
+                # The server's error, unless the session is gone: a 404 (below; but a second
+                # one, on the session just begun, is the server's own JSON-RPC error if it sent
+                # one: the SDK's stand-in for a body that is none says "Session terminated"), or
+                # the SDK's own "Connection closed" (the session ended under the call)
+                gone = self.status == 404 and (retry or err.message == "Session terminated")
+                if not gone and (err.code, err.message, err.data) != (
+                        mcp.types.CONNECTION_CLOSED, "Connection closed", None):
+                    return f"MCP error from server {self.cfg.id}: {err.message}", True
             except (RuntimeError, ValueError) as e:   # it answered, but not with a valid result
                 return f"invalid result from server {self.cfg.id}: {e}", True
             except Exception as e:                    # the transport failed (e.g. HTTP refused)
@@ -491,7 +502,7 @@ class _Server:
         # begun the new session yet (calls in flight with it get "Connection closed"). Read
         # before the owner has ended: a restart resets it.
         lost = self.status == 404
-        await asyncio.wait({self.task}, timeout=_GRACE_S)
+        await asyncio.wait({run}, timeout=_GRACE_S)
         if lost and retry:
             if self.dead:                             # not restarted yet by another call
                 self.start()
@@ -683,8 +694,8 @@ class McpToolPort:
         """Exposed tool name -> id of the server providing it (for listings such as /tools)."""
         return {name: server.cfg.id for name, (server, _) in self._names.items()}
 
-    async def _stop_all(self, budget_s: float) -> None:
-        deadline = time.monotonic() + budget_s
+    async def _stop_all(self) -> None:
+        deadline = time.monotonic() + _CLOSE_S
         for server in reversed(self._servers):
             await server.stop(deadline - time.monotonic())
 
@@ -697,22 +708,19 @@ class McpToolPort:
             self._close_done.wait(_CLOSE_S + 5.0)
             return
         try:
-            self._stop()
+            if self._loop is None:   # never started: nothing runs
+                return
+            try:   # the servers, on the loop
+                self._run(self._stop_all(), _CLOSE_S + 2.0)
+                concurrent.futures.wait([self._started], 1.0)  # let a startup finish
+            except BaseException as e:  # the loop is stuck, or Ctrl-C: kill them from here
+                log.warning("MCP servers did not stop in time (%r); killing them", e)
+                for server in self._servers:
+                    _kill(server.pgid, server._family)
+                if not isinstance(e, Exception):
+                    raise
+            self._loop.call_soon_threadsafe(self._loop.stop)   # then the loop
+            self._thread.join(2.0)
         finally:
             self._close_done.set()
             atexit.unregister(self.close)   # only now: an exit meanwhile still waits for it
-
-    def _stop(self) -> None:
-        if self._loop is None:
-            return
-        try:
-            self._run(self._stop_all(_CLOSE_S), _CLOSE_S + 2.0)
-            concurrent.futures.wait([self._started], 1.0)  # let a startup finish
-        except BaseException as e:  # the loop is stuck, or Ctrl-C: kill them from this thread
-            log.warning("MCP servers did not stop in time (%r); killing them", e)
-            for server in self._servers:
-                _kill(server.pgid, server._family)
-            if not isinstance(e, Exception):
-                raise
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(2.0)

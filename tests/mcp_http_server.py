@@ -5,8 +5,9 @@
         srv.restart()                      # forget every session: old ids get 404, as after
                                            # a real restart
 Answers JSON (no SSE): initialize (a new Mcp-Session-Id), tools/list (`echo`), tools/call
-(`echo` returns its `text`); notifications get 202, GET and DELETE 405. `initializes` counts
-the sessions started; `requests` the requests seen.
+(`echo` returns its `text`); notifications get 202, GET and DELETE 405; an unknown session
+404 with `not_found` as the body. `initializes` counts the sessions started; `requests` the
+requests seen.
 """
 from __future__ import annotations
 
@@ -41,7 +42,7 @@ class _Handler(BaseHTTPRequestHandler):
             result = {"protocolVersion": body["params"]["protocolVersion"],
                       "capabilities": {"tools": {}}, "serverInfo": {"name": "http", "version": "1"}}
         elif session not in owner.sessions:
-            return self._send(404, b'{"error": "unknown session"}')
+            return self._send(404, owner.not_found)
         elif "id" not in body:
             return self._send(202, b"")
         elif body["method"] == "tools/list":
@@ -65,6 +66,9 @@ class _Handler(BaseHTTPRequestHandler):
 
 class _Http(ThreadingHTTPServer):
     daemon_threads = True
+    # socketserver's default listen backlog is 5: 20 calls at once overflowed it, and a
+    # connection the kernel gave up on failed the session (`ReadError`), as no real server would
+    request_queue_size = 128
     owner: McpHttpServer
 
 
@@ -74,6 +78,7 @@ class McpHttpServer:
     def __init__(self) -> None:
         self.status = 0
         self.sessions: set[str] = set()
+        self.not_found = b'{"error": "unknown session"}'   # the body of a 404 (not JSON-RPC)
         self.initializes = 0
         self.requests: list[tuple[str | None, dict[str, str]]] = []
         self._http = _Http(("127.0.0.1", 0), _Handler)

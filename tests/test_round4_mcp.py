@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import json
 import logging
 import socket
 import subprocess
@@ -129,6 +130,23 @@ def test_a_second_404_is_an_error_result_naming_the_cause_and_one_retry_only():
         assert r.is_error and "HTTP 404" in r.content and "session" in r.content, r
         assert srv.initializes == 2, srv.initializes   # the first session, one new one
         assert [m for m, _ in srv.requests].count("tools/call") == 2
+
+
+def test_a_second_404_carrying_a_json_rpc_error_is_the_servers_error():
+    """A 404 whose body is a JSON-RPC error (the SDK's client says a server may answer "method
+    not found" so; the SDK's own server so answers a session it does not know) is taken for a lost
+    session: a new session, the call once more. A second one, on the session just begun, is the
+    server's error: its own message, not `executor unavailable: ... HTTP 404`."""
+    with McpHttpServer() as srv, McpToolPort([http(srv.url)]) as port:
+        srv.sessions = _ForgetOnCall(srv.requests)
+        srv.not_found = json.dumps({"jsonrpc": "2.0", "id": None, "error": {
+            "code": -32601, "message": "tools/call is not offered here"}}).encode()
+        for _ in range(2):   # the second: the same, on the session the first one left
+            r = call(port, "w__echo", text="b")
+            assert (r.is_error, r.content) == (
+                True, "MCP error from server w: tools/call is not offered here"), r
+        assert srv.initializes == 3, srv.initializes   # the first session, one new one per call
+        assert [m for m, _ in srv.requests].count("tools/call") == 4
 
 
 class _GoesDown(set):
