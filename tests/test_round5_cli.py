@@ -135,6 +135,36 @@ def test_a_redirected_repl_whose_file_is_full_says_so_once_a_turn(tmp_path, srv)
     assert b"ANSWER" in said   # shown rather than lost
 
 
+def test_a_redirected_repls_commands_show_on_the_terminal_not_in_the_file(tmp_path, srv):
+    # What the /commands print went to stdout: with it redirected, /help, /history, /model's
+    # and /save's notes ended up in the file among the answers, and the terminal showed none.
+    srv.push(final("ANSWER"))
+    write_config(tmp_path, srv)
+    term = redirected(tmp_path)
+    commands = {   # each /command -> what it shows on the terminal
+        "/help": "/tools         the tools the model may call", "/history": "user: hi",
+        "/usage": "completion = ", "/tools": "no tools (MCP servers",
+        "/sessions": "turns   1  hi", "/model openai:other": "model: openai:other",
+        "/save t.md": "saved 2 messages to t.md", "/save": "/save needs an argument",
+        "/nope": "unknown command '/nope'", "/resume gone": "no session gone in",
+        "/reset": "new session cli-"}
+    try:
+        term.expect(b"bob> ", timeout=10)
+        term.send(b"hi\r")
+        term.expect(b"LLM calls", timeout=10)
+        term.expect(b"bob> ")
+        for line, shown in commands.items():
+            term.send(line.encode() + b"\r")
+            seen = term.expect(b"bob> ", timeout=10).decode()
+            assert shown in seen, (line, seen)
+        term.send(b"\x04")
+        assert term.proc.wait(10) == 0
+    finally:
+        term.close()
+    assert (tmp_path / "out.txt").read_bytes() == b"ANSWER\n"   # the answers, and only them
+    assert (tmp_path / "t.md").read_text().startswith("# bob session cli-")
+
+
 def event_lines(raw: bytes) -> list[str]:
     """The -v event lines drawn (`  [step] kind  data`), escape sequences left out."""
     text = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", raw.decode("utf-8", "replace"))
