@@ -1,9 +1,9 @@
 """The CLI's known gaps closed in the fifth round: the REPL with stdout redirected (`bob >
 answers.txt`) keeps line editing and history recall (at the approval prompt too), its answers
-go to the file and nothing typed does, its one-line displays fit the terminal as it is resized,
-and a reader that left (`bob | head -1`) ends it with 141; `/resume` of a session whose
-remembered flag fails says so as a remembered flag. Every run is a real subprocess on a pty
-against fake_openai, HOME and XDG_* in a temp dir."""
+go to the file and nothing typed does (nor what its /commands print), its one-line displays
+fit the terminal as it is resized, and a reader that left (`bob | head -1`) ends it with 141;
+`/resume` of a session whose remembered flag fails says so as a remembered flag. Every run is a
+real subprocess on a pty against fake_openai, HOME and XDG_* in a temp dir."""
 from __future__ import annotations
 
 import contextlib
