@@ -201,13 +201,14 @@ def load_config(path: str | os.PathLike[str], environ: dict[str, str] | None = N
     doc = _checked(_read_toml(path), "the top level", where, _SCHEMA["top level"])
     t = {name: _checked(doc.get(name, {}), f"[{name}]", where, _SCHEMA[name])
          for name in _SCHEMA["top level"]}
+    llm = t["llm"]
     for key, (low, high) in _RANGES.items():
-        if key in t["llm"] and not low <= t["llm"][key] <= high:
+        if key in llm and not low <= llm[key] <= high:
             raise bob.ConfigError(f"{where}: [llm] {key} must be between {low} and {high}")
-    if "base_url" in t["llm"]:
-        _check_url(t["llm"]["base_url"], f"{where}: [llm] base_url")
-    if "headers" in t["llm"]:   # a key for a header: api-key = "${AZURE_OPENAI_API_KEY}"
-        t["llm"]["headers"] = _expand(t["llm"]["headers"], f"{where}: [llm] headers", env)
+    if "base_url" in llm:
+        _check_url(llm["base_url"], f"{where}: [llm] base_url")
+    if "headers" in llm:   # a key for a header: api-key = "${AZURE_OPENAI_API_KEY}"
+        llm["headers"] = _expand(llm["headers"], f"{where}: [llm] headers", env)
     servers = tuple(_mcp_server(s, n, where, path.parent, env)
                     for n, s in enumerate(t["mcp"].get("servers", []), 1))
     rt = t["runtime"]
@@ -219,7 +220,7 @@ def load_config(path: str | os.PathLike[str], environ: dict[str, str] | None = N
     except bob.ConfigError as e:
         raise bob.ConfigError(f"{where}: [runtime] {e}") from None
     return Config(path, **{k: v for k, v in rt.items() if k not in _POLICY_KEYS}, policy=policy,
-                  llm=t["llm"], **{k: tuple(v) for k, v in t["policy"].items()},  # deny_, ask_tools
+                  llm=llm, **{k: tuple(v) for k, v in t["policy"].items()},  # deny_, ask_tools
                   mcp_servers=servers,
                   store_path=None if store is None else _path(store, f"{where}: [store] path",
                                                             path.parent))
@@ -686,7 +687,10 @@ class Shell:
             worker.start()
             while worker.is_alive():
                 worker.join(0.1)
-                self._answer()
+                with contextlib.suppress(queue.Empty):   # a call waits for the person's approval:
+                    call, answer = self.approvals.asks.get_nowait()   # ask them now
+                    self.view.draw("\r\x1b[K")   # the prompt goes where the status line was
+                    answer.put(self.approvals.ask(call))
                 self.view.tick()
         except SystemExit:   # SIGTERM or SIGHUP (see main): the turn is cancelled and saved first
             cancel.cancel()
@@ -698,12 +702,6 @@ class Shell:
         if isinstance(result := outcome.get(), BaseException):
             raise result
         return result
-
-    def _answer(self):   # ask the person about a call waiting for approval, if one is
-        with contextlib.suppress(queue.Empty):
-            call, answer = self.approvals.asks.get_nowait()
-            self.view.draw("\r\x1b[K")   # the prompt goes where the status line was
-            answer.put(self.approvals.ask(call))
 
     def command(self, line: str) -> bool:
         """Run a /command; returns False when the user wants to quit."""
@@ -863,19 +861,21 @@ def _run_repl(shell, banner):
             readline.parse_and_bind("set enable-bracketed-paste on")
         atexit.register(_save_history, readline, path)
     _note(banner)
-    prompt = "bob> "
+    asked = False   # the last turn ended on a question to the user
     while True:
         try:
-            line = _read_message(prompt)
+            line = _read_message("your answer to bob's question> " if asked else "bob> ")
             if line in ("help", "exit", "quit"):   # a newcomer's words, not a message
                 line = f"/{line}"
             if line.startswith("/"):
-                if not shell.command(line):
-                    return 0
-                prompt = "bob> "   # after /reset or /resume no question waits
+                # what a /command prints is for the person, never an answer: with stdout
+                # redirected (`bob > answers.txt`) it goes to the terminal, with the notes
+                with contextlib.redirect_stdout(sys.stdout if sys.stdout.isatty() else sys.stderr):
+                    if not shell.command(line):
+                        return 0
+                asked = False   # after /reset or /resume no question waits
             elif line:
                 asked = shell.turn(line).finish_reason is bob.FinishReason.ASK_USER
-                prompt = "your answer to bob's question> " if asked else "bob> "
         except (KeyboardInterrupt, EOFError) as e:   # Ctrl-C drops the line, Ctrl-D quits
             print(file=sys.stderr)
             if isinstance(e, EOFError):

@@ -1,9 +1,9 @@
 """The CLI's known gaps closed in the fifth round: the REPL with stdout redirected (`bob >
 answers.txt`) keeps line editing and history recall (at the approval prompt too), its answers
-go to the file and nothing typed does, its one-line displays fit the terminal as it is resized,
-and a reader that left (`bob | head -1`) ends it with 141; `/resume` of a session whose
-remembered flag fails says so as a remembered flag. Every run is a real subprocess on a pty
-against fake_openai, HOME and XDG_* in a temp dir."""
+go to the file and nothing typed does (nor what its /commands print), its one-line displays
+fit the terminal as it is resized, and a reader that left (`bob | head -1`) ends it with 141;
+`/resume` of a session whose remembered flag fails says so as a remembered flag. Every run is a
+real subprocess on a pty against fake_openai, HOME and XDG_* in a temp dir."""
 from __future__ import annotations
 
 import contextlib
@@ -133,6 +133,36 @@ def test_a_redirected_repl_whose_file_is_full_says_so_once_a_turn(tmp_path, srv)
         term.close()
     assert said.count(b"No space left on device") == 1, said
     assert b"ANSWER" in said   # shown rather than lost
+
+
+def test_a_redirected_repls_commands_show_on_the_terminal_not_in_the_file(tmp_path, srv):
+    # What the /commands print went to stdout: with it redirected, /help, /history, /model's
+    # and /save's notes ended up in the file among the answers, and the terminal showed none.
+    srv.push(final("ANSWER"))
+    write_config(tmp_path, srv)
+    term = redirected(tmp_path)
+    commands = {   # each /command -> what it shows on the terminal
+        "/help": "/tools         the tools the model may call", "/history": "user: hi",
+        "/usage": "completion = ", "/tools": "no tools (MCP servers",
+        "/sessions": "turns   1  hi", "/model openai:other": "model: openai:other",
+        "/save t.md": "saved 2 messages to t.md", "/save": "/save needs an argument",
+        "/nope": "unknown command '/nope'", "/resume gone": "no session gone in",
+        "/reset": "new session cli-"}
+    try:
+        term.expect(b"bob> ", timeout=10)
+        term.send(b"hi\r")
+        term.expect(b"LLM calls", timeout=10)
+        term.expect(b"bob> ")
+        for line, shown in commands.items():
+            term.send(line.encode() + b"\r")
+            seen = term.expect(b"bob> ", timeout=10).decode()
+            assert shown in seen, (line, seen)
+        term.send(b"\x04")
+        assert term.proc.wait(10) == 0
+    finally:
+        term.close()
+    assert (tmp_path / "out.txt").read_bytes() == b"ANSWER\n"   # the answers, and only them
+    assert (tmp_path / "t.md").read_text().startswith("# bob session cli-")
 
 
 def event_lines(raw: bytes) -> list[str]:
