@@ -7,10 +7,13 @@ Modes: `null-result` / `array-result` (tools/call answered with "result": null /
 `no-schema` (a tool without inputSchema), `twice` (the same tool listed twice), `clash` (tools
 `a.b` and `a_b`), `prefixed` (a tool `x__echo`), `bad-level` (notifications/message with an invalid level quoting API_KEY,
 200 times, on every call), `described` (a description and a schema default quoting API_KEY),
-`setsid-crash` (a setsid grandchild at start, tool `crash` exits at once), `noisy` (stderr
+`setsid-crash` (a setsid grandchild at start, tool `crash` exits at once), `child` (a grandchild
+at start that holds only stderr, like `npx` spawning node), `noisy` (stderr
 lines with terminal controls, 100,000 characters long, then `crash` exits), `die-soon` (exits
 0.5 s after its first tools/list).
 Tool `echo` returns its `text` argument; `env` the value of the environment variable `name`.
+The grandchildren's command lines carry $MARKER; other arguments are ignored (tests pass one to
+find the server in /proc).
 """
 import json
 import os
@@ -92,6 +95,10 @@ def main() -> None:
                           os.environ.get("MARKER", "bob-raw")], start_new_session=True,
                          stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                          stderr=subprocess.DEVNULL)
+    if "child" in MODES:
+        subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)",
+                          os.environ.get("MARKER", "bob-raw")],
+                         stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
     for line in sys.stdin:
         msg = json.loads(line)
         if "id" in msg and "method" in msg:

@@ -27,6 +27,7 @@ from bob import ConfigError, ToolCall
 from bob_mcp import McpError, McpServerConfig, McpToolPort, exposed_name
 
 SERVER = str(Path(__file__).with_name("mcp_server.py"))
+RAW = str(Path(__file__).with_name("mcp_raw_server.py"))   # for a test where any server will do
 MARKER = f"bob-mcp-test-{uuid.uuid4().hex[:8]}"
 LONG = "t" * 70                                  # a tool name too long to expose as is
 ROOTS = (str(Path(__file__).parent), str(Path(__file__).parent.parent))  # b's roots
@@ -319,14 +320,16 @@ def test_lifecycle_optional_skip_death_restart_and_clean_close(caplog, capfd):
 
 
 def test_servers_die_with_bob_after_ctrl_c():
+    # The hand-written server, with a grandchild (this bob process imports the SDK: a second of
+    # CPU; tests/mcp_server.py would be another).
     marker = MARKER + "-exit"
     script = textwrap.dedent(f"""
         import signal, sys, time
         signal.signal(signal.SIGINT, signal.default_int_handler)   # even if started ignoring it
         sys.path.insert(0, {str(Path(__file__).parents[1])!r})
         from bob_mcp import McpServerConfig, McpToolPort
-        cfg = McpServerConfig("s", command=sys.executable,
-                              args=({SERVER!r}, "--child", "--marker", {marker!r}))
+        cfg = McpServerConfig("s", command=sys.executable, env={{"MARKER": {marker!r}}},
+                              args=({RAW!r}, "child", {marker!r}))
         McpToolPort([cfg]).start()
         print("ready", flush=True)
         time.sleep(30)
