@@ -4,7 +4,7 @@
     python tests/mcp_hostile_server.py --bad-utf8     # invalid UTF-8 on stdout at startup
     python tests/mcp_hostile_server.py --setsid M     # a grandchild in a new session, argv M
     python tests/mcp_hostile_server.py --record F     # `slow` writes when it is cancelled to F
-    python tests/mcp_hostile_server.py --close-stdout # close stdout at startup and live on
+    python tests/mcp_hostile_server.py --close-stdout # close stdout at startup, live on
 
 Tools: `noise` (a garbage line with the secret and invalid UTF-8 on stdout), `echo_env`
 (an env variable, in a JSON-escaped error too), `slow` (sleeps; on notifications/cancelled it
@@ -12,6 +12,7 @@ writes time.monotonic() to the --record file: CLOCK_MONOTONIC is one clock for a
 """
 import argparse
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -42,6 +43,8 @@ def main() -> None:
     if args.close_stdout:
         os.close(1)
         os.close(WIRE)
+        sys.stdin.buffer.read()   # lives on until the client closes stdin, then ends as the
+        os.kill(os.getpid(), signal.SIGTERM)   # SDK's SIGTERM would end it, 2 s later
         time.sleep(60)
     if args.setsid:
         subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", args.setsid],
