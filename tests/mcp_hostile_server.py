@@ -1,6 +1,5 @@
 """A misbehaving MCP stdio server for bob's tests: what real servers do that they should not.
 
-    python tests/mcp_hostile_server.py --banner       # non-JSON lines on stdout (with its secret)
     python tests/mcp_hostile_server.py --bad-utf8     # invalid UTF-8 on stdout at startup
     python tests/mcp_hostile_server.py --setsid M     # a grandchild in a new session, argv M
     python tests/mcp_hostile_server.py --record F     # `slow` writes when it is cancelled to F
@@ -29,15 +28,12 @@ def _stdout(data: bytes) -> None:
 def main() -> None:
     warnings.simplefilter("ignore")
     p = argparse.ArgumentParser()
-    p.add_argument("--banner", action="store_true")
     p.add_argument("--bad-utf8", action="store_true")
     p.add_argument("--setsid", default="")
     p.add_argument("--record", default="")
     p.add_argument("--close-stdout", action="store_true", help="close stdout, then live on")
     args = p.parse_args()
     secret = os.environ.get("API_KEY", "")
-    if args.banner:
-        _stdout(f"hostile server v1 starting, key={secret}\n== ready ==\n".encode())
     if args.bad_utf8:
         _stdout(b"\xff\xfe\xc3 not utf-8\n")
     if args.close_stdout:

@@ -1,7 +1,7 @@
 """bob_mcp against a misbehaving MCP server (tests/mcp_hostile_server.py), each promise of
 issue 11 through a real server process: garbage and bad bytes on stdout, secrets, cancel,
-setsid grandchildren (the hand-written tests/mcp_raw_server.py: it starts in milliseconds);
-roots: tests/test_mcp.py."""
+setsid grandchildren; garbage lines at startup and the setsid grandchild through the
+hand-written tests/mcp_raw_server.py (it starts in milliseconds); roots: tests/test_mcp.py."""
 from __future__ import annotations
 
 import subprocess
@@ -21,7 +21,7 @@ import bob_mcp
 from bob_mcp import McpServerConfig, McpToolPort
 
 HOSTILE = str(Path(__file__).with_name("mcp_hostile_server.py"))
-RAW = str(Path(__file__).with_name("mcp_raw_server.py"))   # its setsid-crash mode too
+RAW = str(Path(__file__).with_name("mcp_raw_server.py"))   # banner, setsid-crash modes
 SECRET = "k3y"   # short: masked because of its key's name, not its length
 
 
@@ -36,7 +36,8 @@ def call(port: McpToolPort, tool: str, timeout_s: float = 10.0, **arguments) -> 
 
 
 def bob_command(flags: list[str], level: str, tool: str = "noise") -> list[str]:
-    """A real bob process: the hostile server started, one tool called, logging at `level`."""
+    """A real bob process: the hand-written server started in these modes (it starts in ms; bob
+    imports the MCP SDK, a second of CPU), one tool called twice, logging at `level`."""
     script = textwrap.dedent(f"""
         import logging, sys
         sys.path.insert(0, {str(Path(__file__).parent.parent)!r})
@@ -44,7 +45,7 @@ def bob_command(flags: list[str], level: str, tool: str = "noise") -> list[str]:
             logging.basicConfig(level={level!r}, stream=sys.stderr)
         from bob import ToolCall
         from bob_mcp import McpServerConfig, McpToolPort
-        cfg = McpServerConfig("h", command=sys.executable, args=({HOSTILE!r}, *{flags!r}),
+        cfg = McpServerConfig("h", command=sys.executable, args=({RAW!r}, *{flags!r}),
                               env={{"API_KEY": {SECRET!r}}})
         with McpToolPort([cfg]) as port:
             for _ in range(2):
@@ -57,7 +58,7 @@ def bob_command(flags: list[str], level: str, tool: str = "noise") -> list[str]:
 @pytest.fixture(scope="module")
 def bobs():
     """The bob processes of the tests below, one per logging level, started together."""
-    with Together({level: bob_command(["--banner"], level) for level in ("NONE", "INFO")}) as t:
+    with Together({level: bob_command(["banner"], level) for level in ("NONE", "INFO")}) as t:
         yield t
 
 
