@@ -1,10 +1,9 @@
 """A misbehaving MCP stdio server for bob's tests: what real servers do that they should not.
 
-    python tests/mcp_hostile_server.py --banner       # non-JSON lines on stdout (with its secret)
     python tests/mcp_hostile_server.py --bad-utf8     # invalid UTF-8 on stdout at startup
     python tests/mcp_hostile_server.py --setsid M     # a grandchild in a new session, argv M
     python tests/mcp_hostile_server.py --record F     # `slow` writes when it is cancelled to F
-    python tests/mcp_hostile_server.py --close-stdout # close stdout at startup and live on
+    python tests/mcp_hostile_server.py --close-stdout # close stdout at startup, live on
 
 Tools: `noise` (a garbage line with the secret and invalid UTF-8 on stdout), `echo_env`
 (an env variable, in a JSON-escaped error too), `slow` (sleeps; on notifications/cancelled it
@@ -12,6 +11,7 @@ writes time.monotonic() to the --record file: CLOCK_MONOTONIC is one clock for a
 """
 import argparse
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -28,20 +28,19 @@ def _stdout(data: bytes) -> None:
 def main() -> None:
     warnings.simplefilter("ignore")
     p = argparse.ArgumentParser()
-    p.add_argument("--banner", action="store_true")
     p.add_argument("--bad-utf8", action="store_true")
     p.add_argument("--setsid", default="")
     p.add_argument("--record", default="")
     p.add_argument("--close-stdout", action="store_true", help="close stdout, then live on")
     args = p.parse_args()
     secret = os.environ.get("API_KEY", "")
-    if args.banner:
-        _stdout(f"hostile server v1 starting, key={secret}\n== ready ==\n".encode())
     if args.bad_utf8:
         _stdout(b"\xff\xfe\xc3 not utf-8\n")
     if args.close_stdout:
         os.close(1)
         os.close(WIRE)
+        sys.stdin.buffer.read()   # lives on until the client closes stdin, then ends as the
+        os.kill(os.getpid(), signal.SIGTERM)   # SDK's SIGTERM would end it, 2 s later
         time.sleep(60)
     if args.setsid:
         subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", args.setsid],

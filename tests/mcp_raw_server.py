@@ -7,10 +7,14 @@ Modes: `null-result` / `array-result` (tools/call answered with "result": null /
 `no-schema` (a tool without inputSchema), `twice` (the same tool listed twice), `clash` (tools
 `a.b` and `a_b`), `prefixed` (a tool `x__echo`), `bad-level` (notifications/message with an invalid level quoting API_KEY,
 200 times, on every call), `described` (a description and a schema default quoting API_KEY),
-`setsid-crash` (a setsid grandchild at start, tool `crash` exits at once), `noisy` (stderr
+`setsid-crash` (a setsid grandchild at start, tool `crash` exits at once), `child` (a grandchild
+at start that holds only stderr, like `npx` spawning node), `banner` (non-JSON lines quoting
+API_KEY on stdout at start, and a tool `noise` that writes one and invalid UTF-8), `noisy` (stderr
 lines with terminal controls, 100,000 characters long, then `crash` exits), `die-soon` (exits
 0.5 s after its first tools/list).
 Tool `echo` returns its `text` argument; `env` the value of the environment variable `name`.
+The grandchildren's command lines carry $MARKER; other arguments are ignored (tests pass one to
+find the server in /proc).
 """
 import json
 import os
@@ -27,6 +31,12 @@ def send(message: dict) -> None:
     sys.stdout.flush()
 
 
+def garbage(data: bytes) -> None:
+    """Bytes on stdout between messages, as a server's stray prints."""
+    sys.stdout.buffer.write(data)
+    sys.stdout.buffer.flush()
+
+
 def tools() -> list[dict]:
     schema = {"type": "object", "properties": {"text": {"type": "string"}}}
     named = {"type": "object", "properties": {"name": {"type": "string"}}}
@@ -39,6 +49,8 @@ def tools() -> list[dict]:
         listed.append(listed[0])
     if "clash" in MODES:
         listed += [{"name": n, "inputSchema": {"type": "object"}} for n in ("a.b", "a_b")]
+    if "banner" in MODES:
+        listed.append({"name": "noise", "inputSchema": {"type": "object"}})
     if "prefixed" in MODES:
         listed.append({"name": "x__echo", "inputSchema": {"type": "object"}})
     if "described" in MODES:
@@ -76,6 +88,9 @@ def answer(msg: dict) -> dict | None:
         if "array-result" in MODES:
             return ["not", "an", "object"]
         arguments = params.get("arguments") or {}
+        if params.get("name") == "noise":
+            garbage(f"DEBUG: key is {SECRET}\n".encode() + b"\x80\xff bad bytes\n")
+            return {"content": [{"type": "text", "text": "ok"}]}
         if params.get("name") == "env":
             text = os.environ.get(arguments.get("name", ""), "(unset)")
         else:
@@ -92,6 +107,12 @@ def main() -> None:
                           os.environ.get("MARKER", "bob-raw")], start_new_session=True,
                          stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                          stderr=subprocess.DEVNULL)
+    if "child" in MODES:
+        subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)",
+                          os.environ.get("MARKER", "bob-raw")],
+                         stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
+    if "banner" in MODES:
+        garbage(f"hostile server v1 starting, key={SECRET}\n== ready ==\n".encode())
     for line in sys.stdin:
         msg = json.loads(line)
         if "id" in msg and "method" in msg:

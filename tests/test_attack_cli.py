@@ -232,11 +232,12 @@ def test_typed_ahead_text_does_not_approve_a_call(tmp_path, srv):
         term.close()
 
 
-@pytest.mark.parametrize("switch", [b"/reset", b"/resume other"])
-def test_always_holds_for_one_session_only(tmp_path, srv, switch):
+def test_always_holds_for_one_session_only(tmp_path, srv):
     # "[a]lways for this tool this session" approved the tool in every session switched to.
+    # Both switches in one REPL (its CLI imports the MCP SDK: a second of CPU): /reset, then
+    # /resume of another session, each after an "always".
     call = json.dumps({"type": "tool_call", "name": "t__echo", "arguments": {"text": "x"}})
-    srv.push(final("other"), call, final("one"), call, final("two"))
+    srv.push(final("other"), call, final("one"), call, final("two"), call, final("three"))
     write_config(tmp_path, srv)             # session "other" needs no MCP server (seconds)
     assert bob(tmp_path, "--session", "other", "-p", "hi").returncode == 0
     approval_config(tmp_path, srv)
@@ -245,12 +246,13 @@ def test_always_holds_for_one_session_only(tmp_path, srv, switch):
         term.expect(b"bob> ")
         term.send(b"first\r")
         term.expect(b"this session? ", timeout=10)
-        term.send(b"a\r")
-        term.expect(b"bob> ", timeout=10)
-        term.send(switch + b"\r")
-        term.expect(b"bob> ")
-        term.send(b"second\r")
-        shown = term.expect(b"this session? ", timeout=10)   # asked again, in the new session
-        assert b"<- t__echo" not in shown
+        for switch in (b"/reset", b"/resume other"):
+            term.send(b"a\r")
+            term.expect(b"bob> ", timeout=10)
+            term.send(switch + b"\r")
+            term.expect(b"bob> ")
+            term.send(b"next\r")
+            shown = term.expect(b"this session? ", timeout=10)   # asked again, in the new session
+            assert b"<- t__echo" not in shown, switch
     finally:
         term.close()

@@ -419,6 +419,9 @@ def test_repl_exit_command_and_ask_user(tmp_path, srv):
 
 # ---- 6. MCP servers never outlive the CLI ----
 
+RAW_SERVER = REPO / "tests" / "mcp_raw_server.py"
+
+
 def processes_with(marker: str) -> list[int]:
     """Pids whose command line carries the marker."""
     pids = []
@@ -432,27 +435,29 @@ def processes_with(marker: str) -> list[int]:
 
 
 def test_mcp_tools_in_the_repl_and_no_server_outlives_sigterm(tmp_path, srv):
+    # The hand-written server and its grandchild (it starts in milliseconds; the CLI with the
+    # SDK's own server: tests/test_cli_mcp_call.py).
     marker = f"bob-test-{uuid.uuid4().hex}"
     srv.push(json.dumps({"type": "tool_call", "name": "t__echo", "arguments": {"text": "ping-77"}}),
              final("echoed"), FakeOpenAI.HANG)
     write_config(tmp_path, srv, extra=(
-        '[policy]\ndeny_tools = ["t__die"]\n'
+        '[policy]\ndeny_tools = ["t__crash"]\n'
         f'[[mcp.servers]]\nid = "t"\ncommand = "{sys.executable}"\n'
-        f'args = ["{MCP_SERVER}", "--child", "--marker", "{marker}"]\n'))
+        f'args = ["{RAW_SERVER}", "child", "{marker}"]\nenv = {{ MARKER = "{marker}" }}\n'))
     term = Terminal(tmp_path)
     try:
         term.expect(b"bob> ")
         term.send(b"/tools\r")                     # waits for the server, started in background
         listing = term.expect(b"bob> ", timeout=10).decode()
         assert re.search(r"t__echo +t ", listing) and not re.search(r"t__echo .*denied", listing)
-        assert re.search(r"t__die .*\(denied by \[policy\]\)", listing)
+        assert re.search(r"t__crash .*\(denied by \[policy\]\)", listing)
         term.send(b"echo please\r")
         assert b"echoed" in term.expect(b"bob> ")
         assert "ping-77" in messages_of(srv.requests[1])   # the tool's result reached the model
-        assert "t__die" not in json.dumps(srv.requests[0]["body"])   # denied: never offered
+        assert "t__crash" not in json.dumps(srv.requests[0]["body"])  # denied: never offered
         term.send(b"hang now\r")
         assert srv.wait_for_requests(3), "the turn never reached the model"
-        assert processes_with(marker), "the MCP server should be running during the turn"
+        assert len(processes_with(marker)) == 2, "the MCP server and its grandchild run"
         term.proc.send_signal(signal.SIGTERM)
         assert term.proc.wait(5) == 128 + signal.SIGTERM
         deadline = time.monotonic() + 3

@@ -203,31 +203,12 @@ def mcp_config(dirpath: Path, srv: FakeOpenAI) -> Path:
         f'[[mcp.servers]]\nid = "t"\ncommand = "{sys.executable}"\nargs = ["{RAW_SERVER}"]\n'))
 
 
-def test_the_repl_asks_yes_no_with_a_reason_and_always(tmp_path, srv):
-    srv.push(echo_call("one"), final("did one"), echo_call("two"), final("did two"),
+def test_the_repl_asks_yes_no_with_a_reason_and_always_and_ctrl_c_cancels(tmp_path, srv):
+    # One REPL for the whole prompt (its CLI imports the MCP SDK: a second of CPU): Ctrl-C at
+    # it cancels the turn, then yes, no with a reason, always.
+    srv.push(echo_call("x"), final("after"),
+             echo_call("one"), final("did one"), echo_call("two"), final("did two"),
              echo_call("three"), final("did three"), echo_call("four"), final("did four"))
-    mcp_config(tmp_path, srv)
-    term = Terminal(tmp_path)
-    try:
-        term.expect(b"bob> ")
-        for text, keys in (("one", b"y\r"), ("two", b"n\rtoo risky\r"), ("three", b"a\r")):
-            term.send(f"run {text}\r".encode())
-            shown = term.expect(b"this session? ", timeout=10)
-            assert b"t__echo wants to run with" in shown and text.encode() in shown
-            term.send(keys)
-            seen = term.expect(b"bob> ", timeout=10)
-            assert f"did {text}".encode() in seen
-        assert b"-> t__echo" in seen and re.search(rb"<- t__echo: three \(\d+ ms\)", seen), seen
-        term.send(b"run four\r")                      # "always" holds for this session
-        assert b"did four" in term.expect(b"bob> ", timeout=10)
-        assert "too risky" in messages_of(srv.requests[3])
-        assert "two" not in messages_of(srv.requests[3]).split("too risky")[1]
-    finally:
-        term.close()
-
-
-def test_ctrl_c_at_the_approval_prompt_cancels_the_turn(tmp_path, srv):
-    srv.push(echo_call("x"), final("after"))
     mcp_config(tmp_path, srv)
     term = Terminal(tmp_path)
     try:
@@ -239,6 +220,18 @@ def test_ctrl_c_at_the_approval_prompt_cancels_the_turn(tmp_path, srv):
         assert b"turn cancelled" in term.expect(b"bob> ", timeout=5)
         term.send(b"again\r")
         assert b"after" in term.expect(b"bob> ", timeout=10)
+        for text, keys in (("one", b"y\r"), ("two", b"n\rtoo risky\r"), ("three", b"a\r")):
+            term.send(f"run {text}\r".encode())
+            shown = term.expect(b"this session? ", timeout=10)
+            assert b"t__echo wants to run with" in shown and text.encode() in shown
+            term.send(keys)
+            seen = term.expect(b"bob> ", timeout=10)
+            assert f"did {text}".encode() in seen
+        assert b"-> t__echo" in seen and re.search(rb"<- t__echo: three \(\d+ ms\)", seen), seen
+        term.send(b"run four\r")                      # "always" holds for this session
+        assert b"did four" in term.expect(b"bob> ", timeout=10)
+        assert "too risky" in messages_of(srv.requests[5])
+        assert "two" not in messages_of(srv.requests[5]).split("too risky")[1]
     finally:
         term.close()
 

@@ -164,6 +164,7 @@ def test_a_relative_xdg_data_home_is_ignored(tmp_path, srv):
 def test_help_names_the_key_variable_the_commands_and_the_sessions(tmp_path):
     out = bob(tmp_path, "--help").stdout
     assert "OPENAI_API_KEY" in out and "/help" in out and "bob/sessions" in out
+    assert "--forget" in out
 
 
 # ---- flags stick to a session; failed runs and pruning ----
@@ -206,7 +207,7 @@ def test_a_failed_first_turn_keeps_no_session_and_forget_prunes(tmp_path, srv):
     assert [p.name for p in sessions.iterdir()] == [f"{one}.json"]   # the flags went too
     unknown = bob(tmp_path, "--forget", two)
     assert unknown.returncode == 2 and "--sessions" in unknown.stderr, unknown.stderr
-    assert "--forget" in bob(tmp_path, "--help").stdout
+    # --forget in --help: test_help_names_the_key_variable_the_commands_and_the_sessions
 
 
 def test_without_a_key_the_repl_offers_a_local_server_and_the_demo(tmp_path, srv):

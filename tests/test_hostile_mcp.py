@@ -1,9 +1,9 @@
 """bob_mcp against a misbehaving MCP server (tests/mcp_hostile_server.py), each promise of
 issue 11 through a real server process: garbage and bad bytes on stdout, secrets, cancel,
-setsid grandchildren, roots."""
+setsid grandchildren; garbage lines at startup and the setsid grandchild through the
+hand-written tests/mcp_raw_server.py (it starts in milliseconds); roots: tests/test_mcp.py."""
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import textwrap
@@ -21,7 +21,7 @@ import bob_mcp
 from bob_mcp import McpServerConfig, McpToolPort
 
 HOSTILE = str(Path(__file__).with_name("mcp_hostile_server.py"))
-NORMAL = str(Path(__file__).with_name("mcp_server.py"))
+RAW = str(Path(__file__).with_name("mcp_raw_server.py"))   # banner, setsid-crash modes
 SECRET = "k3y"   # short: masked because of its key's name, not its length
 
 
@@ -36,7 +36,8 @@ def call(port: McpToolPort, tool: str, timeout_s: float = 10.0, **arguments) -> 
 
 
 def bob_command(flags: list[str], level: str, tool: str = "noise") -> list[str]:
-    """A real bob process: the hostile server started, one tool called, logging at `level`."""
+    """A real bob process: the hand-written server started in these modes (it starts in ms; bob
+    imports the MCP SDK, a second of CPU), one tool called twice, logging at `level`."""
     script = textwrap.dedent(f"""
         import logging, sys
         sys.path.insert(0, {str(Path(__file__).parent.parent)!r})
@@ -44,7 +45,7 @@ def bob_command(flags: list[str], level: str, tool: str = "noise") -> list[str]:
             logging.basicConfig(level={level!r}, stream=sys.stderr)
         from bob import ToolCall
         from bob_mcp import McpServerConfig, McpToolPort
-        cfg = McpServerConfig("h", command=sys.executable, args=({HOSTILE!r}, *{flags!r}),
+        cfg = McpServerConfig("h", command=sys.executable, args=({RAW!r}, *{flags!r}),
                               env={{"API_KEY": {SECRET!r}}})
         with McpToolPort([cfg]) as port:
             for _ in range(2):
@@ -57,7 +58,7 @@ def bob_command(flags: list[str], level: str, tool: str = "noise") -> list[str]:
 @pytest.fixture(scope="module")
 def bobs():
     """The bob processes of the tests below, one per logging level, started together."""
-    with Together({level: bob_command(["--banner"], level) for level in ("NONE", "INFO")}) as t:
+    with Together({level: bob_command(["banner"], level) for level in ("NONE", "INFO")}) as t:
         yield t
 
 
@@ -78,46 +79,47 @@ def test_garbage_lines_are_logged_masked_with_verbose(bobs):
 
 # ---- 2. invalid UTF-8 on stdout ----
 
-def test_invalid_utf8_at_startup_and_in_calls_does_not_break_the_server():
-    with McpToolPort([hostile("--bad-utf8")]) as port:
-        for _ in range(3):
-            result = call(port, "h__noise")
-            assert (result.is_error, result.content) == (False, "ok"), result
+@pytest.fixture(scope="module")
+def shared_server(tmp_path_factory):
+    """One hostile server for the tests below that leave it usable (a start is a second of
+    CPU): invalid UTF-8 on stdout at startup, the secrets' environment, and --record for the
+    cancel tests: its port, and the file its `slow` tool writes when cancelled."""
+    record = tmp_path_factory.mktemp("cancel") / "cancelled"
+    env = {"API_KEY": SECRET, "db_password": 'pa"ss\\wd', "MY_VAR": "a b&c/d",
+           "HOME_DIR": "xyz", "PROJECT_DIR": "/home/alice/app"}
+    with McpToolPort([hostile("--bad-utf8", "--record", str(record), env=env,
+                              secret_env=("MY_VAR",))]) as port:
+        yield port, record
+
+
+def test_invalid_utf8_at_startup_and_in_calls_does_not_break_the_server(shared_server):
+    port, _ = shared_server
+    for _ in range(3):
+        result = call(port, "h__noise")
+        assert (result.is_error, result.content) == (False, "ok"), result
 
 
 # ---- 3. secret masking without gaps ----
 
-def test_secrets_are_masked_whatever_their_length_and_form():
-    env = {"API_KEY": SECRET, "db_password": 'pa"ss\\wd', "MY_VAR": "a b&c/d", "HOME_DIR": "xyz",
-           "PROJECT_DIR": "/home/alice/app"}
-    with McpToolPort([hostile(env=env, secret_env=("MY_VAR",))]) as port:
-        assert call(port, "h__echo_env", name="API_KEY").content == "***"
-        leaked = call(port, "h__leak", name="db_password")   # JSON-escaped in the error
-        assert leaked.is_error and "ss" not in leaked.content and "***" in leaked.content, leaked
-        assert call(port, "h__echo_env", name="MY_VAR").content == "***"
-        for name, value in [("PROJECT_DIR", "/home/alice/app"), ("HOME_DIR", "xyz")]:
-            assert call(port, "h__echo_env", name=name).content == value  # configuration
-        server = port._servers[0]
-        text = "a%20b%26c%2Fd a+b%26c%2Fd pa%22ss%5Cwd"
-        assert server._scrub(text) == "*** *** ***", server._scrub(text)
-
-
-# ---- 6. roots only when configured ----
-
-def test_roots_capability_only_for_a_server_with_roots(tmp_path):
-    plain = McpServerConfig("p", command=sys.executable, args=(NORMAL,))
-    rooted = McpServerConfig("r", command=sys.executable, args=(NORMAL,), roots=(str(tmp_path),))
-    with McpToolPort([plain, rooted]) as port:
-        r = call(port, "p__roots")   # a filesystem server then keeps its command-line dirs
-        assert r.is_error and "not supported" in r.content and os.getcwd() not in r.content, r
-        assert call(port, "r__roots").content == tmp_path.as_uri()
+def test_secrets_are_masked_whatever_their_length_and_form(shared_server):
+    port, _ = shared_server   # its env: API_KEY, db_password, MY_VAR (secret_env), HOME_DIR...
+    assert call(port, "h__echo_env", name="API_KEY").content == "***"
+    leaked = call(port, "h__leak", name="db_password")   # JSON-escaped in the error
+    assert leaked.is_error and "ss" not in leaked.content and "***" in leaked.content, leaked
+    assert call(port, "h__echo_env", name="MY_VAR").content == "***"
+    for name, value in [("PROJECT_DIR", "/home/alice/app"), ("HOME_DIR", "xyz")]:
+        assert call(port, "h__echo_env", name=name).content == value  # configuration
+    server = port._servers[0]
+    text = "a%20b%26c%2Fd a+b%26c%2Fd pa%22ss%5Cwd"
+    assert server._scrub(text) == "*** *** ***", server._scrub(text)
 
 
 # ---- 5. no process outlives bob ----
 
 def test_a_setsid_grandchild_is_ended_with_its_server():
     marker = f"bob-hostile-{uuid.uuid4().hex[:8]}"
-    port = McpToolPort([hostile("--setsid", marker)]).start()
+    port = McpToolPort([McpServerConfig("r", command=sys.executable, args=(RAW, "setsid-crash"),
+                                        env={"MARKER": marker})]).start()   # starts in ms
     try:
         assert wait_until(lambda: marked_pids(marker), timeout=10), "no grandchild started"
     finally:
@@ -127,19 +129,10 @@ def test_a_setsid_grandchild_is_ended_with_its_server():
 
 # ---- 4. cancel reaches the server ----
 
-@pytest.fixture(scope="module")
-def recording_server(tmp_path_factory):
-    """One hostile server with --record for the cancel tests below (a start is a second of
-    CPU): its port, and the file its `slow` tool writes when cancelled."""
-    record = tmp_path_factory.mktemp("cancel") / "cancelled"
-    with McpToolPort([hostile("--record", str(record))]) as port:
-        yield port, record
-
-
 @pytest.fixture
-def recording(recording_server):
+def recording(shared_server):
     """The shared server for one test: what an earlier test's call recorded is removed."""
-    port, record = recording_server
+    port, record = shared_server
     for path in (record, Path(f"{record}.started")):
         path.unlink(missing_ok=True)
     return port, record

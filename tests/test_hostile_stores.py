@@ -358,9 +358,10 @@ def test_concurrent_turns_from_processes_lose_no_turn(tmp_path):
 # ---- 6. Killed saves ----------------------------------------------------------------------------
 
 def save_forever(directory: str, started) -> None:
-    """A child process: save a 1 MB session again and again until it is killed."""
+    """A child process: save a 300 KB session again and again until it is killed (a save takes
+    about 10 ms: the random moments below, up to 30 ms, fall anywhere in one)."""
     store = JsonFileSessionStore(directory)
-    state = bob.SessionState([bob.Message("user", "x" * 1000)] * 1000)
+    state = bob.SessionState([bob.Message("user", "x" * 1000)] * 300)
     while True:
         state.version = (store.load("s") or state).version + 1
         store.save("s", state)

@@ -27,6 +27,7 @@ from bob import ConfigError, ToolCall
 from bob_mcp import McpError, McpServerConfig, McpToolPort, exposed_name
 
 SERVER = str(Path(__file__).with_name("mcp_server.py"))
+RAW = str(Path(__file__).with_name("mcp_raw_server.py"))   # for a test where any server will do
 MARKER = f"bob-mcp-test-{uuid.uuid4().hex[:8]}"
 LONG = "t" * 70                                  # a tool name too long to expose as is
 ROOTS = (str(Path(__file__).parent), str(Path(__file__).parent.parent))  # b's roots
@@ -206,7 +207,8 @@ def test_timeout_is_an_error_result_and_the_port_stays_usable(port):
 
 @pytest.mark.parametrize("server_id", ["a", "h"])
 def test_roots_and_sampling_are_declined_without_config(port, server_id):
-    assert call(port, f"{server_id}__roots").is_error
+    r = call(port, f"{server_id}__roots")   # a filesystem server then keeps its command-line dirs
+    assert r.is_error and "not supported" in r.content and os.getcwd() not in r.content, r
     r = call(port, f"{server_id}__sample")
     assert not r.is_error and r.content.startswith("declined")
 
@@ -318,14 +320,16 @@ def test_lifecycle_optional_skip_death_restart_and_clean_close(caplog, capfd):
 
 
 def test_servers_die_with_bob_after_ctrl_c():
+    # The hand-written server, with a grandchild (this bob process imports the SDK: a second of
+    # CPU; tests/mcp_server.py would be another).
     marker = MARKER + "-exit"
     script = textwrap.dedent(f"""
         import signal, sys, time
         signal.signal(signal.SIGINT, signal.default_int_handler)   # even if started ignoring it
         sys.path.insert(0, {str(Path(__file__).parents[1])!r})
         from bob_mcp import McpServerConfig, McpToolPort
-        cfg = McpServerConfig("s", command=sys.executable,
-                              args=({SERVER!r}, "--child", "--marker", {marker!r}))
+        cfg = McpServerConfig("s", command=sys.executable, env={{"MARKER": {marker!r}}},
+                              args=({RAW!r}, "child", {marker!r}))
         McpToolPort([cfg]).start()
         print("ready", flush=True)
         time.sleep(30)

@@ -2,7 +2,8 @@
 the call that met it; the tools one server may list are capped; the one read of the SDK's
 internals (the stdio Process) is checked here on the SDK the suite runs, and named when it fails.
 Real servers only: tests/mcp_server.py (the SDK's own HTTP server, killed and started again on
-the same port), tests/mcp_http_server.py, tests/mcp_many_tools_server.py."""
+the same port), tests/mcp_http_server.py, tests/mcp_many_tools_server.py, tests/mcp_raw_server.py
+(stdio, hand-written: it starts in milliseconds)."""
 from __future__ import annotations
 
 import contextlib
@@ -28,7 +29,7 @@ from mcp_http_server import McpHttpServer
 
 HERE = Path(__file__).parent
 SERVER = str(HERE / "mcp_server.py")
-HOSTILE = str(HERE / "mcp_hostile_server.py")
+RAW = str(HERE / "mcp_raw_server.py")
 MANY = str(HERE / "mcp_many_tools_server.py")
 
 
@@ -244,16 +245,16 @@ def test_a_server_with_exactly_the_cap_starts():
 def test_the_stdio_process_is_found_in_the_installed_sdk(caplog):
     """This is the test pyproject.toml's `mcp` range rests on: if a new SDK moves the Process,
     the exit code, the kill of a setsid grandchild and this warning all show it."""
-    marker = f"bob-r4-{uuid.uuid4().hex[:8]}"
+    marker = f"bob-r4-{uuid.uuid4().hex[:8]}"   # the hand-written server: starts in ms
     with caplog.at_level(logging.WARNING, logger="bob.mcp"):
-        port = McpToolPort([McpServerConfig("h", command=sys.executable,
-                                            args=(HOSTILE, "--setsid", marker)),
-                            McpServerConfig("s", command=sys.executable, args=(SERVER,))])
+        port = McpToolPort([McpServerConfig("h", command=sys.executable, env={"MARKER": marker},
+                                            args=(RAW, "setsid-crash")),
+                            McpServerConfig("s", command=sys.executable, args=(RAW,))])
         port.start()
         try:
             assert wait_until(lambda: marked_pids(marker), timeout=10), "no grandchild started"
-            r = call(port, "s__die", code=7)
-            assert r.is_error and "exited (code 7)" in r.content, r
+            r = call(port, "s__crash")
+            assert r.is_error and "exited (code 3)" in r.content, r
         finally:
             port.close()
     assert wait_until(lambda: not marked_pids(marker), timeout=5), marked_pids(marker)
