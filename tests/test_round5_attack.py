@@ -9,12 +9,13 @@ import json
 import os
 import resource
 import types
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 import bob
-from conftest import Terminal, final, write_config, xdg_env
+from conftest import Terminal, final, tc, write_config, xdg_env
 
 
 def fds(pid: int) -> dict[int, str]:
@@ -47,3 +48,61 @@ def test_a_redirected_repl_with_no_file_descriptor_left_still_reads_lines(tmp_pa
     finally:
         term.close()
     assert said.count(b"Too many open files") == 1, said   # the turn's, said once
+
+
+# ---- 2. bob.py: _run_tool's cached look at call_tool, replay reading a recorded reply ----
+
+@dataclass
+class Handler:
+    """A tool handler bound to a port as its call_tool (types.MethodType): a callable object
+    whose __call__ takes cancel. A dataclass: equal by value, so it cannot be a dict key."""
+    text: str
+
+    def __call__(self, port, call, timeout_s, cancel=None):
+        return bob.ToolResult(call.id, call.name,
+                              f"{self.text}, cancel given: {cancel is not None}")
+
+
+class BoundPort:
+    def __init__(self, handler: Handler) -> None:
+        self.call_tool = types.MethodType(handler, self)
+
+    def list_tools(self):
+        return [bob.ToolDescriptor("t", "a tool", {"type": "object"})]
+
+
+def test_a_call_tool_bound_from_an_unhashable_callable_runs(tmp_path):
+    # _run_tool cached "takes cancel?" by the bound method's __func__, which it took for a
+    # function: a callable object equal by value (a dataclass) is no cache key, and the call
+    # never ran: "executor unavailable: TypeError: unhashable type: 'Handler'".
+    rt = bob.AgentRuntime(bob.ScriptedLlm([tc("t"), final("done")]), BoundPort(Handler("ran")))
+    result = rt.run(bob.AgentRequest("go", "s1"))
+    assert [m.content for m in result.history if m.role == "tool"] == ["ran, cancel given: True"]
+
+
+def test_a_recorded_reply_whose_tool_calls_were_deleted_is_a_trace_error(tmp_path):
+    # Replay read a recorded reply as a saved message (Message.from_dict), where tool_calls may
+    # be left out: a reply whose calls were deleted by hand replayed as a reply without calls,
+    # and the report blamed the code ("a different event": parse_error for action_parsed).
+    # Before that change, and now, the edit is a TraceError naming the line.
+    path = tmp_path / "t.jsonl"
+    sink = bob.JsonlEventSink(path)
+    replies = [bob.LlmResponse("", (bob.ToolCall("c1", "echo", {"text": "x"}),)), "done"]
+    rt = bob.AgentRuntime(bob.ScriptedLlm(replies), bob.FunctionTools([echo]), events=sink,
+                          action_mode="native")
+    rt.run(bob.AgentRequest("go", "s1"))
+    sink.close()
+    lines = path.read_text().splitlines()
+    bad = next(n for n, line in enumerate(lines, 1) if '"llm_call_completed"' in line)
+    edited = json.loads(lines[bad - 1])
+    del edited["data"]["tool_calls"]
+    lines[bad - 1] = json.dumps(edited)
+    path.write_text("\n".join(lines) + "\n")
+    with pytest.raises(bob.TraceError, match=f"^line {bad}: this llm_call_completed is not as"
+                                             ".*'tool_calls'"):
+        bob.replay(path)
+
+
+def echo(text: str) -> str:
+    """Echo a text."""
+    return text
