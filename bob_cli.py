@@ -360,11 +360,9 @@ class _TurnView:
     json_mode: bool = True
     _lock: Any = field(default_factory=threading.Lock)   # the worker's events, the main thread
 
-    def __post_init__(self):
-        self.begin()   # nothing draws before a turn begins
-
     def begin(self):
-        """A turn starts (loading the session and, at first, waiting for MCP servers)."""
+        """A turn starts (loading the session and, at first, waiting for MCP servers): the
+        turn's fields below are set here (Shell._run calls it before the turn's first event)."""
         self.t0 = time.monotonic()
         self.state = "start"
         self.step = 0
@@ -382,10 +380,14 @@ class _TurnView:
             self.draw("\r\x1b[K", stop=True)
             self.raw += d["text"]
             text = _final_so_far(self.raw) if self.json_mode else self.raw
-            if len(text) > len(self.shown):
-                with contextlib.suppress(BrokenPipeError):   # the reader left (`| head`):
-                    print(text[len(self.shown):], end="", flush=True)
-                self.shown = text   # the answer's print after the turn says so (exit 141)
+            # Not once the turn is done: a piece that passed the turn's cancel check just before
+            # the cancel comes later (its masking took a while), and the prompt may hold fd 1
+            # by then (_input). The turn is done before Shell._run's last tick takes the lock
+            with self._lock:
+                if len(text) > len(self.shown) and self.state != "done":
+                    with contextlib.suppress(BrokenPipeError):   # the reader left (`| head`):
+                        print(text[len(self.shown):], end="", flush=True)
+                    self.shown = text   # the answer's print after the turn says so (exit 141)
         elif kind == "llm_call_started":
             if self.shown:  # text shown before a tool call stays; the next goes below it
                 print()

@@ -8,6 +8,9 @@ from __future__ import annotations
 import json
 import os
 import resource
+import select
+import threading
+import time
 import types
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,7 +18,8 @@ from pathlib import Path
 import pytest
 
 import bob
-from conftest import Terminal, final, tc, write_config, xdg_env
+from conftest import Terminal, final, tc, wait_until, write_config, xdg_env
+from fake_openai import chunk
 
 
 def fds(pid: int) -> dict[int, str]:
@@ -48,6 +52,48 @@ def test_a_redirected_repl_with_no_file_descriptor_left_still_reads_lines(tmp_pa
     finally:
         term.close()
     assert said.count(b"Too many open files") == 1, said   # the turn's, said once
+
+
+def test_a_turn_cancelled_while_a_reply_streams_puts_nothing_of_it_on_the_terminal(tmp_path, srv):
+    # A streamed piece that passed the turn's cancel check before the cancel was printed after
+    # the turn ended: with stdout redirected, the prompt had fd 1 by then, and the piece went on
+    # the terminal, over the prompt, not into the file (under load, 1 run in 30 with 5-byte
+    # pieces). A piece whose masking takes a second or two (8 MB of secret pairs) shows it
+    # every time: Ctrl-C comes while it is masked, after the check.
+    sent = threading.Event()
+
+    def play(write, stop):   # START, then the big piece, then the stream stays open
+        write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nConnection: close\r\n\r\n")
+        pairs = '\\"api_key\\": \\"x\\", ' * 400_000
+        for piece in ('{"type": "final", "content": "START ', pairs):
+            write(f"data: {json.dumps(chunk(piece))}\n\n".encode())
+        sent.set()
+        stop.wait(30)
+
+    srv.push({"raw": play})
+    write_config(tmp_path, srv)
+    out = tmp_path / "out.txt"
+    with open(out, "wb") as f:
+        term = Terminal(tmp_path, "--stream", env=xdg_env(tmp_path), stdout=f)
+    try:
+        term.expect(b"bob> ", timeout=10)
+        term.send(b"go\r")
+        assert sent.wait(10) and wait_until(lambda: b"START" in out.read_bytes(), timeout=10)
+        time.sleep(0.5)   # the big piece is read and parsed, and its masking has begun
+        term.send(b"\x03")
+        term.expect(b"turn cancelled", timeout=10)
+        term.expect(b"bob> ", timeout=10)
+        late = b""   # what reaches the terminal while the prompt waits (the masking ends)
+        end = time.monotonic() + 4
+        while time.monotonic() < end:
+            if select.select([term.fd], [], [], 0.1)[0]:
+                late += os.read(term.fd, 1 << 16)
+        term.send(b"\x04")
+        assert term.proc.wait(10) == 0
+    finally:
+        term.close()
+    assert b"api_key" not in late, late[:200]
+    assert out.read_bytes().startswith(b"START ")
 
 
 # ---- 2. bob.py: _run_tool's cached look at call_tool, replay reading a recorded reply ----
