@@ -348,7 +348,7 @@ def _final_so_far(raw):
     return text[:-1] if text and "\ud800" <= text[-1] <= "\udbff" else text
 
 
-@dataclass
+@dataclass(repr=False)   # a failing sink is named by its repr: not its stream and lock
 class _TurnView:
     """What a person sees of a turn: the answer streamed to stdout, as Shell.turn prints it
     (json mode: a `final`'s content; `shown`: what the last LLM call printed); on a terminal
@@ -384,10 +384,14 @@ class _TurnView:
             # the cancel comes later (its masking took a while), and the prompt may hold fd 1
             # by then (_input). The turn is done before Shell._run's last tick takes the lock
             with self._lock:
-                if len(text) > len(self.shown) and self.state != "done":
+                new = text[len(self.shown):]   # (text only grows)
+                if new and self.state != "done":
+                    # shown, even if the print fails: what it could not write stays in stdout's
+                    # buffer (a full disk: the next prompt shows it); printed again, it came twice
+                    self.shown = text
                     with contextlib.suppress(BrokenPipeError):   # the reader left (`| head`):
-                        print(text[len(self.shown):], end="", flush=True)
-                    self.shown = text   # the answer's print after the turn says so (exit 141)
+                        print(new, end="", flush=True)   # the answer's print after the turn
+                        # says so (exit 141)
         elif kind == "llm_call_started":
             if self.shown:  # text shown before a tool call stays; the next goes below it
                 print()

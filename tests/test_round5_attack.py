@@ -19,7 +19,7 @@ import pytest
 
 import bob
 from conftest import Terminal, final, tc, wait_until, write_config, xdg_env
-from fake_openai import chunk
+from fake_openai import chunk, stream_reply
 
 
 def fds(pid: int) -> dict[int, str]:
@@ -94,6 +94,30 @@ def test_a_turn_cancelled_while_a_reply_streams_puts_nothing_of_it_on_the_termin
         term.close()
     assert b"api_key" not in late, late[:200]
     assert out.read_bytes().startswith(b"START ")
+
+
+def test_a_streamed_answer_the_full_file_could_not_take_shows_once(tmp_path, srv):
+    # `bob --stream > file` on a full disk: each piece's print failed and left its text in
+    # stdout's buffer, yet counted as not shown, so the next piece printed it again; the
+    # terminal then got "ANANSWERANSWERANSWER" for "ANSWER".
+    srv.push(stream_reply(['{"type": "final", "content": "AN', "SWER", '"}']))
+    write_config(tmp_path, srv)
+    full = os.open("/dev/full", os.O_WRONLY)
+    term = Terminal(tmp_path, "--stream", env=xdg_env(tmp_path), stdout=full)
+    os.close(full)
+    try:
+        term.expect(b"bob> ", timeout=10)
+        term.send(b"go\r")
+        said = term.expect(b"bob> ", timeout=10)
+        term.send(b"\x04")
+        assert term.proc.wait(10) == 0
+    finally:
+        term.close()
+    assert said.count(b"No space left on device") == 1, said
+    assert said.count(b"ANSWER") == 1 and b"ANANSWER" not in said, said   # once, not lost
+    # the view's failure is named as before it became a dataclass, not with its fields (the
+    # stream, the lock: "_lock=<unlocked _thread.lock object at 0x...>")
+    assert b"event sink <__main__._TurnView object at 0x" in said, said
 
 
 # ---- 2. bob.py: _run_tool's cached look at call_tool, replay reading a recorded reply ----
