@@ -623,7 +623,7 @@ class Shell:
     session_id: str
     config_name: str = "agent.toml"
     mcp: Any = None                     # a bob_mcp.McpToolPort
-    view: _TurnView = field(default_factory=_TurnView)   # shows nothing
+    view: _TurnView = field(default_factory=_TurnView)   # no status line, no tool calls
     cancel: bob.CancelToken = field(default_factory=bob.CancelToken)
     approvals: _Approvals = field(default_factory=_Approvals)   # declines every ask_tools call
     llm_for: Callable[..., Any] | None = None   # _STICKY flags (a dict) -> their adapter
