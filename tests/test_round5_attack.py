@@ -13,7 +13,6 @@ import threading
 import time
 import types
 from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
 
@@ -42,7 +41,7 @@ def test_a_redirected_repl_with_no_file_descriptor_left_still_reads_lines(tmp_pa
         held = fds(term.proc.pid)
         assert held[1] == held[2]   # fd 1 lent to the terminal, a copy of the file's kept
         assert list(held.values()).count(str(tmp_path / "out.txt")) == 1
-        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
         resource.prlimit(term.proc.pid, resource.RLIMIT_NOFILE, (max(held) + 1, hard))
         term.send(b"hi\r")
         said = term.expect(b"bob> ", timeout=10)
