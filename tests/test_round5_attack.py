@@ -83,7 +83,7 @@ def test_a_turn_cancelled_while_a_reply_streams_puts_nothing_of_it_on_the_termin
         term.expect(b"turn cancelled", timeout=10)
         term.expect(b"bob> ", timeout=10)
         late = b""   # what reaches the terminal while the prompt waits (the masking ends)
-        end = time.monotonic() + 4
+        end = time.monotonic() + 3
         while time.monotonic() < end:
             if select.select([term.fd], [], [], 0.1)[0]:
                 late += os.read(term.fd, 1 << 16)
