@@ -1005,9 +1005,11 @@ def _run_tool(port, call, timeout_s, cancel):
     """port.call_tool, given `cancel` only if its signature names it (the first published form,
     call_tool(call, timeout_s), did not)."""
     # A class's method is asked once (each call's bound method has the same function), any
-    # other callable each time (it may not be a valid dict key)
+    # other callable each time (it may not be a valid dict key: a callable object bound with
+    # types.MethodType, equal by value, was not, and the call never ran)
     method = getattr(port.call_tool, "__func__", None)
-    if _takes_cancel(method) if method else _takes_cancel.__wrapped__(port.call_tool):
+    if (_takes_cancel(method) if inspect.isfunction(method)
+            else _takes_cancel.__wrapped__(port.call_tool)):
         return port.call_tool(call, timeout_s, cancel=cancel)
     return port.call_tool(call, timeout_s)
 
@@ -2998,7 +3000,9 @@ class _Replay:
             if not asked:   # a reply twice, or one added: the mirror of a reply deleted
                 raise TraceError(f"line {e['line']}: this llm_call_completed answers no "
                                  "llm_call_started: the trace was edited")
-            # its content, calls and reasoning checked as a saved message's are
+            # its content, calls and reasoning checked as a saved message's are; a message may
+            # leave its calls out, a recorded reply never does (deleted: replayed without them)
+            _field(d, "tool_calls", list)
             m = Message.from_dict({**d, "role": "assistant"})
             self._script[-1][1] = LlmResponse(m.content, m.tool_calls, Usage(**d["usage"]),
                                               _field(d, "finish_reason", (str, types.NoneType)),

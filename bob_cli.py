@@ -16,6 +16,7 @@ import atexit
 import codecs
 import contextlib
 import difflib
+import functools
 import io
 import json
 import logging
@@ -348,23 +349,21 @@ def _final_so_far(raw):
     return text[:-1] if text and "\ud800" <= text[-1] <= "\udbff" else text
 
 
-@dataclass
+@dataclass(repr=False)   # a failing sink is named by its repr: not its stream and lock
 class _TurnView:
     """What a person sees of a turn: the answer streamed to stdout, as Shell.turn prints it
     (json mode: a `final`'s content; `shown`: what the last LLM call printed); on a terminal
     (`out`) a status line and tool calls above it; the notes said after a turn (a failed save,
     a reply cut short)."""
-    out: Any   # the terminal (stderr), or None: no status line, no tool calls
-    max_steps: int
+    out: Any = None   # the terminal (stderr), or None: no status line, no tool calls
+    max_steps: int = 0   # the N of "step k/N" on the status line
     calls: bool = True   # tool calls are shown
     json_mode: bool = True
     _lock: Any = field(default_factory=threading.Lock)   # the worker's events, the main thread
 
-    def __post_init__(self):
-        self.begin()   # nothing draws before a turn begins
-
     def begin(self):
-        """A turn starts (loading the session and, at first, waiting for MCP servers)."""
+        """A turn starts (loading the session and, at first, waiting for MCP servers): the
+        turn's fields below are set here (Shell._run calls it before the turn's first event)."""
         self.t0 = time.monotonic()
         self.state = "start"
         self.step = 0
@@ -382,10 +381,18 @@ class _TurnView:
             self.draw("\r\x1b[K", stop=True)
             self.raw += d["text"]
             text = _final_so_far(self.raw) if self.json_mode else self.raw
-            if len(text) > len(self.shown):
-                with contextlib.suppress(BrokenPipeError):   # the reader left (`| head`):
-                    print(text[len(self.shown):], end="", flush=True)
-                self.shown = text   # the answer's print after the turn says so (exit 141)
+            # Not once the turn is done: a piece that passed the turn's cancel check just before
+            # the cancel comes later (its masking took a while), and the prompt may hold fd 1
+            # by then (_input). The turn is done before Shell._run's last tick takes the lock
+            with self._lock:
+                new = text[len(self.shown):]   # (text only grows)
+                if new and self.state != "done":
+                    # shown, even if the print fails: what it could not write stays in stdout's
+                    # buffer (a full disk: the next prompt shows it); printed again, it came twice
+                    self.shown = text
+                    with contextlib.suppress(BrokenPipeError):   # the reader left (`| head`):
+                        print(new, end="", flush=True)   # the answer's print after the turn
+                        # says so (exit 141)
         elif kind == "llm_call_started":
             if self.shown:  # text shown before a tool call stays; the next goes below it
                 print()
@@ -462,6 +469,15 @@ class _Above(logging.StreamHandler):  # type: ignore[type-arg]
         self.flush()
 
 
+@functools.cache
+def _answers():
+    """A copy of fd 1 as bob found it (`bob > file`: the file), made once (_start makes it
+    before MCP servers take descriptors), from which _input gives fd 1 back after each prompt.
+    A copy made at each prompt took a descriptor each time: with none left (ulimit -n reached)
+    every prompt failed at once, and the REPL said "Too many open files" forever."""
+    return os.dup(1)
+
+
 def _input(prompt):
     """input(), while a log record goes above the prompt (_Above). With stdout not a terminal
     (`bob > file`), stderr takes fd 1 while it reads: the prompt goes where notes do, not into
@@ -472,7 +488,7 @@ def _input(prompt):
     # full disk) was said after the turn: input() then shows it on the terminal, not lost
     with contextlib.suppress(OSError):
         sys.stdout.flush()
-    held = os.dup(1)
+    held = _answers()   # taken before fd 1 is lent, the first time too
     _Above.prompt = prompt
     try:
         if not sys.stdout.isatty():
@@ -483,7 +499,6 @@ def _input(prompt):
         # leave fd 1 on the terminal
         _Above.prompt = ""
         os.dup2(held, 1)
-        os.close(held)
 
 
 def _note(text):
@@ -495,7 +510,7 @@ class _Approvals:
     """The approver for [policy] ask_tools: in the REPL a person decides on the main thread
     (Shell._run hands the call over); -p and piped runs allow all with --yes, else decline."""
 
-    def __init__(self, interactive, yes):
+    def __init__(self, interactive=False, yes=False):
         self.interactive = interactive
         self.yes = yes
         self.always = set()   # (session, tool name) pairs answered "always"
@@ -609,10 +624,10 @@ class Shell:
     session_id: str
     config_name: str = "agent.toml"
     mcp: Any = None                     # a bob_mcp.McpToolPort
-    view: _TurnView = field(default_factory=lambda: _TurnView(None, 0))
+    view: _TurnView = field(default_factory=_TurnView)   # no status line, no tool calls
     cancel: bob.CancelToken = field(default_factory=bob.CancelToken)
-    approvals: _Approvals = field(default_factory=lambda: _Approvals(False, False))
-    llm_for: Callable[[dict[str, str]], Any] | None = None   # _STICKY flags -> their adapter
+    approvals: _Approvals = field(default_factory=_Approvals)   # declines every ask_tools call
+    llm_for: Callable[..., Any] | None = None   # _STICKY flags (a dict) -> their adapter
     flags: dict[str, str] = field(default_factory=dict)   # _STICKY's, kept beside the session
 
     def turn(self, text: str) -> bob.AgentRunResult:
@@ -1104,6 +1119,7 @@ def _start(args, opened):
             raise bob.ConfigError(f"--forget: no session {args.forget} in {store.directory}; "
                                   "--sessions lists them")
         return _list_sessions(store)   # --forget: the sessions left
+    _answers()   # now, while descriptors are free: a prompt takes none (and never fails so)
     shell = _build_shell(cfg, args)
     opened.append(shell)
     if args.prompt is not None:
