@@ -27,12 +27,21 @@ time, and each step digested its request twice (the runtime for llm_call_started
 check it) and round-tripped every new event through JSON to compare it. Now bob's replay ports
 answer on the loop's thread (they answer from memory and never block; bob.py section 9), the
 port takes the digest the runtime just computed, and a new event is put through JSON only when
-it differs from the recorded one. Still in a replay step and not in a bare live one, so the goal
-is not met: the events themselves (~40% of the replayed turn: request_digest, which re-encodes
-the offered tools every step, ~15%, and masking each event), reading the trace (~15%: its JSON
-parse, 20 ms of CPU at 1,000 steps), and comparing. Both kinds of turn also pay
-inspect.signature on every tool call (_run_tool, ~10%). Flat in history length: 0.3 ms of CPU
-per replay step at 100 and at 1,000 steps.
+it differs from the recorded one. The fifth round (same VM, quiet, load ~1): the turn's tools are encoded for the digest once a
+turn, not every step (request_digest's cache holds the list); whether a port's call_tool takes
+`cancel` is asked once per method (inspect.signature, ~16 us, was asked every tool call); the
+text mask returns at once when no secret name is anywhere in the text (one search, a third of
+the full pattern's time). Medians of 7, wall time:
+                          100 steps                      1,000 steps
+    before  replay        31.1 ms  (3,211 steps/s)       314 ms  (3,184 steps/s)
+            / bare turn   0.76x                          0.80x
+    after   replay        22.7-23.2 ms  (4,306-4,396)    230-241 ms  (4,154-4,353)
+            / bare turn   0.58-0.77x                     0.68-0.86x
+In CPU time per step (min of 9): replay 295 -> 213-232 us at 100 steps, 301 -> 222-240 at 1,000.
+Still short of 5,000 here: per 1,000-step replay, reading the trace ~28 ms (its JSON parse
+~20), the recorded events' comparison form and the new ones' ~20 ms, the request digest
+~17 ms (sha256 and one lookup per message sent), masking each event, and the loop itself
+(~93 us a step with no sink at all). Flat in history length.
 
 Sections: 1. Setup  2. Measure
 """
