@@ -19,6 +19,7 @@ import pytest
 import bob
 from conftest import Terminal, final, tc, wait_until, write_config, xdg_env
 from fake_openai import chunk, stream_reply
+from test_round5_cli import one_turn_into_a_full_disk
 
 
 def fds(pid: int) -> dict[int, str]:
@@ -100,18 +101,7 @@ def test_a_streamed_answer_the_full_file_could_not_take_shows_once(tmp_path, srv
     # stdout's buffer, yet counted as not shown, so the next piece printed it again; the
     # terminal then got "ANANSWERANSWERANSWER" for "ANSWER".
     srv.push(stream_reply(['{"type": "final", "content": "AN', "SWER", '"}']))
-    write_config(tmp_path, srv)
-    full = os.open("/dev/full", os.O_WRONLY)
-    term = Terminal(tmp_path, "--stream", env=xdg_env(tmp_path), stdout=full)
-    os.close(full)
-    try:
-        term.expect(b"bob> ", timeout=10)
-        term.send(b"go\r")
-        said = term.expect(b"bob> ", timeout=10)
-        term.send(b"\x04")
-        assert term.proc.wait(10) == 0
-    finally:
-        term.close()
+    said = one_turn_into_a_full_disk(tmp_path, srv, "--stream")
     assert said.count(b"No space left on device") == 1, said
     assert said.count(b"ANSWER") == 1 and b"ANANSWER" not in said, said   # once, not lost
     # the view's failure is named as before it became a dataclass, not with its fields (the

@@ -115,22 +115,29 @@ def test_a_redirected_repl_whose_reader_left_ends_as_one_shot_runs_do(tmp_path, 
     assert b"bob: " not in rest, rest
 
 
-def test_a_redirected_repl_whose_file_is_full_says_so_once_a_turn(tmp_path, srv):
-    # `bob > file` on a full disk: the answer's print failed, and then the flush before each
-    # prompt did too, and the REPL said `No space left on device` again and again, forever.
-    srv.push(final("ANSWER"))
+def one_turn_into_a_full_disk(tmp_path, srv, *args: str) -> bytes:
+    """A REPL whose stdout is /dev/full (a full disk): one turn, then Ctrl-D; what the terminal
+    showed of the turn (test_round5_attack.py uses it too)."""
     write_config(tmp_path, srv)
     full = os.open("/dev/full", os.O_WRONLY)
-    term = Terminal(tmp_path, env=xdg_env(tmp_path), stdout=full)
+    term = Terminal(tmp_path, *args, env=xdg_env(tmp_path), stdout=full)
     os.close(full)
     try:
         term.expect(b"bob> ", timeout=10)
-        term.send(b"hi\r")
+        term.send(b"go\r")
         said = term.expect(b"bob> ", timeout=10)
         term.send(b"\x04")
         assert term.proc.wait(10) == 0
     finally:
         term.close()
+    return said
+
+
+def test_a_redirected_repl_whose_file_is_full_says_so_once_a_turn(tmp_path, srv):
+    # `bob > file` on a full disk: the answer's print failed, and then the flush before each
+    # prompt did too, and the REPL said `No space left on device` again and again, forever.
+    srv.push(final("ANSWER"))
+    said = one_turn_into_a_full_disk(tmp_path, srv)
     assert said.count(b"No space left on device") == 1, said
     assert b"ANSWER" in said   # shown rather than lost
 
