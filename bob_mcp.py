@@ -300,10 +300,10 @@ class _Server:
             return
         self.tools = []                     # mcp Tool objects of the session
         self.session = None                 # its ClientSession while it takes calls
-        self.dead: str | None = None        # why it stopped by itself; restarted next turn
+        self.dead = None                    # why it stopped by itself (a str); restarted next turn
                                             # (after a 404, at once: see call())
         self.list_changed = False           # tools/list_changed came: re-list next turn
-        self.pgid: int | None = None        # a plain int, so close() may use it from any thread
+        self.pgid = None                    # a plain int, so close() may use it from any thread
         self._family = []                   # its descendants' pids, read just before it ends
         self.tail = collections.deque(maxlen=_TAIL_LINES)   # its last stderr lines (str)
         self._process: Any = None           # the stdio server's Process, when we can see it
@@ -492,6 +492,9 @@ class _Server:
                 gone = self.status == 404 and (retry or err.message == "Session terminated")
                 if not gone and (err.code, err.message, err.data) != (
                         mcp.types.CONNECTION_CLOSED, "Connection closed", None):
+                    # the session answers: a 404 met on it is over (kept, the next error of
+                    # the session was taken for a lost one, and the call sent twice)
+                    self.status = 0
                     return f"MCP error from server {self.cfg.id}: {err.message}", True
             except (RuntimeError, ValueError) as e:   # it answered, but not with a valid result
                 return f"invalid result from server {self.cfg.id}: {e}", True

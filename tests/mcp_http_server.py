@@ -5,8 +5,8 @@
         srv.restart()                      # forget every session: old ids get 404, as after
                                            # a real restart
 Answers JSON (no SSE): initialize (a new Mcp-Session-Id), tools/list (`echo`), tools/call
-(`echo` returns its `text`); notifications get 202, GET and DELETE 405; an unknown session
-404 with `not_found` as the body. `initializes` counts the sessions started; `requests` the
+(`echo` returns its `text`; text "FAIL" gets a JSON-RPC error, HTTP 200); notifications get
+202, GET and DELETE 405; an unknown session 404 with `not_found` as the body. `initializes` counts the sessions started; `requests` the
 requests seen.
 """
 from __future__ import annotations
@@ -47,6 +47,10 @@ class _Handler(BaseHTTPRequestHandler):
             return self._send(202, b"")
         elif body["method"] == "tools/list":
             result = {"tools": [{"name": "echo", "inputSchema": {"type": "object"}}]}
+        elif body["method"] == "tools/call" and body["params"].get("arguments") == {"text": "FAIL"}:
+            error = {"code": -32602, "message": "echo will not say FAIL"}   # a JSON-RPC error
+            reply = json.dumps({"jsonrpc": "2.0", "id": body["id"], "error": error}).encode()
+            return self._send(200, reply, {"Mcp-Session-Id": session})
         elif body["method"] == "tools/call":
             text = body["params"].get("arguments", {}).get("text", "")
             result = {"content": [{"type": "text", "text": text}]}

@@ -148,6 +148,13 @@ def test_a_second_404_carrying_a_json_rpc_error_is_the_servers_error():
                 True, "MCP error from server w: tools/call is not offered here"), r
         assert srv.initializes == 3, srv.initializes   # the first session, one new one per call
         assert [m for m, _ in srv.requests].count("tools/call") == 4
+        # the session that answered stays, and its next error is an error, not a lost session
+        # (the 404 was remembered: that call began a new session and ran the tool twice)
+        srv.sessions = set(srv.sessions)   # it remembers sessions again
+        r = call(port, "w__echo", text="FAIL")
+        assert (r.is_error, r.content) == (True, "MCP error from server w: echo will not say FAIL")
+        assert srv.initializes == 3, srv.initializes
+        assert [m for m, _ in srv.requests].count("tools/call") == 5
 
 
 class _GoesDown(set):
