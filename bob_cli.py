@@ -600,17 +600,17 @@ def _forget(store, session_id):
 
 
 def _remembered(use, session_id, kept, fix):
-    """use(), which puts the LLM on a session's `kept` flags. If they fail (a hand-edited
-    ID.flags, a key variable since unset), its ConfigError says so as the session's flags, not
-    as flags typed: which, why, and `fix` or --forget."""
+    """use(), which puts the LLM on a session's `kept` flags and those typed. Its ConfigError
+    names the flags the session remembers (a hand-edited ID.flags, a key variable since unset)
+    and `fix` or --forget; it does not say which failed: a flag typed may be the one."""
     try:
         return use()
     except bob.ConfigError as e:
         if not kept:
             raise
         names = " ".join(f"--{key.replace('_', '-')}" for key in kept)
-        raise bob.ConfigError(f"session {session_id} remembers {names}, which fails: "
-                              f"{e}; {fix}, or --forget {session_id}") from None
+        raise bob.ConfigError(f"{e} (session {session_id} remembers {names}: {fix}, or "
+                              f"--forget {session_id})") from None
 
 
 def _new_session_id():

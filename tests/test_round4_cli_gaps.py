@@ -65,15 +65,30 @@ def test_a_remembered_flag_that_fails_says_so_and_how_to_override_it(tmp_path, s
     run = bob(tmp_path, "--session", "s1", "-p", "again")
     error = run.stderr.decode().splitlines()[-1]
     assert run.returncode == 2 and "provider:model" in error, run.stderr
-    assert "session s1 remembers --model, which fails: model 'x'" in error, error
-    assert error.endswith("; a flag given again wins, or --forget s1"), error
+    assert "bob: error: model 'x'" in error, error
+    assert error.endswith("(session s1 remembers --model: a flag given again wins, or "
+                          "--forget s1)"), error
     flags.write_text(json.dumps({"model": "openai:x", "api_key_env": "GONE"}))   # since unset
     error = bob(tmp_path, "--session", "s1", "-p", "again").stderr.decode().splitlines()[-1]
-    assert "GONE" in error and "session s1 remembers --model --api-key-env, which" in error, error
+    assert "GONE" in error and "(session s1 remembers --model --api-key-env: " in error, error
     run = bob(tmp_path, "--session", "s1", "-p", "again", "--model", "local:m",
               "--api-key-env", "BOB_TEST_KEY")   # a flag given wins: the session goes on
     assert run.returncode == 0 and run.stdout == b"two\n", run.stderr
     assert json.loads(flags.read_text()) == {"model": "local:m", "api_key_env": "BOB_TEST_KEY"}
+
+
+def test_a_typed_flag_that_fails_is_not_blamed_on_the_remembered_ones(tmp_path, srv):
+    # `bob --session s1 --base-url notaurl` said `session s1 remembers --model, which fails:
+    # --base-url must be ...`: the remembered --model works; the flag typed does not
+    srv.push(final("one"))
+    write_config(tmp_path, srv)
+    assert bob(tmp_path, "--session", "s1", "-p", "hi", "--model", "local:m").returncode == 0
+    run = bob(tmp_path, "--session", "s1", "-p", "again", "--base-url", "notaurl")
+    error = run.stderr.decode().splitlines()[-1]
+    assert run.returncode == 2 and "bob: error: --base-url must be" in error, error
+    assert "which fails" not in error, error
+    assert error.endswith("(session s1 remembers --model: a flag given again wins, or "
+                          "--forget s1)"), error
 
 
 def test_a_flag_given_that_fails_is_not_blamed_on_the_session(tmp_path, srv):
