@@ -1579,7 +1579,8 @@ def _raised(e, state):
     return error
 
 
-_OWN_DATA = ("state", "llm_call_started", "history_truncated")  # events with nothing to mask
+# events with nothing to mask, or masked already (text_delta: by _Turn._delta)
+_OWN_DATA = ("state", "llm_call_started", "history_truncated", "text_delta")
 
 
 @dataclass
@@ -1601,7 +1602,7 @@ class _Turn:
     system: Message | None = None
     wire: dict[int, Message] = field(default_factory=dict)  # rendered messages, by index
     units: _Units = field(default_factory=_Units)  # of session.messages, read as they grow
-    wake: queue.SimpleQueue[None] = field(default_factory=queue.SimpleQueue)  # see _wait_all
+    wake: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)  # of None: _wait_all
     prompt: LlmRequest | None = None
     reply: LlmResponse | None = None
     action: AgentAction | None = None
@@ -1940,9 +1941,11 @@ class _Turn:
         return self.request.system_prompt or self.rt.system_prompt or DEFAULT_INSTRUCTIONS
 
     def _delta(self, text):
-        """Streamed text from the model; dropped once the turn gave the call up."""
+        """Streamed text from the model; dropped once the turn gave the call up. Masked first
+        (a big piece takes a while), so a turn that ended meanwhile gets nothing after its end."""
+        masked = {"text": redact(text)}
         if not self.cancel.cancelled:
-            self._emit("text_delta", {"text": text})
+            self._emit("text_delta", masked)
 
     # -- a batch of tool calls: approvals, refusals, running --
 
@@ -2947,7 +2950,7 @@ def read_trace(trace: _Trace) -> list[_Event]:
                 and isinstance(e.get("data"), dict)):
             raise TraceError(f"{trace} line {n} is not a trace event (cut short?)")
         # a file's line number; a listed event read from a file before keeps that file's
-        e["line"] = e.get("line", n) if trace == "event list" else n
+        e["line"] = e.get("line", n) if events is lines else n
     if len(events) != len(lines):   # more events than lines: a line holds two
         raise TraceError(f"{trace} holds more events than lines: not a trace")
     return events

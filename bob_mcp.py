@@ -464,8 +464,7 @@ class _Server:
         try:
             json.dumps(arguments, ensure_ascii=False).encode()
         except UnicodeEncodeError:   # the SDK's writer would fail on it and end the session
-            return ("the arguments hold a lone surrogate (half a character, e.g. a cut emoji) "
-                    "that cannot be sent; call again with valid text"), True
+            return "the arguments hold a lone surrogate (a cut emoji?): call with valid text", True
         # Started (at once, usually); or a restart under way: another call met a 404. The run
         # this call waits for may have ended as it began, and another call's restart begun
         # meanwhile: then it waits for the new run (it took the new run's state for the ended

@@ -165,3 +165,49 @@ def test_a_recorded_reply_whose_tool_calls_were_deleted_is_a_trace_error(tmp_pat
 def echo(text: str) -> str:
     """Echo a text."""
     return text
+
+
+# ---- 3. bob.py: a streamed piece masked while the turn ended ----
+
+class _SlowToMask(str):
+    """A streamed piece whose masking (it holds a quote: the mask reads it) waits for `go`,
+    after saying it began: the turn can end while it is being masked, every time."""
+    began = threading.Event()
+    go = threading.Event()
+
+    def lower(self) -> str:
+        self.began.set()
+        self.go.wait(10)
+        return str.lower(self)
+
+
+def test_a_piece_streamed_as_the_turn_is_cancelled_comes_to_no_sink_after_its_end():
+    # _delta checked the cancel, then masked (an 8 MB piece: over a second), then emitted: the
+    # sinks got a text_delta after the turn's turn_completed, and the CLI printed it into the
+    # next turn's answer. Now the piece is masked first, and the cancel checked after that.
+    delivered = threading.Event()
+
+    def streams(req, cancel, on_delta):
+        on_delta(_SlowToMask('{"note": "a piece"}'))
+        delivered.set()   # to the sinks, or dropped
+        cancel.wait(10)
+        raise bob.Cancelled("cancelled")
+
+    class Streaming:
+        def complete(self, req, cancel, on_delta=None):
+            return streams(req, cancel, on_delta)
+
+    kinds = []
+    sink = types.SimpleNamespace(emit=lambda e: kinds.append(e.kind))
+    token = bob.CancelToken()
+    done = []
+    rt = bob.AgentRuntime(Streaming(), events=sink)
+    runner = threading.Thread(target=lambda: done.append(rt.run(bob.AgentRequest("go"), token)))
+    runner.start()
+    assert _SlowToMask.began.wait(10)   # the piece passed _delta's look at the cancel
+    token.cancel()
+    runner.join(10)
+    assert done[0].finish_reason is bob.FinishReason.CANCELLED
+    _SlowToMask.go.set()
+    assert delivered.wait(10)
+    assert kinds[-1] == "turn_completed", kinds
