@@ -27,7 +27,8 @@ time, and each step digested its request twice (the runtime for llm_call_started
 check it) and round-tripped every new event through JSON to compare it. Now bob's replay ports
 answer on the loop's thread (they answer from memory and never block; bob.py section 9), the
 port takes the digest the runtime just computed, and a new event is put through JSON only when
-it differs from the recorded one. The fifth round (same VM, quiet, load ~1): the turn's tools are encoded for the digest once a
+it differs from the recorded one.
+The fifth round (same VM, quiet, load ~1): the turn's tools are encoded for the digest once a
 turn, not every step (request_digest's cache holds the list); whether a port's call_tool takes
 `cancel` is asked once per method (inspect.signature, ~16 us, was asked every tool call); the
 text mask returns at once when no secret name is anywhere in the text (one search, a third of

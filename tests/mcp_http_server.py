@@ -6,8 +6,8 @@
                                            # a real restart
 Answers JSON (no SSE): initialize (a new Mcp-Session-Id), tools/list (`echo`), tools/call
 (`echo` returns its `text`; text "FAIL" gets a JSON-RPC error, HTTP 200); notifications get
-202, GET and DELETE 405; an unknown session 404 with `not_found` as the body. `initializes` counts the sessions started; `requests` the
-requests seen.
+202, GET and DELETE 405; an unknown session 404 with `not_found` as the body. `initializes`
+counts the sessions started; `requests` the requests seen.
 """
 from __future__ import annotations
 
