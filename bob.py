@@ -95,7 +95,7 @@ __all__ = [
     # the trace and replay
     "request_digest", "replay", "ReplayReport", "ReplayLlm", "ReplayTools", "read_trace",
 ]
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 TRACE_FORMAT = 1   # the format of what a trace records (README: "The trace")
 
 log = logging.getLogger("bob")
@@ -2681,7 +2681,7 @@ class OpenAICompatLlm:
         self._secrets = sorted(words.union(values) - {""}, key=len, reverse=True)
 
     def __repr__(self) -> str:
-        return f"OpenAICompatLlm({self.describe()!r})"
+        return f"<OpenAICompatLlm {self.describe()}>"
 
     def describe(self) -> str:
         """One line for humans, e.g. "openai:gpt-4o-mini at https://api.openai.com/v1"."""
