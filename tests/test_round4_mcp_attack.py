@@ -190,7 +190,10 @@ def test_a_404_met_while_bob_closes_leaves_no_thread_and_no_unseen_error(caplog)
         gc.collect()
     assert results and results[0].is_error, results
     assert took < 10, took
-    left = [t for t in set(threading.enumerate()) - threads_before if t.is_alive()]
+    # bob's threads, not the test server's own handlers (daemons its close does not join: one
+    # may still be writing to a socket bob closed)
+    left = [t for t in set(threading.enumerate()) - threads_before
+            if t.is_alive() and "process_request_thread" not in t.name]
     assert not left, left
     assert "never retrieved" not in caplog.text, caplog.text
 
