@@ -121,7 +121,7 @@ def test_commands_without_their_argument_say_what_they_need(tmp_path, srv):
 
 
 @pytest.mark.parametrize("typed, shown, sent", [
-    (b'"""\rline one\rline two\r', b"... line two", "line one\\nline two"),  # inside a block
+    (b'"""\rline one\rline two\r', b"line two\r\n... ", "line one\\nline two"),  # in a block
     (b"first line \\\r", b"... ", "first line")])   # on the line after a trailing backslash
 def test_ctrl_d_on_a_continuation_line_sends_what_was_typed(tmp_path, srv, typed, shown, sent):
     srv.push(final("got it"))
@@ -129,7 +129,7 @@ def test_ctrl_d_on_a_continuation_line_sends_what_was_typed(tmp_path, srv, typed
     term = repl(tmp_path)
     try:
         term.send(typed)
-        term.expect(shown)
+        term.expect(shown)   # the continuation prompt is up: a Ctrl-D typed ahead of it is no EOF
         term.send(b"\x04")   # Ctrl-D on the continuation line
         assert b"got it" in term.expect(b"bob> ", timeout=5)
     finally:
