@@ -489,8 +489,8 @@ def _input(prompt):
     with contextlib.suppress(OSError):
         sys.stdout.flush()
     held = _answers()   # taken before fd 1 is lent, the first time too
-    _Above.prompt = prompt
-    try:
+    try:   # (a Ctrl-C right after the prompt is set still unsets it)
+        _Above.prompt = prompt
         if not sys.stdout.isatty():
             os.dup2(2, 1)
         return input(prompt)
