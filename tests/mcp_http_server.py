@@ -68,6 +68,18 @@ class _Handler(BaseHTTPRequestHandler):
         self.wfile.write(body)
 
 
+class ForgetOnCall(set):
+    """Sessions for `McpHttpServer.sessions` that a server forgets before each tools/call (it
+    restarts in a loop): initialize and tools/list work, every call answers 404."""
+
+    def __init__(self, requests: list) -> None:
+        super().__init__()
+        self.requests = requests
+
+    def __contains__(self, session: object) -> bool:
+        return self.requests[-1][0] != "tools/call" and super().__contains__(session)
+
+
 class _Http(ThreadingHTTPServer):
     daemon_threads = True
     # socketserver's default listen backlog is 5: 20 calls at once overflowed it, and a

@@ -25,7 +25,7 @@ import bob_mcp
 from bob import ToolCall
 from bob_mcp import McpError, McpServerConfig, McpToolPort
 from conftest import marked_pids, wait_until
-from mcp_http_server import McpHttpServer
+from mcp_http_server import ForgetOnCall, McpHttpServer
 
 HERE = Path(__file__).parent
 SERVER = str(HERE / "mcp_server.py")
@@ -110,21 +110,9 @@ def test_calls_that_meet_the_404_together_share_one_new_session():
         assert srv.initializes == 2, srv.initializes
 
 
-class _ForgetOnCall(set):
-    """Sessions a server forgets before each tools/call (it restarts in a loop): initialize
-    and tools/list work, every call answers 404."""
-
-    def __init__(self, requests: list) -> None:
-        super().__init__()
-        self.requests = requests
-
-    def __contains__(self, session: object) -> bool:
-        return self.requests[-1][0] != "tools/call" and super().__contains__(session)
-
-
 def test_a_second_404_is_an_error_result_naming_the_cause_and_one_retry_only():
     with McpHttpServer() as srv, McpToolPort([http(srv.url)]) as port:
-        srv.sessions = _ForgetOnCall(srv.requests)
+        srv.sessions = ForgetOnCall(srv.requests)
         t0 = time.monotonic()
         r = call(port, "w__echo", timeout_s=20, text="b")
         assert time.monotonic() - t0 < 5, "it waited for the timeout"
@@ -139,7 +127,7 @@ def test_a_second_404_carrying_a_json_rpc_error_is_the_servers_error():
     session: a new session, the call once more. A second one, on the session just begun, is the
     server's error: its own message, not `executor unavailable: ... HTTP 404`."""
     with McpHttpServer() as srv, McpToolPort([http(srv.url)]) as port:
-        srv.sessions = _ForgetOnCall(srv.requests)
+        srv.sessions = ForgetOnCall(srv.requests)
         srv.not_found = json.dumps({"jsonrpc": "2.0", "id": None, "error": {
             "code": -32601, "message": "tools/call is not offered here"}}).encode()
         for _ in range(2):   # the second: the same, on the session the first one left

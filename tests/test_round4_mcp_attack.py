@@ -14,7 +14,7 @@ import bob
 import bob_mcp
 from bob import CancelToken, ToolCall
 from bob_mcp import McpServerConfig, McpToolPort
-from mcp_http_server import McpHttpServer
+from mcp_http_server import ForgetOnCall, McpHttpServer
 
 SAME = str(Path(__file__).parent / "mcp_same_name_server.py")
 
@@ -198,20 +198,9 @@ def test_a_404_met_while_bob_closes_leaves_no_thread_and_no_unseen_error(caplog)
     assert "never retrieved" not in caplog.text, caplog.text
 
 
-class _ForgetOnCall(set):
-    """Sessions a server forgets at each tools/call (initialize and tools/list work)."""
-
-    def __init__(self, requests: list) -> None:
-        super().__init__()
-        self.requests = requests
-
-    def __contains__(self, session: object) -> bool:
-        return self.requests[-1][0] != "tools/call" and super().__contains__(session)
-
-
 def test_a_server_that_answers_404_only_to_calls_costs_a_bounded_number_of_requests():
     with McpHttpServer() as srv, McpToolPort([http(srv.url)]) as port:
-        srv.sessions = _ForgetOnCall(srv.requests)
+        srv.sessions = ForgetOnCall(srv.requests)
         before = len(srv.requests)
         for turn in range(3):
             port.list_tools()
