@@ -94,16 +94,23 @@ def test_an_edit_in_a_later_turn_is_named_by_its_line_in_the_file(tmp_path):
         bob.replay(path)
 
 
-def test_a_recorded_turn_timeout_replays_without_waiting_for_it(tmp_path, hang):
-    path, release = tmp_path / "t.jsonl", hang()
+def record_a_turn_timeout(path: Path, hang, timeout_ms: int) -> None:
+    """One turn of session s1, "sum": a tool call, then a model that outlives turn_timeout_ms
+    (`hang` is conftest's fixture); recorded into `path` (test_round4_replay_attack uses it)."""
+    release = hang()
 
     def slow(req, cancel):
         release.wait(10)
         return "late"
 
     [r] = record(path, [calls(("c1", "add", {"a": 1, "b": 2})), slow], ["sum"],
-                 policy=TurnPolicy(turn_timeout_ms=1000))   # waited out: 1 s, the bound below
+                 policy=TurnPolicy(turn_timeout_ms=timeout_ms))
     assert r.guard_reason is GuardReason.TURN_TIMEOUT
+
+
+def test_a_recorded_turn_timeout_replays_without_waiting_for_it(tmp_path, hang):
+    path = tmp_path / "t.jsonl"
+    record_a_turn_timeout(path, hang, 1000)   # waited out: 1 s, the bound below
     t0 = time.monotonic()
     report = bob.replay(path)
     assert report.ok, str(report)

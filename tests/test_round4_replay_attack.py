@@ -23,7 +23,8 @@ from bob import (AgentRequest, AgentRuntime, Approval, CancelToken, FinishReason
                  ScriptedLlm, TraceError, TurnPolicy)
 from conftest import REPO, cancel_once_entered
 from test_replay import record
-from test_trace import add, calls, of, shout
+from test_replay_record import record_a_turn_timeout
+from test_trace import add, calls
 
 
 # ---- 1. Helpers ---------------------------------------------------------------------------------
@@ -232,15 +233,8 @@ def test_a_reply_that_answers_no_request_is_a_trace_error_naming_its_line(tmp_pa
 
 def test_a_hand_wired_replay_llm_replays_a_recorded_timeout_at_once(tmp_path, hang):
     """Under the caller's own policy (90 s), not only replay()'s recorded one."""
-    path, release = tmp_path / "t.jsonl", hang()
-
-    def slow(req, cancel):
-        release.wait(10)
-        return "late"
-
-    [r] = record(path, [calls(("c1", "add", {"a": 1, "b": 2})), slow], ["sum"],
-                 policy=TurnPolicy(turn_timeout_ms=300))
-    assert r.guard_reason is GuardReason.TURN_TIMEOUT
+    path = tmp_path / "t.jsonl"
+    record_a_turn_timeout(path, hang, 300)
     t0 = time.monotonic()
     r = AgentRuntime(ReplayLlm(path), ReplayTools(path), action_mode="native").run(
         AgentRequest("sum", "s1"))
