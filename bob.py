@@ -1579,8 +1579,7 @@ def _raised(e, state):
     return error
 
 
-# events with nothing to mask, or masked already (text_delta: by _Turn._delta)
-_OWN_DATA = ("state", "llm_call_started", "history_truncated", "text_delta")
+_OWN_DATA = ("state", "llm_call_started", "history_truncated")  # events with nothing to mask
 
 
 @dataclass
@@ -1941,11 +1940,8 @@ class _Turn:
         return self.request.system_prompt or self.rt.system_prompt or DEFAULT_INSTRUCTIONS
 
     def _delta(self, text):
-        """Streamed text from the model; dropped once the turn gave the call up. Masked first
-        (a big piece takes a while), so a turn that ended meanwhile gets nothing after its end."""
-        masked = {"text": redact(text)}
-        if not self.cancel.cancelled:
-            self._emit("text_delta", masked)
+        """Streamed text from the model (_emit drops it once the turn gave the call up)."""
+        self._emit("text_delta", {"text": text})
 
     # -- a batch of tool calls: approvals, refusals, running --
 
@@ -2115,6 +2111,10 @@ class _Turn:
             return
         data = data() if callable(data) else data
         masked = data if kind in _OWN_DATA else redact(data)
+        # A piece streamed on the port's thread, looked at after its masking (a big one takes a
+        # while): a turn that ended meanwhile gets nothing after its turn_completed
+        if kind == "text_delta" and self.cancel.cancelled:
+            return
         if kind == "turn_started":   # masked at Start as the model sees them (_masked_tool)
             masked["tools"] = data["tools"]
         event = AgentEvent(kind, self.request.session_id, self.guard.steps, masked, time.time())
