@@ -756,12 +756,6 @@ class Trip:
     detail: str
 
 
-def _signature(calls):
-    """A batch's names and canonical arguments, masked as a replay sees them."""
-    return "|".join(sorted(c.name + json.dumps(redact(c.arguments), sort_keys=True, default=str)
-                           for c in calls))
-
-
 class LoopGuard:
     """Counts steps, tool calls, errors, repeated batches and repeated texts in one turn."""
 
@@ -769,7 +763,8 @@ class LoopGuard:
         self.policy = policy
         self.deadline = deadline
         self.steps = self.tool_calls = self.consecutive_errors = 0
-        self._batches = {}   # a batch's _signature -> how often it was requested
+        self._batches = {}   # a batch's signature (check_loop) -> how often it was requested
+        self._repeated = None   # the last batch check_loop saw, if it reached the loop limit
         self._texts = {}     # an assistant text's sha1 -> how often it was seen
 
     def out_of_time(self) -> Trip | None:
@@ -807,14 +802,18 @@ class LoopGuard:
         return None
 
     def at_loop_limit(self, calls: Sequence[ToolCall]) -> bool:
-        """This batch was repeated (requested twice or more) and once more trips LOOP_DETECTED."""
-        return self._batches.get(_signature(calls), 0) >= max(
-            2, self.policy.max_repeated_batches)
+        """This batch, the last check_loop saw, was repeated (requested twice or more) and once
+        more trips LOOP_DETECTED. (Not hashed again: asked before every json-mode step.)"""
+        return calls is self._repeated
 
     def check_loop(self, calls: Sequence[ToolCall]) -> Trip | None:
         """Before a batch runs: the same batch (names, canonical arguments) seen too often."""
-        sig = _signature(calls)
+        sig = "|".join(sorted(c.name + json.dumps(redact(c.arguments), sort_keys=True,
+                                                  default=str)   # masked, as a replay sees it
+                              for c in calls))
         self._batches[sig] = seen = self._batches.get(sig, 0) + 1
+        # (twice at least: with max_repeated_batches=1 every batch would be "at the limit")
+        self._repeated = calls if seen >= max(2, self.policy.max_repeated_batches) else None
         if seen > self.policy.max_repeated_batches:
             return Trip(GuardReason.LOOP_DETECTED,
                         f"the same tool calls were requested {seen} times"
