@@ -672,10 +672,10 @@ class _Units:
     Kept up to date as messages are appended, so a step costs what it sends, not the history."""
 
     def __init__(self):
-        self.units: list[list[int]] = []
-        self.system: list[int] = []               # indices of system messages
-        self.open_ids: set[str | None] = set()    # calls of the last unit still without a result
-        self.seen = 0                             # messages read so far
+        self.units = []      # lists of message indices, oldest first
+        self.system = []     # indices of system messages
+        self.open_ids = set()   # ids of the last unit's calls still without a result
+        self.seen = 0        # messages read so far
 
     def read(self, messages):
         """Take in the messages appended since the last call."""
@@ -932,7 +932,7 @@ class FunctionTools:
     calls run inline (the runtime gives each a worker); a raise is an is_error result."""
 
     def __init__(self, functions: Iterable[Callable[..., Any]] = ()):
-        self._functions: dict[str, _Function] = {}
+        self._functions = {}   # name -> _Function
         for fn in functions:
             self.add(fn)
 
@@ -1366,7 +1366,7 @@ class JsonlEventSink:
     def __init__(self, path: str | os.PathLike[str]):
         self.path = Path(path)
         self._lock = threading.Lock()
-        self._file: Any = None
+        self._file = None   # opened at the first event
 
     def emit(self, event: AgentEvent) -> None:
         """Append the event as one JSON line and flush it."""
@@ -1423,7 +1423,7 @@ _MAX_CALLS_PER_REPLY = 1_000
 _IDLE_S = 30.0                 # an idle pool thread exits after this long
 _lock = threading.Lock()       # guards the two below
 _abandoned = 0
-_idle: list[queue.SimpleQueue[Any]] = []   # inboxes of idle pool threads
+_idle = []   # inboxes (queue.SimpleQueue) of idle pool threads
 
 
 def abandoned_workers() -> int:
@@ -1482,8 +1482,8 @@ class _Worker:
     def __init__(self, fn, wake, port=None):
         self.fn = fn
         self.wake = wake   # (put to by an inline call too: a stale token costs one more look)
-        self.value: Any = None
-        self.error: BaseException | None = None
+        self.value = None   # what fn returned
+        self.error = None   # the BaseException fn raised
         self.done = self._given_up = False
         self.inline = _inline(port)
         if self.inline:
@@ -1867,6 +1867,14 @@ class _Turn:
         return LlmRequest([self.system, *(self.wire[i] for i in kept)],
                           tools, "json" if json_mode else None, self.guard.deadline)
 
+    def woken(self):
+        """The turn's own token fired: wake whatever the turn waits for. Unless the caller
+        cancelled, the turn's time is up from now: a port fired it, giving up (a replay's,
+        where the recorded turn ran out of time)."""
+        self.wake.put(None)
+        if not self.caller_cancel.cancelled:
+            self.guard.deadline = -math.inf
+
     def _complete(self, prompt):
         return self._call_port(lambda: self.rt.llm.complete(prompt, self.cancel, self._delta),
                                self.rt.llm)
@@ -1981,7 +1989,7 @@ class _Turn:
     def _ask_approver(self, call):
         """The approver's decision, on a worker (the deadline and cancel hold); an approver
         that raises declines."""
-        worker = self._call_port(lambda: self.rt.approver(call))
+        worker = self._call_port(lambda: self.rt.approver(call), self.rt.approver)
         if self.caller_cancel.cancelled or isinstance(worker.error, Cancelled):
             return self._stop_batch_on_cancel()
         if not worker.done:
@@ -2181,9 +2189,9 @@ class AgentRuntime:
         self.ask_tools = _globs("ask_tools", ask_tools)
         self.approver = approver
         # What the runtime remembers between turns
-        self._failing: set[int] = set()   # ids of sinks that raised (logged once each)
-        self._probe: _Worker | None = None  # health()'s list_tools call
-        self._traced: dict[str, int] = {}  # session -> the version its traced turns lead to
+        self._failing = set()   # ids (int) of sinks that raised (logged once each)
+        self._probe = None      # health()'s list_tools call, a _Worker
+        self._traced = {}       # session id -> the version (int) its traced turns lead to
 
     def run(self, request: AgentRequest, cancel: CancelToken | None = None) -> AgentRunResult:
         """Run one turn to its end: a guard or a cancel is a result; LlmError, AgentError
@@ -2193,7 +2201,7 @@ class AgentRuntime:
         guard = LoopGuard(policy, time.monotonic() + policy.turn_timeout_ms / 1000)
         turn = _Turn(self, request, policy, caller, CancelToken(), guard)
         # A cancel of the turn wakes whatever it waits for; the caller's cancel is the turn's
-        turn.cancel.on_cancel(lambda: turn.wake.put(None))
+        turn.cancel.on_cancel(turn.woken)
         unlink = caller.on_cancel(turn.cancel.cancel)
         state = State.START
         try:
@@ -2977,6 +2985,11 @@ class _Replay:
         self._parts = {}   # the parts of request_digest
         self.told = None   # the digest of the next request, if replay()'s sink saw it (_Recorder)
         self._calls = {}   # call id -> the recorded calls with that id, oldest first
+        # call id -> the recorded decision; _TIMED_OUT: the approver was asked, never answered
+        self.decided = {}
+        # the turn's own token, as complete() got it (a stand-in until then): replay()'s sink
+        # fires it where the recorded turn ran out of time (_Recorder)
+        self.turn = CancelToken()
         started = {}   # call id -> its tool_call_started
         asked = None   # the line of the request not answered yet
         try:   # a field missing or of a wrong type: a TraceError naming the line, below
@@ -3014,6 +3027,10 @@ class _Replay:
             self._script[-1][1] = _TIMED_OUT
         elif asked and d.get("where") == "turn":   # the model failed: the turn raised
             self._script[-1][1] = LlmError(d["error"].partition(": ")[2])
+        elif kind == "approval_requested":   # unanswered, unless a decision comes
+            self.decided[d["call_id"]] = _TIMED_OUT
+        elif kind == "approval_decided":
+            self.decided[d["call_id"]] = Approval(d["allow"], d["reason"], d["arguments"])
         elif kind == "tool_call_started":
             started[d["call_id"]] = d
         elif kind == "tool_call_completed" and started[d["call_id"]]["runs"]:
@@ -3033,6 +3050,7 @@ class _Replay:
         """The recorded reply to this request."""
         n = len(self.requests)   # (the runtime asks one request at a time)
         self.requests.append(req)
+        self.turn = cancel
         digest, answer = self._script[n] if n < len(self._script) else (None, None)
         told, self.told = self.told, None
         if digest is None or (told or request_digest(req, self._parts)) != digest:
@@ -3074,6 +3092,17 @@ class _Replay:
             self.on_interrupt()
         return ToolResult(call.id, call.name, rec["content"], rec["is_error"])
 
+    # -- the approver (replay() asks it; answering inline, as the ports do) --
+
+    def __call__(self, call: ToolCall) -> Approval:
+        """The recorded decision on this call (none recorded: declined). None for a call the
+        recorded turn ran out of time asking about: replay() has ended the turn's time just
+        before (_expiry_point), so the turn stops as recorded."""
+        decision = self.decided.get(call.id, Approval(False, "replay: no recorded decision"))
+        if decision is _TIMED_OUT:   # the turn's token was fired before (_expiry_point)
+            raise _NoAnswer("the recorded approver never answered")
+        return decision
+
 
 class ReplayLlm(_Replay):
     """An LlmPort answering from a trace: a request must have the recorded digest, and gets the
@@ -3114,7 +3143,7 @@ class ReplayReport:
 
 # -- reading turns back --
 # The fields replay compares, per event kind (not timestamps, durations or usage).
-_COMPARED = {"turn_started": (), "state": ("from", "to"), "llm_call_started": ("digest",),
+_COMPARED = {"turn_started": ("tools",), "state": ("from", "to"), "llm_call_started": ("digest",),
              "action_parsed": ("type", "tools"), "parse_error": ("error",),
              "tool_call_started": ("call_id", "name", "arguments"),
              "tool_call_completed": ("call_id", "name", "content", "is_error"),
@@ -3163,29 +3192,45 @@ def _cancel_point(events):
     return states[-1] - 1   # the cancel was seen at the last transition, to done
 
 
+def _expiry_point(events):
+    """The index (among compared events) of the state event after which a recorded turn ran out
+    of time (the last before its turn_timeout trip: the checks before an LLM call and a batch,
+    and the approver, come after it); None if it did not, or ran out while the model answered
+    (the replay's port answers that request with the turn's token: _Replay.complete)."""
+    point = None
+    for i, e in enumerate(events):
+        if e["kind"] == "state":
+            point = i
+        elif e.get("reason") == "turn_timeout" and events[i - 1]["kind"] != "llm_call_started":
+            return point
+    return None
+
+
 # -- replaying a turn --
 
 class _Recorder:
     """The replay's event sink: the recorded events (compared and shown) and the new ones; it
-    fires `cancel` where the recorded cancel came."""
+    fires `cancel` where the recorded cancel came, and the turn's own token where the recorded
+    turn ran out of time."""
 
     def __init__(self, cancel, recorded, port):
         self.recorded = recorded
         self.events = []   # the new run's, compared and shown
-        self.tools = []    # those the new run offered, as a trace has them
         self.cancel = cancel
         self.cancel_at = _cancel_point(recorded)
+        self.expire_at = _expiry_point(recorded)
         self.port = port
 
     def emit(self, event):
-        if event.kind == "turn_started":
-            self.tools = json.loads(_data_json(event.data["tools"]))
         if "digest" in event.data:   # of the request the port gets next: one digest, not two
             self.port.told = event.data["digest"]
         if event.kind in _COMPARED:
             self.events.append(_shown(vars(event)))
-            if len(self.events) - 1 == self.cancel_at:
+            n = len(self.events) - 1
+            if n == self.cancel_at:
                 self.cancel.cancel()
+            if n == self.expire_at:   # the turn's time is up (_Turn.woken)
+                self.port.turn.cancel()
 
 
 def _first_difference(recorded, new):
@@ -3220,15 +3265,12 @@ def _replay_turn(events, state, given
     new), its ports and the session after it."""
     start = _turn_start(events)
     sid = events[0]["session_id"]
-    decided = {}   # the recorded decisions, by call id
     failed = False
-    # what the recorded turn began from, what it decided, and whether its save failed
+    # what the recorded turn began from, and whether its save failed
     for e in events:
         d = e["data"]
         if e["kind"] == "session_loaded":
             state = SessionState.from_dict(d)
-        elif e["kind"] == "approval_decided":
-            decided[d["call_id"]] = Approval(d["allow"], d["reason"], d["arguments"])
         failed |= d.get("where") == "store.save"
     store = InMemorySessionStore()
     if state is not None:
@@ -3246,8 +3288,7 @@ def _replay_turn(events, state, given
         action_mode=given.get("action_mode") or start["action_mode"],
         ask_tools=start["ask_tools"],   # and the recorded denials stay:
         deny_tools=(*given.get("deny_tools", ()), *start["deny_tools"]),
-        approver=(lambda c: decided.get(c.id, Approval(False, "replay: no recorded decision")))
-        if start["approver"] else None)
+        approver=port if start["approver"] else None)   # the recorded decisions
     # the turn: an error that ends it is an event; a bad recorded approval fails again
     approvals = {k: Approval(**a) if isinstance(a, dict) else a
                  for k, a in start["approvals"].items()}
@@ -3293,12 +3334,12 @@ def _check_turn(events, states, given):
     step, what, old, value = found
     if str(value).startswith("replay: "):   # a tool result: what ReplayTools saw
         what = value.removeprefix("replay: ")
+    if what == "turn_started tools":   # named, and shown by their names
+        names = [[d["name"] for d in tools] for tools in (old, value)]
+        return step, f"the tools offered differ: {_tools_changed(old, value)}", *names
     if what != "llm_call_started digest":
         return step, what, old, value
-    # a request differs: name the tools that changed, else the first message that did
-    tools = _tools_changed(_turn_start(events)["tools"], sink.tools)
-    if tools:
-        return step, f"the tools offered differ: {tools}", old, value
+    # a request differs: the first message that did
     return (step, port.divergence or what, old, value,
             _request_diff(port, _replay_turn(events, before, {})[1]))
 

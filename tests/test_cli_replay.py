@@ -118,5 +118,5 @@ def test_live_tools_renamed_are_named_in_the_report(live_runs):
     run = live_runs.result("renamed")
     assert run.returncode == 1, run.stderr
     report = run.stdout.splitlines()[1]
-    assert report.startswith("turn 1, step 1: the tools offered differ: removed: t__")
+    assert report.startswith("turn 1, step 0: the tools offered differ: removed: t__")
     assert "t__env" in report and "added: u__" in report and "u__env" in report

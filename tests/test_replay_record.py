@@ -132,7 +132,8 @@ def test_a_live_tool_gone_renamed_or_changed_is_named(tmp_path):
     live = FunctionTools([yell, login])
     live.add(add3, name="add")
     report = bob.replay(path, tools=live)
-    assert not report.ok and report.step == 1
+    assert not report.ok and report.step == 0   # at the turn's start, where they are offered
+    assert report.recorded == ["add", "shout", "login"] and report.new == ["yell", "login", "add"]
     assert "removed: shout" in report.what and "added: yell" in report.what
     assert "changed: add (input_schema)" in report.what
     assert "digest" not in report.detail

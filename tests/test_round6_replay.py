@@ -1,0 +1,140 @@
+"""Sixth round: a turn whose time ran out replays the same, wherever the time ran out.
+
+A recorded turn ran out of time while it waited (for the model, a tool, the approver) or between
+two port calls (a check before an LLM call or a batch found the deadline passed). A replay
+answers at once, so it must end the turn's time where the recording did: the replay fires the
+turn's own token there, and a turn whose own token fires (not the caller's) is out of time.
+Sections: 1. Helpers  2. Where the time ran out  3. The turn's own token
+"""
+from __future__ import annotations
+
+import threading
+import time
+
+import bob
+from bob import (AgentRequest, AgentRuntime, Approval, FinishReason, FunctionTools, GuardReason,
+                 ScriptedLlm, ToolResult, TurnPolicy)
+from test_replay import record
+from test_trace import add, calls
+
+
+# ---- 1. Helpers ---------------------------------------------------------------------------------
+
+def held_at(kind: str, timeout_ms: int):
+    """A cancel_on for test_replay.record that never cancels: it holds the loop's thread at the
+    first event of `kind` until the turn's deadline has passed (a slow sink, a slow machine)."""
+    started = []
+
+    def hold(event) -> bool:
+        if event.kind == "turn_started":
+            started.append(time.monotonic())
+        elif event.kind == kind and started:
+            left = started[0] + timeout_ms / 1000 - time.monotonic()
+            threading.Event().wait(max(0.0, left) + 0.05)   # past the deadline, whatever it is
+            started.clear()
+        return False
+    return hold
+
+
+def replays_at_once(path, bound_s: float = 0.25):
+    t0 = time.monotonic()
+    report = bob.replay(path)
+    assert report.ok, str(report)
+    assert time.monotonic() - t0 < bound_s   # not waiting out the recorded deadline
+    return report
+
+
+# ---- 2. Where the time ran out ------------------------------------------------------------------
+
+def test_time_that_ran_out_before_a_batch_replays_the_same(tmp_path):
+    path = tmp_path / "t.jsonl"
+    [r] = record(path, [calls(("c1", "add", {"a": 1, "b": 2})), "3"], ["sum"],
+                 policy=TurnPolicy(turn_timeout_ms=300),
+                 cancel_on=held_at("action_parsed", 300))
+    # the batch's check found the deadline passed: its call is "not run"
+    assert r.guard_reason is GuardReason.TURN_TIMEOUT
+    assert r.history[-1].content.startswith("not run: the turn took longer than")
+    replays_at_once(path)
+
+
+def test_time_that_ran_out_after_the_approver_answered_replays_the_same(tmp_path):
+    path = tmp_path / "t.jsonl"
+    [r] = record(path, [calls(("c1", "add", {"a": 1, "b": 2})), "3"], ["sum"],
+                 policy=TurnPolicy(turn_timeout_ms=300), ask_tools=["add"],
+                 approver=lambda call: Approval(True),
+                 cancel_on=held_at("approval_decided", 300))
+    assert r.guard_reason is GuardReason.TURN_TIMEOUT
+    assert r.history[-1].content.startswith("not run: the turn took longer than")
+    replays_at_once(path)
+
+
+def test_time_that_ran_out_after_a_tool_answered_replays_the_same(tmp_path):
+    path = tmp_path / "t.jsonl"
+    [r] = record(path, [calls(("c1", "add", {"a": 1, "b": 2})), "3"], ["sum"],
+                 policy=TurnPolicy(turn_timeout_ms=300),
+                 cancel_on=held_at("tool_call_completed", 300))
+    assert r.guard_reason is GuardReason.TURN_TIMEOUT
+    assert r.history[-1].content == "3"   # the tool's result; the next LLM call never came
+    replays_at_once(path)
+
+
+def test_a_resumed_turn_whose_approver_never_answered_replays_the_same(tmp_path, hang):
+    """No request comes before the approver in a resumed turn: the replay waits out the
+    recorded deadline (300 ms here), and still matches."""
+    path, release = tmp_path / "t.jsonl", hang()
+    [paused] = record(path, [calls(("c1", "add", {"a": 1, "b": 2}))], ["sum"],
+                      ask_tools=["add"])
+    assert paused.finish_reason is FinishReason.NEEDS_APPROVAL
+    rt = AgentRuntime(ScriptedLlm(["3"]), FunctionTools([add]), ask_tools=["add"],
+                      approver=lambda call: release.wait(10) and Approval(True),
+                      policy=TurnPolicy(turn_timeout_ms=300),
+                      events=bob.JsonlEventSink(path),
+                      store=bob.InMemorySessionStore())
+    rt.store.save("s1", bob.SessionState(paused.history, version=1, paused={
+        "guard": {}, "input_index": 0, "approvals": {}}))
+    r = rt.run(AgentRequest(None, "s1"))
+    assert r.guard_reason is GuardReason.TURN_TIMEOUT
+    report = bob.replay(path)
+    assert report.ok, str(report)
+
+
+def test_the_two_turn_timeouts_recorded_while_waiting_still_replay(tmp_path, hang):
+    """While the model answered (the recorded request has no reply) and, unchanged, a guard
+    other than the deadline: replayed as recorded."""
+    path, release = tmp_path / "t.jsonl", hang()
+
+    def slow(req, cancel):
+        release.wait(10)
+        return "late"
+
+    record(path, [slow], ["sum"], policy=TurnPolicy(turn_timeout_ms=200))
+    report = replays_at_once(path)
+    assert "the model did not answer" in (tmp_path / "t.jsonl").read_text()
+    steps = tmp_path / "s.jsonl"
+    [r] = record(steps, [calls(("c1", "add", {"a": 1, "b": 2}))] * 3, ["sum"],
+                 policy=TurnPolicy(max_steps=2, max_repeated_batches=5))
+    assert r.guard_reason is GuardReason.MAX_STEPS
+    assert bob.replay(steps).ok and report.ok
+
+
+# ---- 3. The turn's own token --------------------------------------------------------------------
+
+def test_a_port_that_fires_the_token_it_was_given_ends_the_turns_time():
+    """The token a port gets is the turn's own: a port that fires it gives the turn up, as a
+    replay does where the recorded time ran out; the caller's cancel stays CANCELLED."""
+
+    class GivingUp(FunctionTools):
+        def call_tool(self, call, timeout_s, cancel=None):
+            cancel.cancel()
+            return ToolResult(call.id, call.name, "gave up")
+
+    rt = AgentRuntime(ScriptedLlm([calls(("c1", "add", {"a": 1, "b": 2})), "never asked"]),
+                      GivingUp([add]), policy=TurnPolicy(turn_timeout_ms=60_000),
+                      action_mode="native")
+    t0 = time.monotonic()
+    r = rt.run(AgentRequest("sum", "s1"))
+    assert time.monotonic() - t0 < 1.0
+    assert (r.finish_reason, r.guard_reason) == (FinishReason.GUARD_EXCEEDED,
+                                                 GuardReason.TURN_TIMEOUT)
+    assert r.content == "Stopped: the turn took longer than turn_timeout_ms=60000."
+    assert r.history[-1].content == "gave up" and r.steps == 1
