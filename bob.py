@@ -932,7 +932,7 @@ class FunctionTools:
     calls run inline (the runtime gives each a worker); a raise is an is_error result."""
 
     def __init__(self, functions: Iterable[Callable[..., Any]] = ()):
-        self._functions: dict[str, _Function] = {}
+        self._functions = {}   # tool name -> its _Function
         for fn in functions:
             self.add(fn)
 
@@ -1366,7 +1366,7 @@ class JsonlEventSink:
     def __init__(self, path: str | os.PathLike[str]):
         self.path = Path(path)
         self._lock = threading.Lock()
-        self._file: Any = None
+        self._file = None   # opened on the first event
 
     def emit(self, event: AgentEvent) -> None:
         """Append the event as one JSON line and flush it."""
@@ -1423,7 +1423,7 @@ _MAX_CALLS_PER_REPLY = 1_000
 _IDLE_S = 30.0                 # an idle pool thread exits after this long
 _lock = threading.Lock()       # guards the two below
 _abandoned = 0
-_idle: list[queue.SimpleQueue[Any]] = []   # inboxes of idle pool threads
+_idle = []                     # inboxes (queue.SimpleQueue) of idle pool threads
 
 
 def abandoned_workers() -> int:
