@@ -672,10 +672,10 @@ class _Units:
     Kept up to date as messages are appended, so a step costs what it sends, not the history."""
 
     def __init__(self):
-        self.units: list[list[int]] = []
-        self.system: list[int] = []               # indices of system messages
-        self.open_ids: set[str | None] = set()    # calls of the last unit still without a result
-        self.seen = 0                             # messages read so far
+        self.units = []         # lists of message indices, in order of their first index
+        self.system = []        # indices of system messages
+        self.open_ids = set()   # ids of the last unit's calls still without a result
+        self.seen = 0           # messages read so far
 
     def read(self, messages):
         """Take in the messages appended since the last call."""
@@ -1482,8 +1482,8 @@ class _Worker:
     def __init__(self, fn, wake, port=None):
         self.fn = fn
         self.wake = wake   # (put to by an inline call too: a stale token costs one more look)
-        self.value: Any = None
-        self.error: BaseException | None = None
+        self.value = None   # what fn returned
+        self.error = None   # or the exception it raised
         self.done = self._given_up = False
         self.inline = _inline(port)
         if self.inline:
