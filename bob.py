@@ -1179,8 +1179,7 @@ class JsonFileSessionStore:
         data = _session_json(state, self._known.pop(session_id, None))
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
-            lock = self._lock()
-            try:
+            with self._locked():
                 _check_newer(session_id, self._stored_version(session_id), state)
                 with contextlib.suppress(FileNotFoundError):  # whatever is there (a planted
                     os.unlink(tmp)     # link, a FIFO), and O_EXCL: never written through
@@ -1190,29 +1189,31 @@ class JsonFileSessionStore:
                     f.flush()
                     os.fsync(f.fileno())
                 os.replace(tmp, path)
-            finally:
-                os.close(lock)
         except OSError as e:
             raise StoreError(f"cannot save session file {path}: {e}") from e
 
-    def _lock(self):
-        """The directory's lock (released at close, or when the process dies), as a descriptor."""
+    @contextlib.contextmanager
+    def _locked(self):
+        """The directory's lock, held while the block runs (a descriptor: released at its close,
+        or when the process dies)."""
         import fcntl  # POSIX only; imported here so that `import bob` works anywhere
         lock = os.open(self.directory, os.O_RDONLY)
         since = time.monotonic()
-        try:   # any failure closes the descriptor: ENOLCK (NFS without lockd), a timeout, Ctrl-C
+        # any end closes the descriptor: the block's, or ENOLCK (NFS without lockd), a timeout,
+        # a Ctrl-C while it waits
+        try:
             while True:
                 with contextlib.suppress(BlockingIOError):
                     fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                    return lock
+                    break
                 if time.monotonic() - since >= self.lock_timeout_s:
                     raise StoreError(f"session directory {self.directory} is locked by another "
                                      f"process for over {self.lock_timeout_s} s (`fuser -v` "
                                      "names it; or raise lock_timeout_s)")
                 time.sleep(0.01)
-        except BaseException:
+            yield
+        finally:
             os.close(lock)
-            raise
 
     def _stored_version(self, session_id):
         """The saved state's version, from the head of its file (else by loading it all)."""
