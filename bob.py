@@ -1398,12 +1398,13 @@ def request_digest(req: LlmRequest, cache: dict | None = None) -> str:
     changed in place, as a turn's are not (a step that offers fewer tools gets a new list)."""
     cache = {} if cache is None else cache
     canonical = functools.partial(json.dumps, sort_keys=True, separators=(",", ":"), default=str)
-    for obj in (req.tools, *req.messages):   # each encoded once while it lives
+    objs = (req.tools, *req.messages)
+    for obj in objs:   # each encoded once while it lives
         if id(obj) not in cache:
             data = redact(obj.to_dict()) if isinstance(obj, Message) else [
                 dataclasses.asdict(d) for d in obj]   # (tools: masked at Start)
             cache[id(obj)] = (obj, canonical(data))
-    tools, *parts = [cache[id(obj)][1] for obj in (req.tools, *req.messages)]
+    tools, *parts = [cache[id(obj)][1] for obj in objs]
     text = (f'{{"messages":[{",".join(parts)}],"response_format":'
             f'{canonical(req.response_format)},"tools":{tools}}}')
     return hashlib.sha256(text.encode()).hexdigest()
