@@ -949,18 +949,18 @@ class FunctionTools:
         props = {}
         required = []
         nullable = set()
-        for p in params.values():
+        for arg, p in params.items():
             if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
                 raise ConfigError(f"FunctionTools: {name}() takes *args/**kwargs; tools need "
                                   "named parameters")
-            hint = hints.get(p.name, Any)
-            props[p.name] = _schema_for(hint)
+            hint = hints.get(arg, Any)
+            props[arg] = _schema_for(hint)
             if types.NoneType in typing.get_args(hint):
-                nullable.add(p.name)
+                nullable.add(arg)
             if p.default is p.empty:
-                required.append(p.name)
-            elif isinstance(p.default, (str, int, float, bool)) and not secret_name(p.name):
-                props[p.name]["default"] = p.default   # _schema_for's dict: fresh each time
+                required.append(arg)
+            elif isinstance(p.default, (str, int, float, bool)) and not secret_name(arg):
+                props[arg]["default"] = p.default   # _schema_for's dict: fresh each time
         schema = {"type": "object", "properties": props, "required": required,
                   "additionalProperties": False}
         desc = description or (inspect.getdoc(fn) or "").split("\n\n")[0].strip() or name
