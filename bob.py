@@ -1296,11 +1296,10 @@ def redact(data: Any) -> Any:
         out = {}                 # an event is masked as it is emitted, and events are many
         for k, v in data.items():
             if secret_name(k):
-                out[k] = "***"
+                v = "***"
             elif isinstance(v, (dict, list)) or isinstance(v, str) and ('"' in v or "'" in v):
-                out[k] = redact(v)
-            else:
-                out[k] = v
+                v = redact(v)
+            out[k] = v
         return out
     if isinstance(data, list):
         return [redact(v) for v in data]
