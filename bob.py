@@ -913,13 +913,12 @@ def _check_args(f, args):
     """Why `args` do not fit the schema of `f` (a _Function), in words; None when they do."""
     schema = f.descriptor.input_schema
     params = schema["properties"]
-    unknown = sorted(set(args) - set(params))
-    missing = [p for p in schema["required"] if p not in args]
-    wrong = [f"{k} (expected {_expected(params[k])})"
-             for k, v in args.items() if k in params
-             and not (v is None and k in f.nullable) and not _matches(v, params[k])]
-    problems = {"unknown arguments": unknown, "missing arguments": missing,
-                "wrong types": wrong}
+    problems = {"unknown arguments": sorted(set(args) - set(params)),
+                "missing arguments": [p for p in schema["required"] if p not in args],
+                "wrong types": [f"{k} (expected {_expected(params[k])})"
+                                for k, v in args.items() if k in params
+                                and not (v is None and k in f.nullable)
+                                and not _matches(v, params[k])]}
     parts = [f"{what}: {', '.join(names)}" for what, names in problems.items() if names]
     if not parts:
         return None
