@@ -699,8 +699,9 @@ class _Units:
         units = self.units   # in order of their first index: the unit holding `keep` is found
         at = bisect.bisect_right(units, -1 if keep is None else keep, key=lambda u: u[0]) - 1
         forced = units[at] if at >= 0 and keep in units[at] else []
-        system = self.system[::-1][:max(0, limit - len(forced))]  # a given history's count
-        room = limit - len(forced) - len(system)   # too: dropped last, newest kept
+        room = limit - len(forced)
+        system = self.system[::-1][:max(0, room)]   # a given history's count too: dropped
+        room -= len(system)                         # last, newest kept
         tail = []
         for u in reversed(units):                 # newest first; the first unit that does not
             if u is not forced:                   # fit ends the walk: only the oldest go
