@@ -1217,10 +1217,11 @@ class JsonFileSessionStore:
 
     def _stored_version(self, session_id):
         """The saved state's version, from the head of its file (else by loading it all)."""
-        with contextlib.suppress(FileNotFoundError):
+        try:
             head = _HEAD.match(_read_file(self.path_for(session_id), 64))
-            return int(head.group(1)) if head else getattr(self.load(session_id), "version", None)
-        return None  # no file yet
+        except FileNotFoundError:
+            return None  # no file yet
+        return int(head.group(1)) if head else getattr(self.load(session_id), "version", None)
 
 
 # ---- 8. Masking, event sinks and the trace ------------------------------------------------------
