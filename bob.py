@@ -672,10 +672,10 @@ class _Units:
     Kept up to date as messages are appended, so a step costs what it sends, not the history."""
 
     def __init__(self):
-        self.units = []      # lists of message indices, oldest first
-        self.system = []     # indices of system messages
+        self.units = []         # lists of message indices, in order of their first index
+        self.system = []        # indices of system messages
         self.open_ids = set()   # ids of the last unit's calls still without a result
-        self.seen = 0        # messages read so far
+        self.seen = 0           # messages read so far
 
     def read(self, messages):
         """Take in the messages appended since the last call."""
@@ -699,8 +699,9 @@ class _Units:
         units = self.units   # in order of their first index: the unit holding `keep` is found
         at = bisect.bisect_right(units, -1 if keep is None else keep, key=lambda u: u[0]) - 1
         forced = units[at] if at >= 0 and keep in units[at] else []
-        system = self.system[::-1][:max(0, limit - len(forced))]  # a given history's count
-        room = limit - len(forced) - len(system)   # too: dropped last, newest kept
+        room = limit - len(forced)
+        system = self.system[::-1][:max(0, room)]   # a given history's count too: dropped
+        room -= len(system)                         # last, newest kept
         tail = []
         for u in reversed(units):                 # newest first; the first unit that does not
             if u is not forced:                   # fit ends the walk: only the oldest go
@@ -913,13 +914,12 @@ def _check_args(f, args):
     """Why `args` do not fit the schema of `f` (a _Function), in words; None when they do."""
     schema = f.descriptor.input_schema
     params = schema["properties"]
-    unknown = sorted(set(args) - set(params))
-    missing = [p for p in schema["required"] if p not in args]
-    wrong = [f"{k} (expected {_expected(params[k])})"
-             for k, v in args.items() if k in params
-             and not (v is None and k in f.nullable) and not _matches(v, params[k])]
-    problems = {"unknown arguments": unknown, "missing arguments": missing,
-                "wrong types": wrong}
+    problems = {"unknown arguments": sorted(set(args) - set(params)),
+                "missing arguments": [p for p in schema["required"] if p not in args],
+                "wrong types": [f"{k} (expected {_expected(params[k])})"
+                                for k, v in args.items() if k in params
+                                and not (v is None and k in f.nullable)
+                                and not _matches(v, params[k])]}
     parts = [f"{what}: {', '.join(names)}" for what, names in problems.items() if names]
     if not parts:
         return None
@@ -932,7 +932,7 @@ class FunctionTools:
     calls run inline (the runtime gives each a worker); a raise is an is_error result."""
 
     def __init__(self, functions: Iterable[Callable[..., Any]] = ()):
-        self._functions = {}   # name -> _Function
+        self._functions = {}   # tool name -> its _Function
         for fn in functions:
             self.add(fn)
 
@@ -949,18 +949,18 @@ class FunctionTools:
         props = {}
         required = []
         nullable = set()
-        for p in params.values():
+        for arg, p in params.items():
             if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
                 raise ConfigError(f"FunctionTools: {name}() takes *args/**kwargs; tools need "
                                   "named parameters")
-            hint = hints.get(p.name, Any)
-            props[p.name] = _schema_for(hint)
+            hint = hints.get(arg, Any)
+            props[arg] = _schema_for(hint)
             if types.NoneType in typing.get_args(hint):
-                nullable.add(p.name)
+                nullable.add(arg)
             if p.default is p.empty:
-                required.append(p.name)
-            elif isinstance(p.default, (str, int, float, bool)) and not secret_name(p.name):
-                props[p.name]["default"] = p.default   # _schema_for's dict: fresh each time
+                required.append(arg)
+            elif isinstance(p.default, (str, int, float, bool)) and not secret_name(arg):
+                props[arg]["default"] = p.default   # _schema_for's dict: fresh each time
         schema = {"type": "object", "properties": props, "required": required,
                   "additionalProperties": False}
         desc = description or (inspect.getdoc(fn) or "").split("\n\n")[0].strip() or name
@@ -1179,8 +1179,7 @@ class JsonFileSessionStore:
         data = _session_json(state, self._known.pop(session_id, None))
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
-            lock = self._lock()
-            try:
+            with self._locked():
                 _check_newer(session_id, self._stored_version(session_id), state)
                 with contextlib.suppress(FileNotFoundError):  # whatever is there (a planted
                     os.unlink(tmp)     # link, a FIFO), and O_EXCL: never written through
@@ -1190,36 +1189,39 @@ class JsonFileSessionStore:
                     f.flush()
                     os.fsync(f.fileno())
                 os.replace(tmp, path)
-            finally:
-                os.close(lock)
         except OSError as e:
             raise StoreError(f"cannot save session file {path}: {e}") from e
 
-    def _lock(self):
-        """The directory's lock (released at close, or when the process dies), as a descriptor."""
+    @contextlib.contextmanager
+    def _locked(self):
+        """The directory's lock, held while the block runs (a descriptor: released at its close,
+        or when the process dies)."""
         import fcntl  # POSIX only; imported here so that `import bob` works anywhere
         lock = os.open(self.directory, os.O_RDONLY)
         since = time.monotonic()
-        try:   # any failure closes the descriptor: ENOLCK (NFS without lockd), a timeout, Ctrl-C
+        # any end closes the descriptor: the block's, or ENOLCK (NFS without lockd), a timeout,
+        # a Ctrl-C while it waits
+        try:
             while True:
                 with contextlib.suppress(BlockingIOError):
                     fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                    return lock
+                    break
                 if time.monotonic() - since >= self.lock_timeout_s:
                     raise StoreError(f"session directory {self.directory} is locked by another "
                                      f"process for over {self.lock_timeout_s} s (`fuser -v` "
                                      "names it; or raise lock_timeout_s)")
                 time.sleep(0.01)
-        except BaseException:
+            yield
+        finally:
             os.close(lock)
-            raise
 
     def _stored_version(self, session_id):
         """The saved state's version, from the head of its file (else by loading it all)."""
-        with contextlib.suppress(FileNotFoundError):
+        try:
             head = _HEAD.match(_read_file(self.path_for(session_id), 64))
-            return int(head.group(1)) if head else getattr(self.load(session_id), "version", None)
-        return None  # no file yet
+        except FileNotFoundError:
+            return None  # no file yet
+        return int(head.group(1)) if head else getattr(self.load(session_id), "version", None)
 
 
 # ---- 8. Masking, event sinks and the trace ------------------------------------------------------
@@ -1256,6 +1258,10 @@ _TEXT_KEY = re.compile(rf"""
     \1 \s* : \s*                    # closed by the same quote, then the colon
 """, re.X)
 
+# The ASCII letters lowered and nothing else, for a text that lower() would make longer (one
+# char, "İ", lowered to two): the indices of a key found stay those of the text.
+_ASCII_LOWER = str.maketrans("ABCDEFGHIJKLMNOPQRSTUVWXYZ", "abcdefghijklmnopqrstuvwxyz")
+
 
 @functools.lru_cache(maxsize=16)
 def _text_value(quote):
@@ -1277,7 +1283,7 @@ def _mask_text(text):
     if '"' not in text and "'" not in text:
         return text
     low = text.lower()   # matched case-sensitively ((?i) made it twice as slow); "İ" lowers to 2
-    low = low if len(low) == len(text) else text.translate(dict(zip(range(65, 91), range(97, 123))))
+    low = low if len(low) == len(text) else text.translate(_ASCII_LOWER)
     if not re.search(_SECRETS, low):   # no secret name anywhere (a third of finditer's time)
         return text
     out = []
@@ -1295,11 +1301,10 @@ def redact(data: Any) -> Any:
         out = {}                 # an event is masked as it is emitted, and events are many
         for k, v in data.items():
             if secret_name(k):
-                out[k] = "***"
+                v = "***"
             elif isinstance(v, (dict, list)) or isinstance(v, str) and ('"' in v or "'" in v):
-                out[k] = redact(v)
-            else:
-                out[k] = v
+                v = redact(v)
+            out[k] = v
         return out
     if isinstance(data, list):
         return [redact(v) for v in data]
@@ -1366,7 +1371,7 @@ class JsonlEventSink:
     def __init__(self, path: str | os.PathLike[str]):
         self.path = Path(path)
         self._lock = threading.Lock()
-        self._file = None   # opened at the first event
+        self._file = None   # opened on the first event
 
     def emit(self, event: AgentEvent) -> None:
         """Append the event as one JSON line and flush it."""
@@ -1397,12 +1402,13 @@ def request_digest(req: LlmRequest, cache: dict | None = None) -> str:
     changed in place, as a turn's are not (a step that offers fewer tools gets a new list)."""
     cache = {} if cache is None else cache
     canonical = functools.partial(json.dumps, sort_keys=True, separators=(",", ":"), default=str)
-    for obj in (req.tools, *req.messages):   # each encoded once while it lives
+    objs = (req.tools, *req.messages)
+    for obj in objs:   # each encoded once while it lives
         if id(obj) not in cache:
             data = redact(obj.to_dict()) if isinstance(obj, Message) else [
                 dataclasses.asdict(d) for d in obj]   # (tools: masked at Start)
             cache[id(obj)] = (obj, canonical(data))
-    tools, *parts = [cache[id(obj)][1] for obj in (req.tools, *req.messages)]
+    tools, *parts = [cache[id(obj)][1] for obj in objs]
     text = (f'{{"messages":[{",".join(parts)}],"response_format":'
             f'{canonical(req.response_format)},"tools":{tools}}}')
     return hashlib.sha256(text.encode()).hexdigest()
@@ -1423,7 +1429,7 @@ _MAX_CALLS_PER_REPLY = 1_000
 _IDLE_S = 30.0                 # an idle pool thread exits after this long
 _lock = threading.Lock()       # guards the two below
 _abandoned = 0
-_idle = []   # inboxes (queue.SimpleQueue) of idle pool threads
+_idle = []                     # inboxes (queue.SimpleQueue) of idle pool threads
 
 
 def abandoned_workers() -> int:
@@ -1483,7 +1489,7 @@ class _Worker:
         self.fn = fn
         self.wake = wake   # (put to by an inline call too: a stale token costs one more look)
         self.value = None   # what fn returned
-        self.error = None   # the BaseException fn raised
+        self.error = None   # or the exception it raised
         self.done = self._given_up = False
         self.inline = _inline(port)
         if self.inline:
