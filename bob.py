@@ -2632,7 +2632,7 @@ class OpenAICompatLlm:
         self._set_extras(headers, extra_body)
         self._url = f"{self.base_url}/chat/completions"
         self._shown = _hide_login(self._url)   # as errors show it
-        self._rejected = set()   # optional fields this server refused
+        self._rejected = set()   # fields (and forms of response_format) this server refused
         self._inflight = {}      # thread id -> connection it is using
         self._cancels = {}       # thread id -> the CancelToken of its call
         self._session, self._transport_errors = _tracking_session(self._inflight, self._cancels)
@@ -2806,7 +2806,8 @@ class OpenAICompatLlm:
                    if f in body and f in text and f not in self.extra_body]
         # What a message carries back to the server that made it: another server (after
         # /model) may refuse it as an unknown field, unless its words ask for it (DeepSeek
-        # names reasoning_content when a message from another server lacks it)
+        # names reasoning_content when a message from another server lacks it). One already
+        # left out was not sent: naming it again is no refusal (else: retried for ever)
         if not re.search(r"(?i)missing|required|must be passed", text):
             refused += [f for f in ("reasoning_content", "extra_content")
                         if f in text and f not in self._rejected]
