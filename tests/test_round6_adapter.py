@@ -8,12 +8,13 @@ All against real HTTP servers on 127.0.0.1 (tests/fake_openai.py, tests/servers.
 from __future__ import annotations
 
 import logging
+import sys
 
 import pytest
 from fake_openai import FakeOpenAI, completion, tool_calls_reply
 from servers import serve
 
-from conftest import make_llm
+from conftest import MCP_SERVER, make_llm, run_cli, write_config, xdg_env
 from bob import (AgentRequest, AgentRuntime, CancelToken, ConfigError, FinishReason,
                  FunctionTools, InMemorySessionStore, LlmError, LlmRequest, Message,
                  OpenAICompatLlm, ToolCall)
@@ -104,6 +105,45 @@ def test_a_strict_server_refusing_what_another_server_attached_still_answers_the
                           action_mode="native")   # /model back to the first server
         assert rt.run(AgentRequest("thanks")).content == "back"
         assert sent_back(srv.requests[0]["body"]["messages"][2]) == (THOUGHT, [SIGNATURE])
+
+
+def thinker_or_strict(body, headers):
+    """One server, two models as the CLI's --model names them: `thinker` calls t__echo with
+    extra_content and reasoning_content, then answers; `strict` is openai_strict."""
+    if body["model"] == "strict":
+        return openai_strict(body, headers)
+    if body["messages"][-1]["role"] == "tool":
+        return completion("echoed")
+    reply = thinking_server_reply()
+    reply["choices"][0]["message"]["tool_calls"][0]["function"] = {
+        "name": "t__echo", "arguments": '{"text": "hi"}'}
+    return reply
+
+
+def test_the_cli_switching_a_session_to_a_strict_model_and_back_loses_nothing(tmp_path):
+    """As a user meets it: one session, three processes, each a new adapter (`--model`, as
+    `/model` in the REPL builds one)."""
+    with serve(thinker_or_strict) as srv:
+        write_config(tmp_path, srv, runtime='action_mode = "native"\n', extra=(
+            f'[[mcp.servers]]\nid = "t"\ncommand = "{sys.executable}"\n'
+            f'args = ["{MCP_SERVER}"]\nstartup_timeout_ms = 20000\n'))
+
+        def turn(model, prompt):
+            return run_cli(tmp_path, "--model", f"local:{model}", "--session", "s", "-p", prompt,
+                           env=xdg_env(tmp_path))
+        first = turn("thinker", "echo hi")
+        assert (first.returncode, first.stdout) == (0, "echoed\n"), first.stderr
+        strict = turn("strict", "again")
+        assert strict.returncode == 0, strict.stderr
+        assert strict.stdout == "answer 6\n"   # system, user, call, result, answer, user
+        assert len(srv.requests) == 2 + 3       # reasoning refused, extra_content refused, ok
+        assert strict.stderr.count("rejected reasoning_content") == 1, strict.stderr
+        assert strict.stderr.count("rejected extra_content") == 1, strict.stderr
+        back = turn("thinker", "thanks")
+        assert (back.returncode, back.stdout) == (0, "echoed\n"), back.stderr
+        sent = [sent_back(r["body"]["messages"][2]) for r in srv.requests[2:6]]
+    assert sent == [(THOUGHT, [SIGNATURE]), (None, [SIGNATURE]), (None, [None]),
+                        (THOUGHT, [SIGNATURE])]
 
 
 REFUSALS = {   # how servers refuse reasoning_content in an input message
