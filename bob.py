@@ -2340,19 +2340,22 @@ def _text(content):
 
 def _usage(u):
     """Token counts; Usage() (unknown) when the server sent none or nonsense."""
-    n = ([u.get("prompt_tokens") or 0, u.get("completion_tokens") or 0]
-         if isinstance(u, dict) else [-1])
+    n = [u.get("prompt_tokens") or 0,
+         u.get("completion_tokens") or 0] if isinstance(u, dict) else [-1]
     return Usage(*n) if all(type(i) is int and 0 <= i < 1e15 for i in n) else Usage()
 
 
-def _message_to_wire(m, ids=str):
-    """One message on the wire; `ids` renders tool-call ids (Mistral's: _short_id)."""
+def _message_to_wire(m, ids, refused):
+    """One message on the wire; `ids` renders tool-call ids (Mistral's: _short_id); what the
+    server `refused` of reasoning_content and extra_content is left out (the message keeps it)."""
     d = {"role": m.role, "content": m.content or ""}  # "" not null: some reject
     if m.tool_calls:
-        d["tool_calls"] = [{**(c.extra or {}), "id": ids(c.id), "type": "function", "function": {
-            "name": c.name, "arguments": json.dumps(c.arguments, ensure_ascii=False)}}
+        d["tool_calls"] = [{  # a server refusing extra_content takes no other extra either
+            **({} if "extra_content" in refused else c.extra or {}), "id": ids(c.id),
+            "type": "function", "function": {
+                "name": c.name, "arguments": json.dumps(c.arguments, ensure_ascii=False)}}
             for c in m.tool_calls]
-    if m.reasoning is not None:
+    if m.reasoning is not None and "reasoning_content" not in refused:
         d["reasoning_content"] = m.reasoning
     if m.role == "tool":
         d["tool_call_id"] = ids(m.tool_call_id)
@@ -2384,7 +2387,7 @@ def _call_extra(c):
     return {k: c[k] for k in _CALL_EXTRAS if k in c}
 
 
-def _call_from_wire(call_id, name, arguments, extra=None):
+def _call_from_wire(call_id, name, arguments, extra):
     """A ToolCall; arguments that are not a JSON object give one with `error` set (not run)."""
     # Why not {}: the model must learn its arguments were lost, not see the tool complain of
     # missing keys. A missing id stays "": the runtime gives it a unique one.
@@ -2422,8 +2425,8 @@ class _Stream:
         self.text = []        # str pieces
         self.reasoning = []   # str pieces
         self.calls = []  # [id, name, arguments, extra], in order
-        self.at = {}   # index -> the call being streamed there
-        self.ids = {}  # id -> its call: a piece may come back to it later
+        self.slots = {}  # an index (int) -> the call streamed there; an id (str) -> its call: a
+        #                  piece may come back to it later
         self.usage = Usage()
         self.finish_reason = None   # a str once the server says
         self.done = False  # [DONE] was seen
@@ -2448,13 +2451,13 @@ class _Stream:
                 call_id = _str(tc.get("id"))
                 if type(index) is not int:
                     raise ValueError(f"a tool call's index is {index!r}, not an integer")
-                slot = self.ids.get(call_id) or self.at.get(index)
+                slot = self.slots.get(call_id) or self.slots.get(index)
                 if slot is None or (call_id and slot[0] and call_id != slot[0]):
                     slot = ["", "", "", {}]  # Gemini and Ollama stream parallel calls at one
                     self.calls.append(slot)  # index, each with its own id
-                self.at[index] = slot
+                self.slots[index] = slot
                 if call_id:   # ids may repeat: keep one
-                    self.ids[call_id] = slot
+                    self.slots[call_id] = slot
                     slot[0] = call_id
                 slot[3].update(_call_extra(tc))
                 if fn.get("name") and fn["name"] != slot[1]:  # names may repeat: keep one
@@ -2468,8 +2471,9 @@ class _Stream:
         if not (self.done or self.finish_reason):
             raise LlmError(f"the stream from {url} was cut before it finished "
                            f"({sum(map(len, self.text))} chars received)")
-        return LlmResponse("".join(self.text), tuple(_call_from_wire(*c) for c in self.calls),
-                           self.usage, self.finish_reason, "".join(self.reasoning) or None)
+        return LlmResponse(
+            "".join(self.text), tuple(itertools.starmap(_call_from_wire, self.calls)),
+            self.usage, self.finish_reason, "".join(self.reasoning) or None)
 
 
 def _sse_data(pieces):
@@ -2495,10 +2499,11 @@ def _sse_data(pieces):
 
 def _retry_after(value):
     """Retry-After in seconds: a number or an HTTP date; None when absent or unreadable."""
-    with contextlib.suppress(TypeError, ValueError):
-        return max(0.0, float(value))
-    with contextlib.suppress(TypeError, ValueError):
-        return max(0.0, email.utils.parsedate_to_datetime(value).timestamp() - time.time())
+    def date(v):
+        return email.utils.parsedate_to_datetime(v).timestamp() - time.time()
+    for seconds in float, date:   # the first reading that works
+        with contextlib.suppress(TypeError, ValueError):
+            return max(0.0, seconds(value))
     return None
 
 
@@ -2570,11 +2575,11 @@ def _tracking_session(inflight, cancels
         raise ConfigError(f"OpenAICompatLlm needs requests ({e}): pip install requests") from e
     class Session(requests.Session):
         def resolve_redirects(self, *args, **kwargs):
-            return iter(())  # none followed: requests reads a 3xx body whole, even not following
+            yield from ()  # none followed: requests reads a 3xx body whole, even not following
 
     session = Session()
-    pools = {"http": _tracked(urllib3.HTTPConnectionPool, inflight, cancels),
-             "https": _tracked(urllib3.HTTPSConnectionPool, inflight, cancels)}
+    pools = {scheme: _tracked(pool_cls, inflight, cancels)   # urllib3's, for http and https
+             for scheme, pool_cls in urllib3.poolmanager.pool_classes_by_scheme.items()}
     for adapter in session.adapters.values():   # requests' own, for http:// and https://
         adapter.poolmanager.pool_classes_by_scheme = pools
     return session, (urllib3.exceptions.HTTPError, OSError)  # requests' RequestException is one
@@ -2626,7 +2631,7 @@ class OpenAICompatLlm:
         self.provider = provider
         self.model = name
         self.base_url = (base_url or default_url).rstrip("/")
-        if "?" in self.base_url or "#" in self.base_url:   # not echoed: it may hold a key
+        if re.search("[?#]", self.base_url):   # not echoed: it may hold a key
             raise ConfigError("base_url must hold no query or fragment (keys go in api_key_env)")
         self.api_key_env = api_key_env or default_env
         self.retry_max = retry_max
@@ -2641,7 +2646,7 @@ class OpenAICompatLlm:
         self._set_extras(headers, extra_body)
         self._url = f"{self.base_url}/chat/completions"
         self._shown = _hide_login(self._url)   # as errors show it
-        self._rejected = set()   # optional fields this server refused
+        self._rejected = set()   # fields (and forms of response_format) this server refused
         self._inflight = {}      # thread id -> connection it is using
         self._cancels = {}       # thread id -> the CancelToken of its call
         self._session, self._transport_errors = _tracking_session(self._inflight, self._cancels)
@@ -2649,18 +2654,21 @@ class OpenAICompatLlm:
     def _find_key(self, model, api_key):
         """The API key and where it came from; ConfigError naming the variable if it is bad."""
         env = self.api_key_env
-        key, source = None, ""   # a local server: no key
+        key = None   # a local server: no key
+        source = ""
         if api_key:
-            key, source = api_key, "the api_key given"
+            key = api_key
+            source = "the api_key given"
         elif env:
-            key, source = os.environ.get(env), f"the environment variable {env}"
+            key = os.environ.get(env)
+            source = f"the environment variable {env}"
             if not key:
                 raise ConfigError(f"no API key for {model!r}: set the environment variable "
                                   f"{env} (or name another one with api_key_env, in agent.toml "
                                   "under [llm]; local servers such as ollama:... need none)")
-        if key and (not key.isascii() or any(c.isspace() for c in key)):  # a pasted newline
+        if key and not re.fullmatch(r"[!-~]+", key):  # printable ASCII only: a pasted newline
             raise ConfigError(f"the API key for {model!r} in {source} contains spaces or "
-                              "non-ASCII characters; set it again")
+                              "control or non-ASCII characters; set it again")
         return key, source
 
     def _set_extras(self, headers, extra_body):
@@ -2673,7 +2681,7 @@ class OpenAICompatLlm:
         # Content-Type given replaced bob's, and a server read the JSON as something else)
         if not isinstance(headers, dict) or not all(
                 isinstance(k, str) and HEADER_NAME.fullmatch(k) and isinstance(v, str)
-                and v.isascii() and v.isprintable() and v == v.strip()
+                and re.fullmatch(r"([!-~]([ -~]*[!-~])?)?", v)   # printable ASCII, not spaced
                 and k.lower() not in ("content-length", "transfer-encoding", "content-type")
                 for k, v in headers.items()):
             raise ConfigError("headers must map header names (letters, digits, - and _; not "
@@ -2719,15 +2727,17 @@ class OpenAICompatLlm:
                     return outcome
                 e = outcome.error
                 tries += outcome.counted
-                if tries > self.retry_max:
-                    raise LlmError(f"{e} (gave up after {tries} tries)", e.status_code, e.body)
                 delay = outcome.retry_after  # else back off exponentially, with jitter
                 if delay is None:
                     delay = self.backoff_base_s * 2 ** (tries - 1) * random.uniform(0.5, 1.0)
-                if delay >= end - time.monotonic():  # fail now, not sleep into the deadline
-                    raise LlmError(f"{e} (no time left to retry: the next try would start in "
-                                   f"{delay:.2f} s)", e.status_code, e.body)
-                cancel.wait(delay)  # a cancel ends the wait at once
+                if tries > self.retry_max:
+                    why = f"gave up after {tries} tries"
+                elif delay >= end - time.monotonic():  # fail now, not sleep into the deadline
+                    why = f"no time left to retry: the next try would start in {delay:.2f} s"
+                else:
+                    cancel.wait(delay)  # a cancel ends the wait at once
+                    continue
+                raise LlmError(f"{e} ({why})", e.status_code, e.body)
             raise Cancelled("the LLM request was cancelled")
         finally:
             unhook()
@@ -2746,7 +2756,7 @@ class OpenAICompatLlm:
         watchdog.start()           # are bounded by this (the body by _body's clock)
         try:
             resp = self._session.post(self._url, json.dumps(body, separators=(",", ":")).encode(),
-                                      headers=self._headers, timeout=(timeout, timeout),
+                                      headers=self._headers, timeout=timeout,  # each of both
                                       stream=True)
             try:
                 if resp.status_code != 200:
@@ -2808,12 +2818,19 @@ class OpenAICompatLlm:
         error = self._error(status, f"answered HTTP {status}{hint}", text)
         refused = [f for f in _OPTIONAL_FIELDS  # a field the user put in extra_body stays
                    if f in body and f in text and f not in self.extra_body]
+        # What a message carries back to the server that made it: another server (after
+        # /model) may refuse it as an unknown field, unless its words ask for it (DeepSeek
+        # names reasoning_content when a message from another server lacks it). One already
+        # left out was not sent: naming it again is no refusal (else: retried for ever)
+        if not re.search(r"(?i)missing|required|must be passed", text):
+            refused += [f for f in ("reasoning_content", "extra_content")
+                        if f in text and f not in self._rejected]
         if refused and status in (400, 422, 500):  # 422: Mistral; 500: llama-cpp-python
             field_ = refused[0]
             if field_ == "response_format":
                 field_ = " ".join(body[field_])   # this form of it
             self._rejected.add(field_)
-            log.warning("%s rejected %s; no longer sending it", self._shown, field_)
+            log.warning("%s rejected %s; this adapter no longer sends it", self._shown, field_)
             return _Retry(error, 0.0, counted=False)
         if status in RETRYABLE_STATUSES:
             return _Retry(error, _retry_after(resp.headers.get("Retry-After")))
@@ -2837,7 +2854,7 @@ class OpenAICompatLlm:
         for m in req.messages:  # Mistral takes ids of 9 letters, no user right after a tool
             if mistral and m.role == "user" and messages and messages[-1]["role"] == "tool":
                 messages.append({"role": "assistant", "content": _NO_ANSWER})
-            messages.append(_message_to_wire(m, _short_id if mistral else str))
+            messages.append(_message_to_wire(m, _short_id if mistral else str, self._rejected))
         body = {"model": self.model, "messages": messages}
         if req.tools and req.response_format != "json":
             for t in req.tools:
