@@ -171,6 +171,11 @@ def _field(d, key, kinds, default=None):
     return value
 
 
+# _field's kinds of a value that may be null (built once: a session's load reads thousands)
+_OPTIONAL_STR = (str, types.NoneType)
+_OPTIONAL_DICT = (dict, types.NoneType)
+
+
 @dataclass(frozen=True)
 class ToolCall:
     """One call the model asked for; `arguments` is a JSON object."""
@@ -237,16 +242,15 @@ class Message:
         role = _field(_want(d, dict, "a message"), "role", str)
         if role not in ("system", "user", "assistant", "tool"):
             raise ValueError(f"a message has the unknown role {_excerpt(role)!r}")
-        text = (str, types.NoneType)
         calls = []
         for c in _field(d, "tool_calls", list, []):
             c = _want(c, dict, "a tool call")
             calls.append(ToolCall(_field(c, "id", str), _field(c, "name", str),
-                                  _field(c, "arguments", dict), _field(c, "error", text),
-                                  _field(c, "extra", (dict, types.NoneType))))
+                                  _field(c, "arguments", dict), _field(c, "error", _OPTIONAL_STR),
+                                  _field(c, "extra", _OPTIONAL_DICT)))
         return cls(role, _field(d, "content", str), tuple(calls),
-                   _field(d, "tool_call_id", text), _field(d, "name", text),
-                   _field(d, "is_error", bool, False), _field(d, "reasoning", text))
+                   _field(d, "tool_call_id", _OPTIONAL_STR), _field(d, "name", _OPTIONAL_STR),
+                   _field(d, "is_error", bool, False), _field(d, "reasoning", _OPTIONAL_STR))
 
 
 @dataclass(frozen=True)
@@ -348,7 +352,7 @@ class Approval:
     arguments: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
-        _given(self, allow=bool, reason=str, arguments=(dict, types.NoneType))
+        _given(self, allow=bool, reason=str, arguments=_OPTIONAL_DICT)
 
 
 @dataclass
@@ -362,7 +366,7 @@ class AgentRequest:
     approvals: dict[str, Approval] | None = None
 
     def __post_init__(self) -> None:   # a bad value saved would make the session unloadable
-        _given(self, input=(str, types.NoneType), session_id=str,
+        _given(self, input=_OPTIONAL_STR, session_id=str,
                policy=(TurnPolicy, types.NoneType))
 
 
@@ -417,7 +421,7 @@ class SessionState:
         """Reverse of `to_dict`; ValueError naming what is wrong."""
         u = _field(_want(d, dict, "the session"), "usage", dict, {})
         messages = [Message.from_dict(m) for m in _field(d, "messages", list)]
-        paused = _field(d, "paused", (dict, types.NoneType))
+        paused = _field(d, "paused", _OPTIONAL_DICT)
         return cls(messages, Usage(_field(u, "prompt_tokens", int, 0),
                                    _field(u, "completion_tokens", int, 0)),
                    _field(d, "version", int, 0),
