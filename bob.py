@@ -1337,7 +1337,7 @@ def _masked_tool(d):
 def _fit(call):
     """The call, or if its arguments are unfit to keep, the call with none and an `error`.
     What the server attached (`extra`), if unfit to keep, is dropped: saved, it would not load."""
-    if call.extra is not None and (not isinstance(call.extra, dict) or _json_problem(call.extra)):
+    if not isinstance(call.extra, _OPTIONAL_DICT) or _json_problem(call.extra):  # None: none
         call = dataclasses.replace(call, extra=None)
     problem = _json_problem(call.arguments)
     if problem is None:
