@@ -2337,7 +2337,7 @@ def _text(content):
     """Message content as text: a string, null, or a list of {"type": "text"} parts."""
     if isinstance(content, list) and all(isinstance(p, dict) for p in content):
         return "".join(p["text"] for p in content if isinstance(p.get("text"), str))
-    if content is not None and not isinstance(content, str):
+    if not isinstance(content, _OPTIONAL_STR):
         raise ValueError("the content is neither text nor a list of parts")
     return content or ""
 
