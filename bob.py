@@ -2842,7 +2842,7 @@ class OpenAICompatLlm:
 
     def _error(self, status, what, text):
         """LlmError "<endpoint> <what>: '<what the server sent>'", with the API key masked."""
-        text = " ".join(w.group() for w in itertools.islice(re.finditer(r"\S+", text), 300))
+        text = " ".join(text.split(maxsplit=300)[:300])   # its first 300 words (the split stops)
         for key in self._secrets:   # the longest first: no half-masked forms
             for shown in key, key.replace("/", "\\/"):  # as sent; as JSON escaping "/" echoes it
                 text = text.replace(shown, "***")
