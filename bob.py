@@ -2658,8 +2658,6 @@ class OpenAICompatLlm:
     def _find_key(self, model, api_key):
         """The API key and where it came from; ConfigError naming the variable if it is bad."""
         env = self.api_key_env
-        key = None   # a local server: no key
-        source = ""
         if api_key:
             key = api_key
             source = "the api_key given"
@@ -2670,7 +2668,9 @@ class OpenAICompatLlm:
                 raise ConfigError(f"no API key for {model!r}: set the environment variable "
                                   f"{env} (or name another one with api_key_env, in agent.toml "
                                   "under [llm]; local servers such as ollama:... need none)")
-        if key and not re.fullmatch(r"[!-~]+", key):  # printable ASCII only: a pasted newline
+        else:
+            return None, ""   # a local server: no key
+        if not re.fullmatch(r"[!-~]+", key):  # printable ASCII only: a pasted newline
             raise ConfigError(f"the API key for {model!r} in {source} contains spaces or "
                               "control or non-ASCII characters; set it again")
         return key, source
