@@ -557,6 +557,9 @@ DEFAULT_INSTRUCTIONS = "You are a helpful assistant. Use the tools when they hel
 _FENCE = re.compile(r"^```(?:json)?(.*)```$", re.DOTALL | re.IGNORECASE)  # linear: one .*
 _THINK = re.compile(r"^\s*<think>.*?</think>", re.DOTALL)  # reasoning models' (Qwen3, R1) preamble
 _json = functools.partial(json.loads, strict=False)  # raw newlines and tabs in strings pass
+# JSON as the model reads it (an action, a tool's value, a call's arguments): other scripts as
+# they are, not as \u escapes
+_model_json = functools.partial(json.dumps, ensure_ascii=False)
 _DECODER = json.JSONDecoder(strict=False)
 _BAD_JSON = (ValueError, RecursionError)  # bad JSON, an int past the digit limit, deep nesting
 _MAX_DEPTH = 100  # of a model's JSON: no tool needs more, and a session holding JSON near
@@ -733,9 +736,9 @@ _CONTEXT_TOO_LONG = re.compile(r"context.(length|window|size)|maximum context|to
 def _action_text(m):
     """An assistant message as the JSON action the model would have written."""
     if not m.tool_calls:
-        return json.dumps({"type": "final", "content": m.content}, ensure_ascii=False)
-    return "\n".join(json.dumps({"type": "tool_call", "name": c.name, "arguments": c.arguments},
-                                ensure_ascii=False) for c in m.tool_calls)
+        return _model_json({"type": "final", "content": m.content})
+    return "\n".join(_model_json({"type": "tool_call", "name": c.name, "arguments": c.arguments})
+                     for c in m.tool_calls)
 
 
 def render_for_wire(m: Message, mode: str) -> Message:
@@ -986,8 +989,7 @@ class FunctionTools:
             problem = _check_args(f, call.arguments)
             if problem is None:
                 value = f.fn(**call.arguments)
-                text = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False,
-                                                                       default=str)
+                text = value if isinstance(value, str) else _model_json(value, default=str)
         except Exception as e:
             problem = f"{type(e).__name__}: {e}"
         # bad arguments, or the function raised: an error result
@@ -2357,7 +2359,7 @@ def _message_to_wire(m, ids, refused):
         d["tool_calls"] = [{  # a server refusing extra_content takes no other extra either
             **({} if "extra_content" in refused else c.extra or {}), "id": ids(c.id),
             "type": "function", "function": {
-                "name": c.name, "arguments": json.dumps(c.arguments, ensure_ascii=False)}}
+                "name": c.name, "arguments": _model_json(c.arguments)}}
             for c in m.tool_calls]
     if m.reasoning is not None and "reasoning_content" not in refused:
         d["reasoning_content"] = m.reasoning
