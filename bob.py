@@ -599,14 +599,13 @@ def _read_json(body):
     holds no second object: unambiguous, so read rather than re-prompted."""
     try:
         return _json(body)
-    except json.JSONDecodeError as e:
-        error = e
-    text = html.unescape(body)
-    with contextlib.suppress(json.JSONDecodeError):
-        value, end = _DECODER.raw_decode(text)
-        if "{" not in text[end:]:
-            return value
-    raise error
+    except json.JSONDecodeError:
+        text = html.unescape(body)
+        with contextlib.suppress(json.JSONDecodeError):
+            value, end = _DECODER.raw_decode(text)
+            if "{" not in text[end:]:
+                return value
+        raise   # the body's own error, not the second reading's
 
 
 def parse_action(text: str, call_id: str = "call_1") -> AgentAction:
