@@ -3048,7 +3048,7 @@ class _Replay:
             _field(d, "tool_calls", list)
             m = Message.from_dict({**d, "role": "assistant"})
             self._script[-1][1] = LlmResponse(m.content, m.tool_calls, Usage(**d["usage"]),
-                                              _field(d, "finish_reason", (str, types.NoneType)),
+                                              _field(d, "finish_reason", _OPTIONAL_STR),
                                               m.reasoning)
             asked = None
         elif asked and kind == "guard_tripped":   # the only guard that trips while waiting
