@@ -81,6 +81,7 @@ def url_problem(url: str | None) -> str | None:
 
 
 _DAY_MS = 86_400_000    # longer timeouts overflow thread waits
+_LIST_FIELDS = ("args", "roots", "secret_env")   # lists of strings; kept as tuples
 
 
 @dataclass(frozen=True)
@@ -103,7 +104,7 @@ class McpServerConfig:
     def __post_init__(self) -> None:
         if problem := _problem(self):
             raise ConfigError(f"MCP server id={self.id!r}: {problem}")
-        for name in ("args", "roots", "secret_env"):
+        for name in _LIST_FIELDS:
             object.__setattr__(self, name, tuple(getattr(self, name)))
 
 
@@ -116,7 +117,7 @@ def _problem(c: McpServerConfig) -> str | None:
     for key in ("command", "cwd", "url", "required"):
         if not isinstance(getattr(c, key), bool if key == "required" else str | None):
             return f"{key} must be {'true or false' if key == 'required' else 'a string'}"
-    for key in ("args", "roots", "secret_env"):
+    for key in _LIST_FIELDS:
         value = getattr(c, key)
         if not isinstance(value, list | tuple) or not all(isinstance(x, str) for x in value):
             return f"{key} must be a list of strings"
@@ -184,7 +185,7 @@ def _result_text(result: Any) -> str:
     return "\n".join(text for text, _ in parts)
 
 
-def _masked(data: Any, scrub: Any) -> Any:
+def _masked(data, scrub):
     """JSON-like data (a tool's schema) with scrub() applied to every string in it, keys too."""
     if isinstance(data, dict):
         return {scrub(k): _masked(v, scrub) for k, v in data.items()}   # names quote it too
@@ -306,14 +307,14 @@ class _Server:
         self.pgid = None                    # a plain int, so close() may use it from any thread
         self._family = []                   # its descendants' pids, read just before it ends
         self.tail = collections.deque(maxlen=_TAIL_LINES)   # its last stderr lines (str)
-        self._process: Any = None           # the stdio server's Process, when we can see it
+        self._process = None                # the stdio server's Process, when we can see it
         self._error = None                  # why the run failed (an Exception): its owner's
                                             # error, else the transport's under a call
         self._stderr = -1                   # our end of the stderr pipe (stdio), once open
         self._partial = b""                 # the start of a stderr line still being written
         self.status = 0                     # HTTP: 401, 403 or 404 once seen (_on_response)
-        start_s = self.cfg.startup_timeout_ms / 1000   # stop() cancels the scope: startup, wait
-        self._scope = anyio.CancelScope(deadline=anyio.current_time() + start_s)
+        # the startup timeout's scope (cancelled by stop() too); then the wait's, in _own()
+        self._scope = anyio.move_on_after(self.cfg.startup_timeout_ms / 1000)
         self.ready = asyncio.get_running_loop().create_future()   # awaited: None or McpError
         self.task = asyncio.create_task(self._own())   # the owner of this run
 
@@ -444,7 +445,7 @@ class _Server:
         if response.status_code in (401, 403, 404) and not self.status:
             self.status = response.status_code
 
-    async def _roots(self, context: Any) -> Any:
+    async def _roots(self, context):   # the SDK's roots/list callback
         paths = [Path(p).resolve() for p in self.cfg.roots]
         return mcp.types.ListRootsResult(roots=[
             mcp.types.Root(uri=p.as_uri(), name=p.name) for p in paths])
@@ -525,6 +526,19 @@ class _Server:
 
 # ---- 4. McpToolPort: the loop thread and the sync API -------------------------------------------
 
+def _outcome(future, timeout_s, what):
+    """The future's result, waiting at most timeout_s (else McpError: "MCP servers did not
+    <what> in N s"), and 50 ms at most at a time: the kernel may hand a Ctrl-C to any thread
+    (the port's loop thread too), and Python raises it on the caller's thread only when that
+    thread runs again: in one long wait, at its timeout. (Blocking SIGINT in the loop thread
+    instead would leave it blocked in every server that thread starts.)"""
+    deadline = time.monotonic() + timeout_s
+    while not concurrent.futures.wait([future], 0.05)[0]:   # done: a set holding it
+        if time.monotonic() > deadline:
+            raise McpError(f"MCP servers did not {what} in {timeout_s:.0f} s")
+    return future.result()
+
+
 class McpToolPort:
     """A ToolPort over MCP servers, tools exposed as `<server_id>__<tool>`; a context manager."""
 
@@ -537,8 +551,8 @@ class McpToolPort:
         self._servers = []    # the running _Servers, in config order
         self._names = {}      # exposed name -> (_Server, MCP name of the tool)
         self._tools = []      # the ToolDescriptors list_tools() returns
-        self._loop = None            # the port's asyncio event loop, made by start()
-        self._started = None         # the concurrent Future of _start_all, made by start()
+        # start() makes the loop thread, the port's asyncio event loop (self._loop) and the
+        self._started = None         # concurrent Future of _start_all: None until then
         self._lock = threading.Lock()          # guards start() and close()
         self._closed = False
         self._close_done = threading.Event()    # set when the first close() has finished
@@ -555,7 +569,7 @@ class McpToolPort:
         with self._lock:
             if self._closed:
                 raise McpError("this McpToolPort is closed; create a new one")
-            if self._loop is None:
+            if self._started is None:
                 self._loop = asyncio.new_event_loop()
                 self._thread = threading.Thread(target=self._run_loop, daemon=True)
                 self._thread.start()
@@ -583,7 +597,7 @@ class McpToolPort:
         results = await asyncio.gather(*(s.ready for s in servers), return_exceptions=True)
         self._servers = []
         failed = []
-        for server, error in zip(servers, results, strict=True):
+        for server, error in zip(servers, results):
             if error is None:
                 self._servers.append(server)
             elif server.cfg.required:
@@ -622,23 +636,20 @@ class McpToolPort:
         if self._started is None:
             raise McpError("this McpToolPort is not started: call start(), or use it in a with")
         try:
-            self._started.result(self._startup_s)
-        except TimeoutError:   # concurrent.futures's, since 3.11
-            raise McpError(f"MCP servers did not start in {self._startup_s:.0f} s") from None
-        except Exception:  # a failed start leaves nothing running; the error goes up at once
+            _outcome(self._started, self._startup_s, "start")
+        except Exception:  # a failed start (or one stuck past its time) leaves nothing running;
+                           # the error goes up at once
             threading.Thread(target=self.close, daemon=True).start()
             raise
         if self._closed:
             raise McpError("this McpToolPort is closed; create a new one")
 
-    def _run(self, coro: Any, timeout_s: float, cancel: CancelToken | None = None) -> Any:
+    def _run(self, coro, timeout_s: float, cancel: CancelToken | None = None):
         """Run coro on the loop; wait <= timeout_s (else McpError); a timeout or cancel ends it."""
         future = asyncio.run_coroutine_threadsafe(coro, self._loop)
         forget = cancel.on_cancel(future.cancel) if cancel else lambda: None
         try:
-            return future.result(timeout_s)
-        except TimeoutError:   # concurrent.futures's, since 3.11
-            raise McpError(f"MCP servers did not answer in {timeout_s:.0f} s") from None
+            return _outcome(future, timeout_s, "answer")
         finally:
             forget()
             future.cancel()   # after a timeout or a cancel; a no-op once it is done
@@ -686,7 +697,7 @@ class McpToolPort:
                 text, is_error = self._run(server.call(tool, call.arguments, limit), limit + 1.0,
                                            cancel)
                 text = server._scrub(text)
-            except McpError:   # the backstop's timeout, or call()'s TimeoutError (the same)
+            except (McpError, TimeoutError):   # the backstop's timeout, or call()'s
                 text, is_error = f"tool {tool} timed out after {round(limit * 1000)} ms", True
             except concurrent.futures.CancelledError:
                 text, is_error = f"tool {tool} cancelled", True
@@ -710,7 +721,7 @@ class McpToolPort:
             self._close_done.wait(_CLOSE_S + 5.0)
             return
         try:
-            if self._loop is None:   # never started: nothing runs
+            if self._started is None:   # never started: nothing runs
                 return
             try:   # the servers, on the loop
                 self._run(self._stop_all(), _CLOSE_S + 2.0)

@@ -1,0 +1,126 @@
+"""bob_mcp, sixth round: a Ctrl-C that the kernel hands to a port's event-loop thread while the
+caller's thread waits on that loop (start, first use, re-listing, a call, close) reaches the
+caller at once, and leaves no server process behind.
+
+The kernel may deliver a process's SIGINT to any thread that does not block it; Python only sets
+a flag there, and raises KeyboardInterrupt on the main thread when that thread next runs Python
+code. Each test runs a script in a child process whose helper thread, once the main thread is
+blocked in its wait, sends SIGINT to the port's loop thread (found by name) with
+signal.pthread_kill. Real servers only: tests/mcp_server.py (--hang: never answers initialize),
+tests/mcp_hostile_server.py (`slow`), tests/mcp_raw_server.py (relist-hang, stubborn)."""
+from __future__ import annotations
+
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, marked_pids, wait_until
+
+HERE = Path(__file__).parent
+
+CTRL_C_TO_THE_LOOP = r'''
+import os, signal, sys, tempfile, threading, time
+case, marker, repo, tests = sys.argv[1:]
+sys.path.insert(0, repo)
+import bob
+from bob_mcp import McpServerConfig, McpToolPort
+
+def server(script, *args):
+    return McpServerConfig("s", command=sys.executable, args=(f"{tests}/{script}", *args),
+                           startup_timeout_ms=5_000)
+
+def call(port, tool, **arguments):
+    return port.call_tool(bob.ToolCall("c1", tool, arguments), 20.0)
+
+def server_runs():
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if marker.encode() in f.read() and int(pid) != os.getpid():
+                    return True
+        except OSError:
+            pass
+    return False
+
+record = os.path.join(tempfile.gettempdir(), f"{marker}.record")   # its path names the marker
+def told_of_the_cancel():
+    for _ in range(500):   # the server writes the record when it sees notifications/cancelled
+        if os.path.exists(record):
+            return print("the server was told of the cancel")
+        time.sleep(0.01)
+
+def nothing(port):
+    pass
+
+# case: (its server, what runs first, what waits on the loop, ready to be interrupted, then)
+CASES = {
+    "start": (server("mcp_server.py", "--hang", "--marker", marker),
+              nothing, lambda p: p.start(), server_runs, nothing),
+    "start, then use": (server("mcp_server.py", "--marker", marker), nothing, lambda p: p.start(),
+                        server_runs, lambda p: print("then", len(p.list_tools()), "tools")),
+    "first use": (server("mcp_server.py", "--hang", "--marker", marker),
+                  lambda p: p.start(wait=False), lambda p: p.list_tools(), server_runs, nothing),
+    "re-listing": (server("mcp_raw_server.py", "relist-hang", marker),
+                   lambda p: (p.start(), call(p, "s__echo", text="x")),
+                   lambda p: p.list_tools(), lambda: True, nothing),
+    "call": (server("mcp_hostile_server.py", "--record", record),
+             lambda p: p.start(), lambda p: call(p, "s__slow", seconds=30),
+             lambda: os.path.exists(record + ".started"), lambda p: told_of_the_cancel()),
+    "close": (server("mcp_raw_server.py", "stubborn", marker),
+              lambda p: p.start(), lambda p: p.close(), lambda: True, nothing),
+}
+cfg, before, wait, ready, then = CASES[case]
+port = McpToolPort([cfg])
+before(port)
+sent = []
+
+def ctrl_c_to_the_loop():
+    """Once the main thread waits, SIGINT the loop thread, as the kernel may."""
+    main = threading.main_thread().ident
+    while not (sent and ready() and sys._current_frames()[main].f_code.co_name == "wait"):
+        time.sleep(0.005)
+    loop = next(t for t in threading.enumerate() if t.name.endswith("(_run_loop)"))
+    sent[0] = time.monotonic()
+    signal.pthread_kill(loop.ident, signal.SIGINT)
+
+threading.Thread(target=ctrl_c_to_the_loop, daemon=True).start()
+try:
+    sent.append(None)   # the main thread waits on the port from now on
+    wait(port)
+    print("no KeyboardInterrupt", flush=True)
+except KeyboardInterrupt:
+    print(f"KeyboardInterrupt after {time.monotonic() - sent[0]:.3f} s", flush=True)
+    then(port)
+finally:
+    for path in (record, record + ".started"):
+        if os.path.exists(path):
+            os.remove(path)
+'''
+
+
+CASES = {   # case: what the script prints after the KeyboardInterrupt
+    "start": [],
+    "start, then use": ["then 14 tools"],   # the start went on, and the next use waited for it
+    "first use": [],
+    "re-listing": [],
+    "call": ["the server was told of the cancel"],   # notifications/cancelled
+    "close": [],
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_a_ctrl_c_the_loop_thread_takes_reaches_the_waiting_caller_at_once(case):
+    # Each wait used to end only with its own timeout: start and first use at the servers'
+    # startup_timeout_ms (5 s here), re-listing at it too, a call at the tool's (20 s), close
+    # once the SDK had stopped the stubborn server (~4 s): the Ctrl-C came that late
+    marker = f"bob-r6-{uuid.uuid4().hex[:8]}"
+    child = subprocess.run([sys.executable, "-c", CTRL_C_TO_THE_LOOP, case, marker, str(REPO),
+                            str(HERE)], capture_output=True, text=True, timeout=60)
+    assert child.stdout.startswith("KeyboardInterrupt after "), (child.stdout, child.stderr)
+    assert float(child.stdout.split()[2]) < 0.5, child.stdout   # 50 ms, with room for load
+    assert child.stdout.splitlines()[1:] == CASES[case], child.stdout
+    # bob's exit (atexit) or the interrupted close stopped the server
+    assert wait_until(lambda: not marked_pids(marker), timeout=5), marked_pids(marker)
