@@ -644,20 +644,13 @@ class McpToolPort:
         if self._closed:
             raise McpError("this McpToolPort is closed; create a new one")
 
-    def _run(self, coro, timeout_s: float, cancel: CancelToken | None = None):
-        """Run coro on the loop; wait <= timeout_s (else McpError); a timeout or cancel ends it."""
-        future = asyncio.run_coroutine_threadsafe(coro, self._loop)
-        forget = cancel.on_cancel(future.cancel) if cancel else lambda: None
-        try:
-            return _outcome(future, timeout_s, "answer")
-        finally:
-            forget()
-            future.cancel()   # after a timeout or a cancel; a no-op once it is done
-
     def list_tools(self) -> list[ToolDescriptor]:
         """Tools of the running servers; called once a turn: restarts the dead, re-lists changed."""
         self._wait_started()
-        self._run(self._before_turn(), self._startup_s)   # restarting or re-listing servers
+        # Restarting or re-listing servers. A Ctrl-C or a timeout here does not cancel that
+        # (each step is bounded): none is lost, and a later list_tools() returns what it found
+        _outcome(asyncio.run_coroutine_threadsafe(self._before_turn(), self._loop),
+                 self._startup_s, "answer")
         return list(self._tools)
 
     async def _before_turn(self) -> None:
@@ -693,14 +686,19 @@ class McpToolPort:
         else:
             server, tool = entry
             limit = max(0.001, min(timeout_s, server.cfg.tool_timeout_ms / 1000))
+            future = asyncio.run_coroutine_threadsafe(server.call(tool, call.arguments, limit),
+                                                      self._loop)
+            forget = cancel.on_cancel(future.cancel) if cancel else lambda: None
             try:   # the SDK times the call out itself; this wait is only the backstop
-                text, is_error = self._run(server.call(tool, call.arguments, limit), limit + 1.0,
-                                           cancel)
+                text, is_error = _outcome(future, limit + 1.0, "answer")
                 text = server._scrub(text)
             except (McpError, TimeoutError):   # the backstop's timeout, or call()'s
                 text, is_error = f"tool {tool} timed out after {round(limit * 1000)} ms", True
             except concurrent.futures.CancelledError:
                 text, is_error = f"tool {tool} cancelled", True
+            finally:   # a timeout, a cancel, a Ctrl-C: the server is told to stop working on it
+                forget()
+                future.cancel()   # a no-op once it is done
         return ToolResult(call.id, call.name, text, is_error, (time.monotonic() - start) * 1000)
 
     def tool_sources(self) -> dict[str, str]:
@@ -723,12 +721,14 @@ class McpToolPort:
         try:
             if self._started is None:   # never started: nothing runs
                 return
-            try:   # the servers, on the loop
-                self._run(self._stop_all(), _CLOSE_S + 2.0)
+            try:   # the servers, on the loop (which goes on stopping them after a Ctrl-C)
+                _outcome(asyncio.run_coroutine_threadsafe(self._stop_all(), self._loop),
+                         _CLOSE_S + 2.0, "stop")
                 concurrent.futures.wait([self._started], 1.0)  # let a startup finish
             except BaseException as e:  # the loop is stuck, or Ctrl-C: kill them from here
-                log.warning("MCP servers did not stop in time (%r); killing them", e)
+                log.warning("MCP servers were not stopped (%r); killing them", e)
                 for server in self._servers:
+                    server.closing = True   # so its end is no death (no restart, no warning)
                     _kill(server.pgid, server._family)
                 if not isinstance(e, Exception):
                     raise

@@ -11,8 +11,9 @@ Modes: `null-result` / `array-result` (tools/call answered with "result": null /
 at start that holds only stderr, like `npx` spawning node), `banner` (non-JSON lines quoting
 API_KEY on stdout at start, and a tool `noise` that writes one and invalid UTF-8), `noisy` (stderr
 lines with terminal controls, 100,000 characters long, then `crash` exits), `die-soon` (exits
-0.5 s after its first tools/list), `relist-hang` (each tools/call sends
-notifications/tools/list_changed; no tools/list after the first is answered), `stubborn` (ignores
+0.5 s after its first tools/list), `relist-slow` (each tools/call sends
+notifications/tools/list_changed; each later tools/list is answered 2 s late, listing one more
+tool, `added`), `stubborn` (ignores
 SIGTERM and stays up after stdin ends, until killed).
 Tool `echo` returns its `text` argument; `env` the value of the environment variable `name`.
 The grandchildren's command lines carry $MARKER; other arguments are ignored (tests pass one to
@@ -28,12 +29,14 @@ import threading
 MODES = set(sys.argv[1:])
 SECRET = os.environ.get("API_KEY", "")
 LISTED = []   # one item per tools/list received
+SENDING = threading.Lock()
 UNANSWERED = object()   # what answer() returns for a request left without an answer
 
 
 def send(message: dict) -> None:
-    sys.stdout.write(json.dumps(message) + "\n")
-    sys.stdout.flush()
+    with SENDING:   # one line at a time: a Timer thread sends too
+        sys.stdout.write(json.dumps(message) + "\n")
+        sys.stdout.flush()
 
 
 def garbage(data: bytes) -> None:
@@ -72,7 +75,10 @@ def answer(msg: dict) -> dict | None:
                 "serverInfo": {"name": "raw", "version": "1"}}
     if method == "tools/list":
         LISTED.append(1)
-        if "relist-hang" in MODES and len(LISTED) > 1:
+        if "relist-slow" in MODES and len(LISTED) > 1:
+            later = {"tools": [*tools(), {"name": "added", "inputSchema": {"type": "object"}}]}
+            late = {"jsonrpc": "2.0", "id": msg["id"], "result": later}
+            threading.Timer(2.0, send, [late]).start()
             return UNANSWERED
         if "die-soon" in MODES:
             threading.Timer(0.5, os._exit, [3]).start()
@@ -87,7 +93,7 @@ def answer(msg: dict) -> dict | None:
                     sys.stderr.write("\x1b]0;owned\x07\x1b[2J" + "x" * 100_000 + "\n")
                 sys.stderr.flush()
             os._exit(3)
-        if "relist-hang" in MODES:
+        if "relist-slow" in MODES:
             send({"jsonrpc": "2.0", "method": "notifications/tools/list_changed"})
         if "bad-level" in MODES:
             for _ in range(200):
