@@ -555,7 +555,7 @@ class McpToolPort:
         self._started = None         # concurrent Future of _start_all: None until then
         self._lock = threading.Lock()          # guards start() and close()
         self._closed = False
-        self._close_done = threading.Event()    # set when the first close() has finished
+        self._close_done = concurrent.futures.Future()   # done when the first close() is
         self._startup_s = max([s.startup_timeout_ms / 1000 for s in servers], default=0) + _GRACE_S
 
     def __enter__(self) -> McpToolPort:
@@ -715,8 +715,9 @@ class McpToolPort:
         registered with atexit by start(), so no server outlives bob."""
         with self._lock:
             first, self._closed = not self._closed, True
-        if not first:   # another thread is closing: return once it is done (bounded)
-            self._close_done.wait(_CLOSE_S + 5.0)
+        if not first:   # another thread is closing: return once it is done (its own waits
+            # end it in _CLOSE_S + 3 s at most; past _CLOSE_S + 5, McpError), or at a Ctrl-C
+            _outcome(self._close_done, _CLOSE_S + 5.0, "stop")
             return
         try:
             if self._started is None:   # never started: nothing runs
@@ -735,5 +736,5 @@ class McpToolPort:
             self._loop.call_soon_threadsafe(self._loop.stop)   # then the loop
             self._thread.join(2.0)
         finally:
-            self._close_done.set()
+            self._close_done.set_result(None)
             atexit.unregister(self.close)   # only now: an exit meanwhile still waits for it
