@@ -10,14 +10,19 @@ signal.pthread_kill. Real servers only: tests/mcp_server.py (--hang: never answe
 tests/mcp_hostile_server.py (`slow`), tests/mcp_raw_server.py (relist-hang, stubborn)."""
 from __future__ import annotations
 
+import ctypes
+import os
+import platform
+import signal
 import subprocess
 import sys
+import time
 import uuid
 from pathlib import Path
 
 import pytest
 
-from conftest import REPO, marked_pids, wait_until
+from conftest import REPO, child_env, marked_pids, wait_until
 
 HERE = Path(__file__).parent
 
@@ -154,4 +159,43 @@ def test_a_ctrl_c_the_loop_thread_takes_reaches_the_waiting_caller_at_once(case)
     # no word of a restart: the servers the interrupted close killed were not taken for dead
     assert "restart" not in child.stderr, child.stderr
     # bob's exit (atexit) or the interrupted close stopped the server
+    assert wait_until(lambda: not marked_pids(marker), timeout=5), marked_pids(marker)
+
+
+# ---- the CLI: replay --live-tools while its servers start ----
+
+TGKILL = {"x86_64": 234, "aarch64": 131}   # syscall numbers: a signal to one thread of a process
+
+
+def tgkill(pid: int, tid: int, signum: int) -> None:
+    libc = ctypes.CDLL(None, use_errno=True)
+    assert libc.syscall(TGKILL[platform.machine()], pid, tid, signum) == 0, ctypes.get_errno()
+
+
+@pytest.mark.skipif(platform.machine() not in TGKILL, reason="tgkill's number is not known here")
+def test_ctrl_c_taken_by_another_thread_of_the_cli_ends_replay_live_tools_at_once(tmp_path):
+    # `bob replay --live-tools` waits for its MCP servers to start; a Ctrl-C that the kernel
+    # handed to a thread other than the main one came at startup_timeout_ms (20 s here)
+    marker = f"bob-r6-{uuid.uuid4().hex[:8]}"
+    (tmp_path / "agent.toml").write_text(
+        f'[[mcp.servers]]\nid = "h"\ncommand = "{sys.executable}"\n'
+        f'args = ["{HERE / "mcp_server.py"}", "--hang", "--marker", "{marker}"]\n'
+        "startup_timeout_ms = 20000\n")
+    (tmp_path / "t.jsonl").write_text(
+        '{"kind":"turn_started","session_id":"d","step":0,"data":{},"ts":0}\n')
+    child = subprocess.Popen([sys.executable, str(REPO / "bob_cli.py"), "replay", "t.jsonl",
+                              "--live-tools"], cwd=tmp_path, env=child_env(tmp_path),
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert wait_until(lambda: marked_pids(marker), timeout=20), "the server never started"
+        others = sorted(int(t) for t in os.listdir(f"/proc/{child.pid}/task")
+                        if int(t) != child.pid)
+        t0 = time.monotonic()
+        tgkill(child.pid, others[0], signal.SIGINT)   # the port's loop thread, or a helper
+        child.communicate(timeout=30)
+        elapsed = time.monotonic() - t0
+    finally:
+        child.kill()
+    assert child.returncode == 130, child.returncode
+    assert elapsed < 5, f"{elapsed:.1f} s"   # ~0.1 s, and the close; before: 20 s
     assert wait_until(lambda: not marked_pids(marker), timeout=5), marked_pids(marker)
