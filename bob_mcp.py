@@ -533,9 +533,14 @@ def _outcome(future, timeout_s, what):
     thread runs again: in one long wait, at its timeout. (Blocking SIGINT in the loop thread
     instead would leave it blocked in every server that thread starts.)"""
     deadline = time.monotonic() + timeout_s
-    while not concurrent.futures.wait([future], 0.05)[0]:   # done: a set holding it
-        if time.monotonic() > deadline:
-            raise McpError(f"MCP servers did not {what} in {timeout_s:.0f} s")
+    while time.monotonic() < deadline:
+        # Wakes at once when the future is done or cancelled, from any thread (a cancel wakes
+        # no concurrent.futures.wait()); its own exception is returned, a TimeoutError too
+        with contextlib.suppress(TimeoutError):   # this wait's
+            future.exception(0.05)
+            break
+    else:
+        raise McpError(f"MCP servers did not {what} in {timeout_s:.0f} s")
     return future.result()
 
 

@@ -16,12 +16,15 @@ import platform
 import signal
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from pathlib import Path
 
 import pytest
 
+import bob
+from bob_mcp import McpServerConfig, McpToolPort
 from conftest import REPO, child_env, marked_pids, wait_until
 
 HERE = Path(__file__).parent
@@ -199,3 +202,29 @@ def test_ctrl_c_taken_by_another_thread_of_the_cli_ends_replay_live_tools_at_onc
     assert child.returncode == 130, child.returncode
     assert elapsed < 5, f"{elapsed:.1f} s"   # ~0.1 s, and the close; before: 20 s
     assert wait_until(lambda: not marked_pids(marker), timeout=5), marked_pids(marker)
+
+
+# ---- a cancel while the port's loop is busy ----
+
+def test_a_cancel_returns_at_once_while_the_ports_loop_is_busy(tmp_path):
+    # The port's loop thread can be busy for a while (the SDK parsing a big message, a slow
+    # logging handler for a server's stderr). A cancelled call_tool returned at once all the
+    # same; waiting on the loop in 50 ms steps, it returned only once the loop was free again
+    record = tmp_path / "record"
+    cfg = McpServerConfig("h", command=sys.executable,
+                          args=(str(HERE / "mcp_hostile_server.py"), "--record", str(record)))
+    with McpToolPort([cfg]) as port:
+        token, results = bob.CancelToken(), []
+        call = threading.Thread(target=lambda: results.append(port.call_tool(
+            bob.ToolCall("c1", "h__slow", {"seconds": 30}), 20.0, token)))
+        call.start()
+        assert wait_until(Path(f"{record}.started").exists, timeout=10)
+        busy = threading.Event()
+        port._loop.call_soon_threadsafe(lambda: (busy.set(), time.sleep(1.5)))   # the stand-in
+        assert busy.wait(5)
+        t0 = time.monotonic()
+        token.cancel()
+        call.join(10)
+        elapsed = time.monotonic() - t0
+    assert results[0].content == "tool slow cancelled" and results[0].is_error, results
+    assert elapsed < 0.5, f"{elapsed:.2f} s"   # at once, with room for load; was 1.5 s
