@@ -555,7 +555,7 @@ class McpToolPort:
         self._configs = tuple(servers)
         self._servers = []    # the running _Servers, in config order
         self._names = {}      # exposed name -> (_Server, MCP name of the tool)
-        self._tools = []      # the ToolDescriptors list_tools() returns
+        # self._tools, the ToolDescriptors list_tools() returns: set by _publish() once started
         # start() makes the loop thread, the port's asyncio event loop (self._loop) and the
         self._started = None         # concurrent Future of _start_all: None until then
         self._lock = threading.Lock()          # guards start() and close()
@@ -564,7 +564,11 @@ class McpToolPort:
         self._startup_s = max([s.startup_timeout_ms / 1000 for s in servers], default=0) + _GRACE_S
 
     def __enter__(self) -> McpToolPort:
-        return self.start()
+        try:
+            return self.start()
+        except KeyboardInterrupt:   # the with's body and __exit__ never run: stop them here
+            self.close()            # (a failed start closes the port itself, at once)
+            raise
 
     def __exit__(self, *exc: object) -> None:
         self.close()

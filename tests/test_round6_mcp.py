@@ -82,6 +82,10 @@ def failed_start(port):
     except bob_mcp.McpError as e:   # a required server failed: the port closes, on a thread
         print("start failed:", str(e).splitlines()[0])
 
+def in_a_with(port):
+    with port:
+        print("the body ran")
+
 def server2(*args):
     return McpServerConfig("t", command=sys.executable, args=(f"{tests}/mcp_raw_server.py", *args))
 
@@ -91,6 +95,8 @@ CASES = {
               nothing, lambda p: p.start(), server_runs, nothing),
     "start, then use": (server("mcp_server.py", "--marker", marker), nothing, lambda p: p.start(),
                         server_runs, lambda p: print("then", len(p.list_tools()), "tools")),
+    "start in a with": (server("mcp_server.py", "--hang", "--marker", marker), nothing,
+                        in_a_with, server_runs, lambda p: print("still running:", server_runs())),
     "first use": (server("mcp_server.py", "--hang", "--marker", marker),
                   lambda p: p.start(wait=False), lambda p: p.list_tools(), server_runs, nothing),
     "re-listing": (server("mcp_raw_server.py", "relist-slow", marker),
@@ -138,6 +144,7 @@ finally:
 CASES = {   # case: what the script prints after the KeyboardInterrupt
     "start": [],
     "start, then use": ["then 14 tools"],   # the start went on, and the next use waited for it
+    "start in a with": ["still running: False"],   # no body, no __exit__: __enter__ closes it
     "first use": [],
     "re-listing": ["then s__added is listed"],
     "call": ["the server was told of the cancel"],   # notifications/cancelled
