@@ -13,9 +13,10 @@ Sections: 1. Errors and configuration  2. Names and results  3. One server  4. M
 
 Threading: one asyncio loop thread per port. Each server is owned by one task that enters the
 SDK's transport and session context managers and exits them itself (the SDK's task groups demand
-it); sync callers wait on the loop, always with a timeout. Vendoring: copy this file next to
-bob.py; running servers needs mcp 2.3 (pinned: _stdio_process and _sdk_note reach into it),
-which start() imports (not `import bob_mcp`).
+it); sync callers wait on the loop, always with a timeout, and 50 ms at most at a time (so a
+Ctrl-C that the kernel handed to the loop thread reaches them at once). Vendoring: copy this
+file next to bob.py; running servers needs mcp 2.3 (pinned: _stdio_process and _sdk_note reach
+into it), which start() imports (not `import bob_mcp`).
 """
 from __future__ import annotations
 
@@ -556,11 +557,11 @@ class McpToolPort:
         self._servers = []    # the running _Servers, in config order
         self._names = {}      # exposed name -> (_Server, MCP name of the tool)
         # self._tools, the ToolDescriptors list_tools() returns: set by _publish() once started
-        # start() makes the loop thread, the port's asyncio event loop (self._loop) and the
-        self._started = None         # concurrent Future of _start_all: None until then
+        # start() makes the loop thread (self._thread) and its asyncio event loop (self._loop)
+        self._started = None         # the concurrent Future of _start_all, made by start()
         self._lock = threading.Lock()          # guards start() and close()
         self._closed = False
-        self._close_done = concurrent.futures.Future()   # done when the first close() is
+        self._close_done = concurrent.futures.Future()   # done once the first close() is done
         self._startup_s = max([s.startup_timeout_ms / 1000 for s in servers], default=0) + _GRACE_S
 
     def __enter__(self) -> McpToolPort:
