@@ -162,7 +162,7 @@ def exposed_name(server_id: str, tool: str) -> str:
     return f"{name[:55]}_{hashlib.sha256(f'{server_id}/{tool}'.encode()).hexdigest()[:8]}"
 
 
-def _block_text(block: Any) -> tuple[str, bool]:
+def _block_text(block) -> tuple[str, bool]:
     """(text, is_text) of one content block: text as it is, anything else summarised."""
     kind = getattr(block, "type", "unknown")
     res = getattr(block, "resource", None)   # resource blocks only
@@ -178,7 +178,7 @@ def _block_text(block: Any) -> tuple[str, bool]:
     return f"[{kind} content]", False
 
 
-def _result_text(result: Any) -> str:
+def _result_text(result) -> str:
     """Text blocks joined, other blocks summarised; structuredContent when there is no text."""
     parts = [_block_text(b) for b in result.content]
     if not any(is_text for _, is_text in parts) and result.structured_content is not None:
@@ -352,7 +352,8 @@ class _Server:
                 self._read_stderr(final=True)
             self._finish()
 
-    async def _connect(self, stack: contextlib.AsyncExitStack) -> Any:
+    async def _connect(self, stack: contextlib.AsyncExitStack):
+        """Open the transport, its context managers entered on `stack`: its (read, write)."""
         cfg = self.cfg
         if cfg.transport == "streamable_http":
             http = mcp.client.streamable_http
@@ -439,7 +440,7 @@ class _Server:
         if final:
             os.close(self._stderr)
 
-    async def _on_response(self, response: Any) -> None:
+    async def _on_response(self, response) -> None:
         """Keep the first status that says why a start or a call failed, where the SDK says
         only "Server returned an error response" or "Session terminated": 401 or 403 (check
         the token), 404 (the server lost the session: every request of it gets one)."""
@@ -451,7 +452,7 @@ class _Server:
         return mcp.types.ListRootsResult(roots=[
             mcp.types.Root(uri=p.as_uri(), name=p.name) for p in paths])
 
-    async def _on_message(self, message: Any) -> None:
+    async def _on_message(self, message) -> None:
         if isinstance(message, mcp.types.ToolListChangedNotification):
             self.list_changed = True          # acted on before the next turn
 
@@ -664,8 +665,9 @@ class McpToolPort:
         return list(self._tools)
 
     async def _before_turn(self) -> None:
-        todo = [s for s in self._servers if s.dead or s.list_changed]
-        for server in todo:
+        """Restart the dead servers and re-list the changed ones, all at once: each is bounded
+        by its startup_timeout_ms, so together they end within the wait for them."""
+        async def refresh(server):
             try:
                 if server.dead:                   # restart it: a new run
                     server.start()
@@ -681,8 +683,9 @@ class McpToolPort:
                 else:   # the re-listing failed (too many tools...): it keeps serving the old list
                     log.warning("MCP server %r: listing tools failed: %s", server.cfg.id,
                                 server._scrub(repr(e)))
-        if todo:
-            self._publish()
+            self._publish()   # as each ends: a wait cut short has what ended listed already
+
+        await asyncio.gather(*(refresh(s) for s in self._servers if s.dead or s.list_changed))
 
     def call_tool(self, call: ToolCall, timeout_s: float,
                   cancel: CancelToken | None = None) -> ToolResult:

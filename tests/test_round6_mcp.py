@@ -235,3 +235,29 @@ def test_a_cancel_returns_at_once_while_the_ports_loop_is_busy(tmp_path):
         elapsed = time.monotonic() - t0
     assert results[0].content == "tool slow cancelled" and results[0].is_error, results
     assert elapsed < 0.5, f"{elapsed:.2f} s"   # at once, with room for load; was 1.5 s
+
+
+# ---- restarts at a turn's start ----
+
+def test_servers_that_died_together_are_restarted_together_within_the_wait(tmp_path, caplog):
+    # list_tools() restarted dead servers one after another, each bounded by its own
+    # startup_timeout_ms, while its wait for them all is bounded by the largest plus a grace
+    # (7 s): four that hang when restarted (3 s each) made it fail, "MCP servers did not
+    # answer in 10 s", and the next turn still listed the dropped servers' tools
+    hang = tmp_path / "hang"   # once it exists, the servers start but never answer
+    script = (f'test -e "{hang}" && exec "{sys.executable}" "{HERE / "mcp_server.py"}" --hang; '
+              f'exec "{sys.executable}" "{HERE / "mcp_raw_server.py"}"')
+    configs = [McpServerConfig(f"s{i}", command="sh", args=("-c", script),
+                               startup_timeout_ms=3_000) for i in range(4)]
+    with McpToolPort(configs) as port:
+        assert len(port.list_tools()) == 12
+        hang.touch()
+        for i in range(4):   # each exits: dead, restarted at the next turn's start
+            assert "exited (code 3)" in port.call_tool(
+                bob.ToolCall("c1", f"s{i}__crash", {}), 5.0).content
+        t0 = time.monotonic()
+        assert port.list_tools() == []   # no McpError: each restart failed and was dropped
+        elapsed = time.monotonic() - t0
+        assert port.list_tools() == []
+    assert elapsed < 8, f"{elapsed:.1f} s"   # 3 s and the stops, together; was 10 s, failing
+    assert caplog.text.count("no answer to the MCP handshake within 3000 ms") == 4, caplog.text
