@@ -13,9 +13,10 @@ Sections: 1. Errors and configuration  2. Names and results  3. One server  4. M
 
 Threading: one asyncio loop thread per port. Each server is owned by one task that enters the
 SDK's transport and session context managers and exits them itself (the SDK's task groups demand
-it); sync callers wait on the loop, always with a timeout. Vendoring: copy this file next to
-bob.py; running servers needs mcp 2.3 (pinned: _stdio_process and _sdk_note reach into it),
-which start() imports (not `import bob_mcp`).
+it); sync callers wait on the loop, always with a timeout, and 50 ms at most at a time (so a
+Ctrl-C that the kernel handed to the loop thread reaches them at once). Vendoring: copy this
+file next to bob.py; running servers needs mcp 2.3 (pinned: _stdio_process and _sdk_note reach
+into it), which start() imports (not `import bob_mcp`).
 """
 from __future__ import annotations
 
@@ -81,6 +82,7 @@ def url_problem(url: str | None) -> str | None:
 
 
 _DAY_MS = 86_400_000    # longer timeouts overflow thread waits
+_LIST_FIELDS = ("args", "roots", "secret_env")   # lists of strings; kept as tuples
 
 
 @dataclass(frozen=True)
@@ -103,7 +105,7 @@ class McpServerConfig:
     def __post_init__(self) -> None:
         if problem := _problem(self):
             raise ConfigError(f"MCP server id={self.id!r}: {problem}")
-        for name in ("args", "roots", "secret_env"):
+        for name in _LIST_FIELDS:
             object.__setattr__(self, name, tuple(getattr(self, name)))
 
 
@@ -116,7 +118,7 @@ def _problem(c: McpServerConfig) -> str | None:
     for key in ("command", "cwd", "url", "required"):
         if not isinstance(getattr(c, key), bool if key == "required" else str | None):
             return f"{key} must be {'true or false' if key == 'required' else 'a string'}"
-    for key in ("args", "roots", "secret_env"):
+    for key in _LIST_FIELDS:
         value = getattr(c, key)
         if not isinstance(value, list | tuple) or not all(isinstance(x, str) for x in value):
             return f"{key} must be a list of strings"
@@ -160,7 +162,7 @@ def exposed_name(server_id: str, tool: str) -> str:
     return f"{name[:55]}_{hashlib.sha256(f'{server_id}/{tool}'.encode()).hexdigest()[:8]}"
 
 
-def _block_text(block: Any) -> tuple[str, bool]:
+def _block_text(block) -> tuple[str, bool]:
     """(text, is_text) of one content block: text as it is, anything else summarised."""
     kind = getattr(block, "type", "unknown")
     res = getattr(block, "resource", None)   # resource blocks only
@@ -176,7 +178,7 @@ def _block_text(block: Any) -> tuple[str, bool]:
     return f"[{kind} content]", False
 
 
-def _result_text(result: Any) -> str:
+def _result_text(result) -> str:
     """Text blocks joined, other blocks summarised; structuredContent when there is no text."""
     parts = [_block_text(b) for b in result.content]
     if not any(is_text for _, is_text in parts) and result.structured_content is not None:
@@ -184,7 +186,7 @@ def _result_text(result: Any) -> str:
     return "\n".join(text for text, _ in parts)
 
 
-def _masked(data: Any, scrub: Any) -> Any:
+def _masked(data, scrub):
     """JSON-like data (a tool's schema) with scrub() applied to every string in it, keys too."""
     if isinstance(data, dict):
         return {scrub(k): _masked(v, scrub) for k, v in data.items()}   # names quote it too
@@ -306,14 +308,14 @@ class _Server:
         self.pgid = None                    # a plain int, so close() may use it from any thread
         self._family = []                   # its descendants' pids, read just before it ends
         self.tail = collections.deque(maxlen=_TAIL_LINES)   # its last stderr lines (str)
-        self._process: Any = None           # the stdio server's Process, when we can see it
+        self._process = None                # the stdio server's Process, when we can see it
         self._error = None                  # why the run failed (an Exception): its owner's
                                             # error, else the transport's under a call
         self._stderr = -1                   # our end of the stderr pipe (stdio), once open
         self._partial = b""                 # the start of a stderr line still being written
         self.status = 0                     # HTTP: 401, 403 or 404 once seen (_on_response)
-        start_s = self.cfg.startup_timeout_ms / 1000   # stop() cancels the scope: startup, wait
-        self._scope = anyio.CancelScope(deadline=anyio.current_time() + start_s)
+        # the startup timeout's scope (cancelled by stop() too); then the wait's, in _own()
+        self._scope = anyio.move_on_after(self.cfg.startup_timeout_ms / 1000)
         self.ready = asyncio.get_running_loop().create_future()   # awaited: None or McpError
         self.task = asyncio.create_task(self._own())   # the owner of this run
 
@@ -350,7 +352,8 @@ class _Server:
                 self._read_stderr(final=True)
             self._finish()
 
-    async def _connect(self, stack: contextlib.AsyncExitStack) -> Any:
+    async def _connect(self, stack: contextlib.AsyncExitStack):
+        """Open the transport, its context managers entered on `stack`: its (read, write)."""
         cfg = self.cfg
         if cfg.transport == "streamable_http":
             http = mcp.client.streamable_http
@@ -437,19 +440,19 @@ class _Server:
         if final:
             os.close(self._stderr)
 
-    async def _on_response(self, response: Any) -> None:
+    async def _on_response(self, response) -> None:
         """Keep the first status that says why a start or a call failed, where the SDK says
         only "Server returned an error response" or "Session terminated": 401 or 403 (check
         the token), 404 (the server lost the session: every request of it gets one)."""
         if response.status_code in (401, 403, 404) and not self.status:
             self.status = response.status_code
 
-    async def _roots(self, context: Any) -> Any:
+    async def _roots(self, context):   # the SDK's roots/list callback
         paths = [Path(p).resolve() for p in self.cfg.roots]
         return mcp.types.ListRootsResult(roots=[
             mcp.types.Root(uri=p.as_uri(), name=p.name) for p in paths])
 
-    async def _on_message(self, message: Any) -> None:
+    async def _on_message(self, message) -> None:
         if isinstance(message, mcp.types.ToolListChangedNotification):
             self.list_changed = True          # acted on before the next turn
 
@@ -525,6 +528,24 @@ class _Server:
 
 # ---- 4. McpToolPort: the loop thread and the sync API -------------------------------------------
 
+def _outcome(future, timeout_s, what):
+    """The future's result, waiting at most timeout_s (else McpError: "MCP servers did not
+    <what> in N s"), and 50 ms at most at a time: the kernel may hand a Ctrl-C to any thread
+    (the port's loop thread too), and Python raises it on the caller's thread only when that
+    thread runs again: in one long wait, at its timeout. (Blocking SIGINT in the loop thread
+    instead would leave it blocked in every server that thread starts.)"""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        # Wakes at once when the future is done or cancelled, from any thread (a cancel wakes
+        # no concurrent.futures.wait()); its own exception is returned, a TimeoutError too
+        with contextlib.suppress(TimeoutError):   # this wait's
+            future.exception(0.05)
+            break
+    else:
+        raise McpError(f"MCP servers did not {what} in {timeout_s:.0f} s")
+    return future.result()
+
+
 class McpToolPort:
     """A ToolPort over MCP servers, tools exposed as `<server_id>__<tool>`; a context manager."""
 
@@ -536,16 +557,20 @@ class McpToolPort:
         self._configs = tuple(servers)
         self._servers = []    # the running _Servers, in config order
         self._names = {}      # exposed name -> (_Server, MCP name of the tool)
-        self._tools = []      # the ToolDescriptors list_tools() returns
-        self._loop = None            # the port's asyncio event loop, made by start()
+        # self._tools, the ToolDescriptors list_tools() returns: set by _publish() once started
+        # start() makes the loop thread (self._thread) and its asyncio event loop (self._loop)
         self._started = None         # the concurrent Future of _start_all, made by start()
         self._lock = threading.Lock()          # guards start() and close()
         self._closed = False
-        self._close_done = threading.Event()    # set when the first close() has finished
+        self._close_done = concurrent.futures.Future()   # done once the first close() is done
         self._startup_s = max([s.startup_timeout_ms / 1000 for s in servers], default=0) + _GRACE_S
 
     def __enter__(self) -> McpToolPort:
-        return self.start()
+        try:
+            return self.start()
+        except KeyboardInterrupt:   # the with's body and __exit__ never run: stop them here
+            self.close()            # (a failed start closes the port itself, at once)
+            raise
 
     def __exit__(self, *exc: object) -> None:
         self.close()
@@ -555,7 +580,7 @@ class McpToolPort:
         with self._lock:
             if self._closed:
                 raise McpError("this McpToolPort is closed; create a new one")
-            if self._loop is None:
+            if self._started is None:
                 self._loop = asyncio.new_event_loop()
                 self._thread = threading.Thread(target=self._run_loop, daemon=True)
                 self._thread.start()
@@ -583,7 +608,7 @@ class McpToolPort:
         results = await asyncio.gather(*(s.ready for s in servers), return_exceptions=True)
         self._servers = []
         failed = []
-        for server, error in zip(servers, results, strict=True):
+        for server, error in zip(servers, results):
             if error is None:
                 self._servers.append(server)
             elif server.cfg.required:
@@ -622,36 +647,27 @@ class McpToolPort:
         if self._started is None:
             raise McpError("this McpToolPort is not started: call start(), or use it in a with")
         try:
-            self._started.result(self._startup_s)
-        except TimeoutError:   # concurrent.futures's, since 3.11
-            raise McpError(f"MCP servers did not start in {self._startup_s:.0f} s") from None
-        except Exception:  # a failed start leaves nothing running; the error goes up at once
+            _outcome(self._started, self._startup_s, "start")
+        except Exception:  # a failed start (or one stuck past its time) leaves nothing running;
+                           # the error goes up at once
             threading.Thread(target=self.close, daemon=True).start()
             raise
         if self._closed:
             raise McpError("this McpToolPort is closed; create a new one")
 
-    def _run(self, coro: Any, timeout_s: float, cancel: CancelToken | None = None) -> Any:
-        """Run coro on the loop; wait <= timeout_s (else McpError); a timeout or cancel ends it."""
-        future = asyncio.run_coroutine_threadsafe(coro, self._loop)
-        forget = cancel.on_cancel(future.cancel) if cancel else lambda: None
-        try:
-            return future.result(timeout_s)
-        except TimeoutError:   # concurrent.futures's, since 3.11
-            raise McpError(f"MCP servers did not answer in {timeout_s:.0f} s") from None
-        finally:
-            forget()
-            future.cancel()   # after a timeout or a cancel; a no-op once it is done
-
     def list_tools(self) -> list[ToolDescriptor]:
         """Tools of the running servers; called once a turn: restarts the dead, re-lists changed."""
         self._wait_started()
-        self._run(self._before_turn(), self._startup_s)   # restarting or re-listing servers
+        # Restarting or re-listing servers. A Ctrl-C or a timeout here does not cancel that
+        # (each step is bounded): none is lost, and a later list_tools() returns what it found
+        _outcome(asyncio.run_coroutine_threadsafe(self._before_turn(), self._loop),
+                 self._startup_s, "answer")
         return list(self._tools)
 
     async def _before_turn(self) -> None:
-        todo = [s for s in self._servers if s.dead or s.list_changed]
-        for server in todo:
+        """Restart the dead servers and re-list the changed ones, all at once: each is bounded
+        by its startup_timeout_ms, so together they end within the wait for them."""
+        async def refresh(server):
             try:
                 if server.dead:                   # restart it: a new run
                     server.start()
@@ -667,8 +683,9 @@ class McpToolPort:
                 else:   # the re-listing failed (too many tools...): it keeps serving the old list
                     log.warning("MCP server %r: listing tools failed: %s", server.cfg.id,
                                 server._scrub(repr(e)))
-        if todo:
-            self._publish()
+            self._publish()   # as each ends: a wait cut short has what ended listed already
+
+        await asyncio.gather(*(refresh(s) for s in self._servers if s.dead or s.list_changed))
 
     def call_tool(self, call: ToolCall, timeout_s: float,
                   cancel: CancelToken | None = None) -> ToolResult:
@@ -682,14 +699,19 @@ class McpToolPort:
         else:
             server, tool = entry
             limit = max(0.001, min(timeout_s, server.cfg.tool_timeout_ms / 1000))
+            future = asyncio.run_coroutine_threadsafe(server.call(tool, call.arguments, limit),
+                                                      self._loop)
+            forget = cancel.on_cancel(future.cancel) if cancel else lambda: None
             try:   # the SDK times the call out itself; this wait is only the backstop
-                text, is_error = self._run(server.call(tool, call.arguments, limit), limit + 1.0,
-                                           cancel)
+                text, is_error = _outcome(future, limit + 1.0, "answer")
                 text = server._scrub(text)
-            except McpError:   # the backstop's timeout, or call()'s TimeoutError (the same)
+            except (McpError, TimeoutError):   # the backstop's timeout, or call()'s
                 text, is_error = f"tool {tool} timed out after {round(limit * 1000)} ms", True
             except concurrent.futures.CancelledError:
                 text, is_error = f"tool {tool} cancelled", True
+            finally:   # a timeout, a cancel, a Ctrl-C: the server is told to stop working on it
+                forget()
+                future.cancel()   # a no-op once it is done
         return ToolResult(call.id, call.name, text, is_error, (time.monotonic() - start) * 1000)
 
     def tool_sources(self) -> dict[str, str]:
@@ -706,23 +728,26 @@ class McpToolPort:
         registered with atexit by start(), so no server outlives bob."""
         with self._lock:
             first, self._closed = not self._closed, True
-        if not first:   # another thread is closing: return once it is done (bounded)
-            self._close_done.wait(_CLOSE_S + 5.0)
+        if not first:   # another thread is closing: return once it is done (its own waits
+            # end it in _CLOSE_S + 3 s at most; past _CLOSE_S + 5, McpError), or at a Ctrl-C
+            _outcome(self._close_done, _CLOSE_S + 5.0, "stop")
             return
         try:
-            if self._loop is None:   # never started: nothing runs
+            if self._started is None:   # never started: nothing runs
                 return
-            try:   # the servers, on the loop
-                self._run(self._stop_all(), _CLOSE_S + 2.0)
+            try:   # the servers, on the loop (which goes on stopping them after a Ctrl-C)
+                _outcome(asyncio.run_coroutine_threadsafe(self._stop_all(), self._loop),
+                         _CLOSE_S + 2.0, "stop")
                 concurrent.futures.wait([self._started], 1.0)  # let a startup finish
             except BaseException as e:  # the loop is stuck, or Ctrl-C: kill them from here
-                log.warning("MCP servers did not stop in time (%r); killing them", e)
+                log.warning("MCP servers were not stopped (%r); killing them", e)
                 for server in self._servers:
+                    server.closing = True   # so its end is no death (no restart, no warning)
                     _kill(server.pgid, server._family)
                 if not isinstance(e, Exception):
                     raise
             self._loop.call_soon_threadsafe(self._loop.stop)   # then the loop
             self._thread.join(2.0)
         finally:
-            self._close_done.set()
+            self._close_done.set_result(None)
             atexit.unregister(self.close)   # only now: an exit meanwhile still waits for it

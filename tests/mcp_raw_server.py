@@ -11,24 +11,32 @@ Modes: `null-result` / `array-result` (tools/call answered with "result": null /
 at start that holds only stderr, like `npx` spawning node), `banner` (non-JSON lines quoting
 API_KEY on stdout at start, and a tool `noise` that writes one and invalid UTF-8), `noisy` (stderr
 lines with terminal controls, 100,000 characters long, then `crash` exits), `die-soon` (exits
-0.5 s after its first tools/list).
+0.5 s after its first tools/list), `relist-slow` (each tools/call sends
+notifications/tools/list_changed; each later tools/list is answered 2 s late, listing one more
+tool, `added`), `stubborn` (ignores
+SIGTERM and stays up after stdin ends, until killed).
 Tool `echo` returns its `text` argument; `env` the value of the environment variable `name`.
 The grandchildren's command lines carry $MARKER; other arguments are ignored (tests pass one to
 find the server in /proc).
 """
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
 
 MODES = set(sys.argv[1:])
 SECRET = os.environ.get("API_KEY", "")
+LISTED = []   # one item per tools/list received
+SENDING = threading.Lock()
+UNANSWERED = object()   # what answer() returns for a request left without an answer
 
 
 def send(message: dict) -> None:
-    sys.stdout.write(json.dumps(message) + "\n")
-    sys.stdout.flush()
+    with SENDING:   # one line at a time: a Timer thread sends too
+        sys.stdout.write(json.dumps(message) + "\n")
+        sys.stdout.flush()
 
 
 def garbage(data: bytes) -> None:
@@ -66,6 +74,12 @@ def answer(msg: dict) -> dict | None:
         return {"protocolVersion": version, "capabilities": {"tools": {}},
                 "serverInfo": {"name": "raw", "version": "1"}}
     if method == "tools/list":
+        LISTED.append(1)
+        if "relist-slow" in MODES and len(LISTED) > 1:
+            later = {"tools": [*tools(), {"name": "added", "inputSchema": {"type": "object"}}]}
+            late = {"jsonrpc": "2.0", "id": msg["id"], "result": later}
+            threading.Timer(2.0, send, [late]).start()
+            return UNANSWERED
         if "die-soon" in MODES:
             threading.Timer(0.5, os._exit, [3]).start()
         if "pages" in MODES:
@@ -79,6 +93,8 @@ def answer(msg: dict) -> dict | None:
                     sys.stderr.write("\x1b]0;owned\x07\x1b[2J" + "x" * 100_000 + "\n")
                 sys.stderr.flush()
             os._exit(3)
+        if "relist-slow" in MODES:
+            send({"jsonrpc": "2.0", "method": "notifications/tools/list_changed"})
         if "bad-level" in MODES:
             for _ in range(200):
                 send({"jsonrpc": "2.0", "method": "notifications/message",
@@ -113,10 +129,14 @@ def main() -> None:
                          stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
     if "banner" in MODES:
         garbage(f"hostile server v1 starting, key={SECRET}\n== ready ==\n".encode())
+    if "stubborn" in MODES:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
     for line in sys.stdin:
         msg = json.loads(line)
-        if "id" in msg and "method" in msg:
-            send({"jsonrpc": "2.0", "id": msg["id"], "result": answer(msg)})
+        if "id" in msg and "method" in msg and (result := answer(msg)) is not UNANSWERED:
+            send({"jsonrpc": "2.0", "id": msg["id"], "result": result})
+    if "stubborn" in MODES:
+        threading.Event().wait(60)
 
 
 if __name__ == "__main__":
