@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import threading
 import time
 
@@ -304,6 +305,18 @@ def test_an_added_turn_timeout_trip_is_reported_at_once(tmp_path):
     assert not report.ok and report.turn == 1
 
 
+def test_a_deleted_turn_timeout_trip_is_reported_at_once(tmp_path):
+    """The check before the batch tripped; the trip deleted by hand: the replay runs the call
+    the recording did not, and says so at once."""
+    path = tmp_path / "t.jsonl"
+    record(path, [calls(("c1", "add", {"a": 1, "b": 2}))], ["sum"],
+           policy=TurnPolicy(turn_timeout_ms=300), cancel_on=held_at("action_parsed", 300))
+    write_lines(path, [e for e in lines_of(path) if e["kind"] != "guard_tripped"])
+    report = replayed_at_once(path)
+    assert not report.ok
+    assert report.what == "tool call c1 add({\"a\": 1, \"b\": 2}) was never recorded"
+
+
 @pytest.mark.xfail(strict=True, reason=(
     "a model that reuses a call id across the batches of one turn (native mode; ids are unique "
     "only within a reply) replays every batch with the LAST recorded decision for that id: "
@@ -453,6 +466,46 @@ def test_tools_offered_in_another_order_are_named_so(tmp_path):
     assert (report.ok, report.step, report.recorded, report.new) == (
         False, 0, ["add", "shout"], ["shout", "add"])
     assert not report.what.endswith(": "), report.what
+
+
+def test_tools_with_masked_secrets_replay_recorded_and_live(tmp_path):
+    """A description quoting a key and a secret-named property's default: masked in the trace
+    (as the model sees them), and the same when the live tools are masked again at Start."""
+    class Keyed(Listed):
+        def list_tools(self):
+            return [ToolDescriptor("look", f"Look up. Example: {SECRET_EXAMPLE}", self.schema)]
+    schema = {"type": "object", "properties": {
+        "q": {"type": "string"}, "api_key": {"type": "string", "default": "sk-live-0123456789"}}}
+    path = tmp_path / "t.jsonl"
+    rt = AgentRuntime(ScriptedLlm([calls(("c1", "look", {"q": "b"})), "done"]), Keyed(schema),
+                      events=JsonlEventSink(path), action_mode="native")
+    assert rt.run(AgentRequest("hi", "s1")).content == "done"
+    rt.sinks[0].close()
+    assert "sk-live-0123456789" not in path.read_text()
+    assert replayed_at_once(path).ok
+    report = replayed_at_once(path, tools=Keyed(schema))
+    assert report.ok, str(report)
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "a turn that failed because a tool's schema is not JSON (FunctionTools of a function whose "
+    "default is math.inf: 'holds NaN or Infinity ...; deny it') does not replay offline: "
+    "turn_started records the tools offered as [] and _Replay.list_tools answers [], so the "
+    "replayed turn goes on to the model where the recorded one raised: 'a different event' "
+    "(replay(tools=live) does replay it)"))
+def test_a_turn_failed_on_an_unfit_tool_schema_replays_offline(tmp_path):
+    def clamp(x: float, hi: float = math.inf) -> float:
+        """Clamp x to hi."""
+        return min(x, hi)
+    path = tmp_path / "t.jsonl"
+    rt = AgentRuntime(ScriptedLlm(["never asked"]), FunctionTools([clamp]),
+                      events=JsonlEventSink(path))
+    with pytest.raises(bob.AgentError, match="holds NaN or Infinity"):
+        rt.run(AgentRequest("hi", "s1"))
+    rt.sinks[0].close()
+    assert replayed_at_once(path, tools=FunctionTools([clamp])).ok
+    report = replayed_at_once(path)
+    assert report.ok, str(report)
 
 
 @pytest.mark.parametrize("tools", ["deleted", None, "add", [{"description": "x"}]])
