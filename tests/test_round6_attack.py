@@ -17,7 +17,7 @@ import threading
 import time
 
 import pytest
-from fake_openai import FakeOpenAI
+from fake_openai import FakeOpenAI, stream_reply, tool_calls_reply
 from test_replay import record
 from test_round6_replay import held_at
 from test_trace import add, calls, shout
@@ -236,6 +236,26 @@ def test_a_cancel_recorded_as_the_time_ran_out_replays_cancelled(tmp_path):
                  cancel_on=lambda e: not hold(e) and e.kind == "action_parsed")
     assert r.finish_reason is FinishReason.CANCELLED
     assert r.history[-1].content.startswith("interrupted")
+    report = replayed_at_once(path)
+    assert report.ok, str(report)
+
+
+def test_a_reply_streamed_past_the_deadline_in_a_later_step_replays_at_once(tmp_path):
+    """A real adapter streaming (as the REPL does): the second step's reply drips until the
+    turn's time runs out mid-stream; the replay answers at once."""
+    slow = stream_reply(["Hel", "lo", " wor", "ld", "!"] * 4, delay_s=0.15)
+    path = tmp_path / "t.jsonl"
+    with FakeOpenAI([tool_calls_reply([("add", {"a": 1, "b": 2})]), slow]) as srv:
+        rt = AgentRuntime(make_llm(srv, stream=True), FunctionTools([add]),
+                          events=JsonlEventSink(path), action_mode="native",
+                          policy=TurnPolicy(turn_timeout_ms=700))
+        try:
+            r = rt.run(AgentRequest("sum", "s1"))
+            assert r.guard_reason is GuardReason.TURN_TIMEOUT
+        except LlmError as e:   # the adapter's clock ran out first: the cut stream's error
+            assert "cut before it finished" in str(e) or "no answer in time" in str(e)
+        rt.sinks[0].close()
+    assert [e["kind"] for e in lines_of(path)].count("llm_call_started") == 2
     report = replayed_at_once(path)
     assert report.ok, str(report)
 
