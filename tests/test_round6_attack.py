@@ -507,6 +507,32 @@ def test_tools_with_masked_secrets_replay_recorded_and_live(tmp_path):
     assert report.ok, str(report)
 
 
+ODD_TOOLS = {   # (description, input_schema) of one tool, `look`
+    "a lone surrogate": ("Look \ud800 up", {"type": "object"}),
+    "an int past 2**64": ("x", {"type": "object", "properties": {"n": {"maximum": 2 ** 70}}}),
+    "floats": ("x", {"type": "object", "properties": {"n": {"default": 0.1 + 0.2},
+                                                      "m": {"default": -0.0}}}),
+    "no description": (None, {"type": "object"}),
+    "a number for a description": (5, {"type": "object"}),
+    "NUL and line separators": ("a\x00b\u2028c\u2029d\x85e", {"type": "object"}),
+}
+
+
+@pytest.mark.parametrize("description, schema", ODD_TOOLS.values(), ids=list(ODD_TOOLS))
+def test_odd_tools_offered_replay_recorded_and_live(tmp_path, description, schema):
+    class Odd(Listed):
+        def list_tools(self):
+            return [ToolDescriptor("look", description, self.schema)]
+    path = tmp_path / "t.jsonl"
+    rt = AgentRuntime(ScriptedLlm([calls(("c1", "look", {})), "done"]), Odd(schema),
+                      events=JsonlEventSink(path), action_mode="native")
+    assert rt.run(AgentRequest("hi", "s1")).content == "done"
+    rt.sinks[0].close()
+    for tools in None, Odd(schema):
+        report = replayed_at_once(path, tools=tools)
+        assert report.ok, str(report)
+
+
 @pytest.mark.xfail(strict=True, reason=(
     "a turn that failed because a tool's schema is not JSON (FunctionTools of a function whose "
     "default is math.inf: 'holds NaN or Infinity ...; deny it') does not replay offline: "
