@@ -24,9 +24,8 @@ from test_trace import add, calls, shout
 
 import bob
 from bob import (AgentRequest, AgentRuntime, Approval, CancelToken, FinishReason, FunctionTools,
-                 GuardReason, InMemorySessionStore, JsonlEventSink, LlmError, LlmRequest,
-                 LlmResponse, Message, ScriptedLlm, SessionState, ToolCall, ToolDescriptor,
-                 ToolResult, TurnPolicy)
+                 GuardReason, InMemorySessionStore, JsonlEventSink, LlmError, LlmRequest, Message,
+                 ScriptedLlm, SessionState, ToolCall, ToolDescriptor, ToolResult, TurnPolicy)
 from conftest import KEY, assert_well_formed, make_llm, run_cli
 
 
