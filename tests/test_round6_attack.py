@@ -247,7 +247,7 @@ def test_a_reply_streamed_past_the_deadline_in_a_later_step_replays_at_once(tmp_
     with FakeOpenAI([tool_calls_reply([("add", {"a": 1, "b": 2})]), slow]) as srv:
         rt = AgentRuntime(make_llm(srv, stream=True), FunctionTools([add]),
                           events=JsonlEventSink(path), action_mode="native",
-                          policy=TurnPolicy(turn_timeout_ms=700))
+                          policy=TurnPolicy(turn_timeout_ms=1500))
         try:
             r = rt.run(AgentRequest("sum", "s1"))
             assert r.guard_reason is GuardReason.TURN_TIMEOUT
@@ -272,7 +272,7 @@ def test_two_sessions_in_one_trace_one_timed_out_while_the_other_answered(tmp_pa
     path = tmp_path / "t.jsonl"
     sink = JsonlEventSink(path)
     rt = AgentRuntime(ScriptedLlm([slow, "two"]), FunctionTools([add]), events=sink,
-                      policy=TurnPolicy(turn_timeout_ms=400), action_mode="native")
+                      policy=TurnPolicy(turn_timeout_ms=1500), action_mode="native")
     results = {}
     first = threading.Thread(target=lambda: results.update(
         s1=rt.run(AgentRequest("one", "s1"))))
