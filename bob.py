@@ -1307,11 +1307,12 @@ def redact(data: Any) -> Any:
         for k, v in data.items():
             if secret_name(k):
                 v = "***"
-            elif isinstance(v, (dict, list)) or isinstance(v, str) and ('"' in v or "'" in v):
+            elif isinstance(v, (dict, list, tuple)) or isinstance(v, str) and (
+                    '"' in v or "'" in v):
                 v = redact(v)
             out[k] = v
         return out
-    if isinstance(data, list):
+    if isinstance(data, (list, tuple)):   # a tuple (Python-built data) as the list JSON has
         return [redact(v) for v in data]
     return _mask_text(data) if isinstance(data, str) else data
 
@@ -1322,7 +1323,7 @@ _SCHEMA_VALUES = ("default", "const", "enum", "examples")   # where a schema can
 def _masked_schema(schema, secret=False):
     """A tool's input schema with the values it quotes for a secret-named property (its default,
     examples...) as "***" and its texts masked; still a schema a model can follow."""
-    if isinstance(schema, list):
+    if isinstance(schema, (list, tuple)):
         return [_masked_schema(v, secret) for v in schema]
     if not isinstance(schema, dict):
         return redact(schema)
@@ -1821,7 +1822,9 @@ class _Turn:
         """DONE if the port call was cancelled, timed out or raised; None if it answered."""
         if self.caller_cancel.cancelled:
             return self._end_cancelled()
-        if not worker.done:
+        # no answer: the deadline passed, or the turn's own token fired (a port gave it up, and
+        # may have raised Cancelled, seeing it): the turn is out of time (_Turn.woken)
+        if not worker.done or isinstance(worker.error, Cancelled):
             return self._end_on_trip(self._no_answer(what))
         e = worker.error
         if e is None:
@@ -2211,6 +2214,7 @@ class AgentRuntime:
         caller = cancel or CancelToken()
         guard = LoopGuard(policy, time.monotonic() + policy.turn_timeout_ms / 1000)
         turn = _Turn(self, request, policy, caller, CancelToken(), guard)
+        self._turn = turn   # the last turn begun: where replay's sink ends its time (_Recorder)
         # A cancel of the turn wakes whatever it waits for; the caller's cancel is the turn's
         turn.cancel.on_cancel(turn.woken)
         unlink = caller.on_cancel(turn.cancel.cancel)
@@ -3015,9 +3019,6 @@ class _Replay:
         self._calls = {}   # call id -> the recorded calls with that id, oldest first
         # call id -> the recorded decision; _TIMED_OUT: the approver was asked, never answered
         self.decided = {}
-        # the turn's own token, as complete() got it (a stand-in until then): replay()'s sink
-        # fires it where the recorded turn ran out of time (_Recorder)
-        self.turn = CancelToken()
         started = {}   # call id -> its tool_call_started
         asked = None   # the line of the request not answered yet
         try:   # a field missing or of a wrong type: a TraceError naming the line, below
@@ -3061,6 +3062,9 @@ class _Replay:
             self.decided[d["call_id"]] = Approval(d["allow"], d["reason"], d["arguments"])
         elif kind == "tool_call_started":
             started[d["call_id"]] = d
+            if d["runs"] and self.decided.get(d["call_id"]) is _TIMED_OUT:   # (no wait for it)
+                raise TraceError(f"line {e['line']}: this call ran, yet the approver asked "
+                                 "about it never decided: the trace was edited")
         elif kind == "tool_call_completed" and started[d["call_id"]]["runs"]:
             rec = {**started[d["call_id"]], **d, "cut": "before this call ended" in d["content"]}
             self._calls.setdefault(d["call_id"], []).append(rec)
@@ -3078,7 +3082,6 @@ class _Replay:
         """The recorded reply to this request."""
         n = len(self.requests)   # (the runtime asks one request at a time)
         self.requests.append(req)
-        self.turn = cancel
         digest, answer = self._script[n] if n < len(self._script) else (None, None)
         told, self.told = self.told, None
         if digest is None or (told or request_digest(req, self._parts)) != digest:
@@ -3258,7 +3261,7 @@ class _Recorder:
             if n == self.cancel_at:
                 self.cancel.cancel()
             if n == self.expire_at:   # the turn's time is up (_Turn.woken)
-                self.port.turn.cancel()
+                self.runtime._turn.cancel.cancel()
 
 
 def _first_difference(recorded, new):
@@ -3317,6 +3320,7 @@ def _replay_turn(events, state, given
         ask_tools=start["ask_tools"],   # and the recorded denials stay:
         deny_tools=(*given.get("deny_tools", ()), *start["deny_tools"]),
         approver=port if start["approver"] else None)   # the recorded decisions
+    sink.runtime = runtime   # (it ends the turn's time: _Recorder)
     # the turn: an error that ends it is an event; a bad recorded approval fails again
     approvals = {k: Approval(**a) if isinstance(a, dict) else a
                  for k, a in start["approvals"].items()}
@@ -3338,14 +3342,15 @@ def _request_diff(llm, ref):
 
 
 def _tools_changed(recorded, new):
-    """How two lists of tools differ, by name: "removed: a; added: b; changed: c
-    (input_schema)", or "" when they are the same."""
+    """How two lists of tools that differ differ, by name: "removed: a; added: b; changed: c
+    (input_schema)", or that only their order did."""
     old = {d["name"]: d for d in recorded}
     now = {d["name"]: d for d in new}
     return "; ".join([f"removed: {n}" for n in old if n not in now]
                      + [f"added: {n}" for n in now if n not in old]
                      + [f"changed: {n} ({', '.join(k for k in d if d[k] != now[n][k])})"
-                        for n, d in old.items() if n in now and d != now[n]])
+                        for n, d in old.items() if n in now and d != now[n]]
+                     ) or "the same tools, in another order"
 
 
 def _check_turn(events, states, given):
