@@ -11,6 +11,8 @@ from __future__ import annotations
 import threading
 import time
 
+import pytest
+
 import bob
 from bob import (AgentRequest, AgentRuntime, Approval, FinishReason, FunctionTools, GuardReason,
                  ScriptedLlm, ToolResult, TurnPolicy)
@@ -46,35 +48,21 @@ def replays_at_once(path, bound_s: float = 0.25):
 
 # ---- 2. Where the time ran out ------------------------------------------------------------------
 
-def test_time_that_ran_out_before_a_batch_replays_the_same(tmp_path):
+NOT_RUN = "not run: the turn took longer than"
+
+
+@pytest.mark.parametrize("held, approving, last", [
+    ("action_parsed", False, NOT_RUN),             # the batch's check found the time passed
+    ("approval_decided", True, NOT_RUN),           # so, after the approver answered
+    ("tool_call_completed", False, "3"),           # the check before the next LLM call
+], ids=["before a batch", "after the approver answered", "after a tool answered"])
+def test_time_that_ran_out_between_port_calls_replays_the_same(tmp_path, held, approving, last):
     path = tmp_path / "t.jsonl"
+    asking = {"ask_tools": ["add"], "approver": lambda call: Approval(True)} if approving else {}
     [r] = record(path, [calls(("c1", "add", {"a": 1, "b": 2})), "3"], ["sum"],
-                 policy=TurnPolicy(turn_timeout_ms=300),
-                 cancel_on=held_at("action_parsed", 300))
-    # the batch's check found the deadline passed: its call is "not run"
+                 policy=TurnPolicy(turn_timeout_ms=300), cancel_on=held_at(held, 300), **asking)
     assert r.guard_reason is GuardReason.TURN_TIMEOUT
-    assert r.history[-1].content.startswith("not run: the turn took longer than")
-    replays_at_once(path)
-
-
-def test_time_that_ran_out_after_the_approver_answered_replays_the_same(tmp_path):
-    path = tmp_path / "t.jsonl"
-    [r] = record(path, [calls(("c1", "add", {"a": 1, "b": 2})), "3"], ["sum"],
-                 policy=TurnPolicy(turn_timeout_ms=300), ask_tools=["add"],
-                 approver=lambda call: Approval(True),
-                 cancel_on=held_at("approval_decided", 300))
-    assert r.guard_reason is GuardReason.TURN_TIMEOUT
-    assert r.history[-1].content.startswith("not run: the turn took longer than")
-    replays_at_once(path)
-
-
-def test_time_that_ran_out_after_a_tool_answered_replays_the_same(tmp_path):
-    path = tmp_path / "t.jsonl"
-    [r] = record(path, [calls(("c1", "add", {"a": 1, "b": 2})), "3"], ["sum"],
-                 policy=TurnPolicy(turn_timeout_ms=300),
-                 cancel_on=held_at("tool_call_completed", 300))
-    assert r.guard_reason is GuardReason.TURN_TIMEOUT
-    assert r.history[-1].content == "3"   # the tool's result; the next LLM call never came
+    assert r.history[-1].content.startswith(last)   # "3": the next LLM call never came
     replays_at_once(path)
 
 
