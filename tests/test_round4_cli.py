@@ -204,7 +204,7 @@ def test_the_approval_prompt_ends_with_its_turn(tmp_path, srv):
     # the answer went nowhere and the REPL showed the turn's end only after it.
     call = json.dumps({"type": "tool_call", "name": "t__echo", "arguments": {"text": "x"}})
     srv.push(call, final("unused"))
-    echo_config(tmp_path, srv, runtime="turn_timeout_ms = 1000\n")   # waited out
+    echo_config(tmp_path, srv, runtime="turn_timeout_ms = 500\n")   # waited out
     term = Terminal(tmp_path, env=xdg_env(tmp_path))
     try:
         term.expect(b"bob> ")
