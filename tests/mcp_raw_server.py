@@ -12,8 +12,9 @@ at start that holds only stderr, like `npx` spawning node), `banner` (non-JSON l
 API_KEY on stdout at start, and a tool `noise` that writes one and invalid UTF-8), `noisy` (stderr
 lines with terminal controls, 100,000 characters long, then `crash` exits), `die-soon` (exits
 0.5 s after its first tools/list).
-Tool `echo` returns its `text` argument; `env` the value of the environment variable `name`;
-`pid` the server's pid; `die` writes "raw server: dying with code N" on stderr and exits N.
+Tool `echo` returns its `text` argument; `env` the value of the environment variable `name`.
+Mode `lifecycle` adds tools `pid` (the server's pid) and `die` (writes "raw server: dying with
+code N" on stderr and exits N).
 The grandchildren's command lines carry $MARKER; other arguments are ignored (tests pass one to
 find the server in /proc).
 """
@@ -44,9 +45,10 @@ def tools() -> list[dict]:
     coded = {"type": "object", "properties": {"code": {"type": "integer"}}}
     listed = [{"name": "echo", "description": "Echo text.", "inputSchema": schema},
               {"name": "crash", "inputSchema": {"type": "object"}},
-              {"name": "env", "description": "An environment variable.", "inputSchema": named},
-              {"name": "pid", "inputSchema": {"type": "object"}},
-              {"name": "die", "inputSchema": coded}]
+              {"name": "env", "description": "An environment variable.", "inputSchema": named}]
+    if "lifecycle" in MODES:
+        listed += [{"name": "pid", "inputSchema": {"type": "object"}},
+                   {"name": "die", "inputSchema": coded}]
     if "no-schema" in MODES:
         listed.append({"name": "bare", "description": "no inputSchema"})
     if "twice" in MODES:

@@ -43,8 +43,8 @@ def raw_with_child(server_id: str, marker: str) -> McpServerConfig:
     """The hand-written server (it starts in milliseconds; tests/mcp_server.py imports the SDK:
     a second and a half of CPU) with a grandchild, both carrying `marker`, for tests of the
     port's lifecycle, where any server will do."""
-    return McpServerConfig(server_id, command=sys.executable, args=(RAW, "child", marker),
-                           env={"MARKER": marker})
+    return McpServerConfig(server_id, command=sys.executable,
+                           args=(RAW, "child", "lifecycle", marker), env={"MARKER": marker})
 
 
 def call(port: McpToolPort, tool: str, timeout_s: float = 5.0, **arguments) -> bob.ToolResult:
