@@ -12,6 +12,7 @@ lets them go):
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import fcntl
 import json
 import os
@@ -24,6 +25,7 @@ import termios
 import threading
 import time
 from pathlib import Path
+from typing import Any, Callable
 
 import pytest
 
@@ -322,4 +324,61 @@ class Terminal:
         if self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait(5)
-        os.close(self.fd)
+        if self.fd is not None:   # once: a test and the fixture that began it may both close
+            os.close(self.fd)
+            self.fd = None
+
+
+# ---- CLI runs begun before their tests ask, side by side ----
+
+@dataclasses.dataclass
+class Begun:
+    path: Path             # its directory
+    srv: FakeOpenAI        # its model
+    run: Any               # a Popen (collect it with collected()) or a Terminal
+
+
+@contextlib.contextmanager
+def begun_together(tmp_path_factory, begins: dict[str, Callable[[Path, FakeOpenAI], Any]]):
+    """Runs of a module's tests that each take a second or more of CPU (a CLI that starts an MCP
+    server imports the MCP SDK), begun all at once when the first of their tests asks (a module
+    fixture), so that they run side by side on both cores. Each `begin(path, srv)` gets its own
+    directory and model, prepares them, and starts its run; the test takes it over:
+
+        @pytest.fixture(scope="module")
+        def early(tmp_path_factory):
+            with begun_together(tmp_path_factory, {"a": begin_a, ...}) as runs:
+                yield runs            # a test: runs["a"].run, .srv, .path
+    """
+    with contextlib.ExitStack() as stack:
+        runs = {}
+        for name, begin in begins.items():
+            path, srv = tmp_path_factory.mktemp(name), stack.enter_context(FakeOpenAI())
+            runs[name] = Begun(path, srv, begin(path, srv))
+            stack.callback(_ended, runs[name].run)
+        yield runs
+
+
+def _ended(run) -> None:
+    """A run that its test left running (the test failed) is ended."""
+    if isinstance(run, Terminal):
+        run.close()
+    elif run.poll() is None:
+        run.kill()
+        run.communicate()
+
+
+def cli_begun(cwd: Path, *args: str, env: dict[str, str]) -> subprocess.Popen[str]:
+    """The CLI started with stdin piped and empty, not waited for: see collected()."""
+    proc = subprocess.Popen([sys.executable, str(CLI), *args], cwd=cwd, text=True, env=env,
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+    proc.stdin.close()
+    proc.stdin = None    # communicate() has nothing to send
+    return proc
+
+
+def collected(proc: subprocess.Popen[str], timeout: float = 15
+              ) -> subprocess.CompletedProcess[str]:
+    out, err = proc.communicate(timeout=timeout)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)

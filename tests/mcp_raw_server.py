@@ -16,6 +16,8 @@ notifications/tools/list_changed; each later tools/list is answered 2 s late, li
 tool, `added`), `stubborn` (ignores
 SIGTERM and stays up after stdin ends, until killed).
 Tool `echo` returns its `text` argument; `env` the value of the environment variable `name`.
+Mode `lifecycle` adds tools `pid` (the server's pid) and `die` (writes "raw server: dying with
+code N" on stderr and exits N).
 The grandchildren's command lines carry $MARKER; other arguments are ignored (tests pass one to
 find the server in /proc).
 """
@@ -48,9 +50,13 @@ def garbage(data: bytes) -> None:
 def tools() -> list[dict]:
     schema = {"type": "object", "properties": {"text": {"type": "string"}}}
     named = {"type": "object", "properties": {"name": {"type": "string"}}}
+    coded = {"type": "object", "properties": {"code": {"type": "integer"}}}
     listed = [{"name": "echo", "description": "Echo text.", "inputSchema": schema},
               {"name": "crash", "inputSchema": {"type": "object"}},
               {"name": "env", "description": "An environment variable.", "inputSchema": named}]
+    if "lifecycle" in MODES:
+        listed += [{"name": "pid", "inputSchema": {"type": "object"}},
+                   {"name": "die", "inputSchema": coded}]
     if "no-schema" in MODES:
         listed.append({"name": "bare", "description": "no inputSchema"})
     if "twice" in MODES:
@@ -104,11 +110,16 @@ def answer(msg: dict) -> dict | None:
         if "array-result" in MODES:
             return ["not", "an", "object"]
         arguments = params.get("arguments") or {}
+        if params.get("name") == "die":
+            print(f"raw server: dying with code {arguments['code']}", file=sys.stderr, flush=True)
+            os._exit(arguments["code"])
         if params.get("name") == "noise":
             garbage(f"DEBUG: key is {SECRET}\n".encode() + b"\x80\xff bad bytes\n")
             return {"content": [{"type": "text", "text": "ok"}]}
         if params.get("name") == "env":
             text = os.environ.get(arguments.get("name", ""), "(unset)")
+        elif params.get("name") == "pid":
+            text = str(os.getpid())
         else:
             text = arguments.get("text", "")
         return {"content": [{"type": "text", "text": text}]}

@@ -3,6 +3,7 @@
 subprocess or pty against fake_openai, and failed before its fix."""
 from __future__ import annotations
 
+import functools
 import json
 import os
 import select
@@ -13,7 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from conftest import CLI, Terminal, final, write_config, xdg_env
+from conftest import (CLI, Terminal, begun_together, cli_begun, collected, final, write_config,
+                      xdg_env)
+from fake_openai import FakeOpenAI
 from mcp_http_server import McpHttpServer
 
 
@@ -73,10 +76,14 @@ STDERR_ESCAPES = ('import sys; sys.stderr.write("up \\x1b]0;pwned\\x07 \\x1b[2J 
                   'sys.exit(1)')   # an MCP server that retitles and clears the terminal, then dies
 
 
-def test_an_mcp_servers_stderr_cannot_drive_the_terminal_through_an_error_line(tmp_path, srv):
+def begin_escapes(tmp_path: Path, srv: FakeOpenAI) -> subprocess.Popen:
     write_config(tmp_path, srv, extra=(f'[[mcp.servers]]\nid = "t"\ncommand = "{sys.executable}"'
                                        f"\nargs = ['-c', '{STDERR_ESCAPES}']\n"))
-    r = bob(tmp_path, "-p", "hi")
+    return cli_begun(tmp_path, "-p", "hi", env=xdg_env(tmp_path))
+
+
+def test_an_mcp_servers_stderr_cannot_drive_the_terminal_through_an_error_line(early):
+    r = collected(early["escapes"].run)
     assert r.returncode == 1 and "failed to start" in r.stderr, r.stderr
     assert "\x1b" not in r.stderr and "\x07" not in r.stderr, repr(r.stderr)
 
@@ -138,20 +145,19 @@ def test_a_one_shot_with_stdin_closed_runs(tmp_path, srv):
     assert (r.returncode, r.stdout) == (0, "ok\n"), (r.returncode, r.stderr)
 
 
-@pytest.fixture
-def http_mcp():
-    """A Streamable HTTP MCP server on a loopback port (tests/mcp_http_server.py, in a thread:
-    the SDK's own server cost a second of import, and the URL is bob's, not the server's)."""
-    with McpHttpServer() as server:
-        yield server.url
-
-
-def test_verbose_never_shows_a_token_in_an_mcp_url(tmp_path, srv, http_mcp):
+def begin_token(tmp_path: Path, srv: FakeOpenAI, http_url: str) -> subprocess.Popen:
+    # The MCP server: tests/mcp_http_server.py, in a thread (the SDK's own server cost a
+    # second of import, and the URL is bob's, not the server's)
     srv.push(final("ok"))
-    url = f"{http_mcp}?token=${{MCP_TOKEN}}"
+    url = f"{http_url}?token=${{MCP_TOKEN}}"
     write_config(tmp_path, srv, extra=('[[mcp.servers]]\nid = "h"\n'
                                        f'transport = "streamable_http"\nurl = "{url}"\n'))
-    r = bob(tmp_path, "-v", "-p", "hi", MCP_TOKEN="tok-s3cret-0123456789")
+    return cli_begun(tmp_path, "-v", "-p", "hi",
+                     env=xdg_env(tmp_path, MCP_TOKEN="tok-s3cret-0123456789"))
+
+
+def test_verbose_never_shows_a_token_in_an_mcp_url(early):
+    r = collected(early["token"].run)
     assert r.returncode == 0 and r.stdout == "ok\n", r.stderr[-2000:]
     leaks = [x for x in r.stderr.splitlines() if "s3cret" in x]
     assert not leaks, leaks[:3]
@@ -213,12 +219,16 @@ def approval_config(tmp_path: Path, srv, runtime: str = "") -> None:
         f'[[mcp.servers]]\nid = "t"\ncommand = "{sys.executable}"\nargs = ["{RAW_SERVER}"]\n'))
 
 
-def test_typed_ahead_text_does_not_approve_a_call(tmp_path, srv):
-    # "go" then "yes" typed while the turn ran: the prompt read "yes" and ran a call unseen.
+def begin_typed_ahead(tmp_path: Path, srv: FakeOpenAI) -> Terminal:
     srv.push(json.dumps({"type": "tool_call", "name": "t__echo", "arguments": {"text": "rm"}}),
              final("done"))
     approval_config(tmp_path, srv)
-    term = Terminal(tmp_path, env=xdg_env(tmp_path))
+    return Terminal(tmp_path, env=xdg_env(tmp_path))
+
+
+def test_typed_ahead_text_does_not_approve_a_call(early):
+    # "go" then "yes" typed while the turn ran: the prompt read "yes" and ran a call unseen.
+    term = early["typed_ahead"].run
     try:
         term.expect(b"bob> ")
         term.send(b"go\ryes\r")          # "yes" typed while the turn runs, as a message
@@ -232,16 +242,20 @@ def test_typed_ahead_text_does_not_approve_a_call(tmp_path, srv):
         term.close()
 
 
-def test_always_holds_for_one_session_only(tmp_path, srv):
-    # "[a]lways for this tool this session" approved the tool in every session switched to.
-    # Both switches in one REPL (its CLI imports the MCP SDK: a second of CPU): /reset, then
-    # /resume of another session, each after an "always".
+def begin_always(tmp_path: Path, srv: FakeOpenAI) -> Terminal:
     call = json.dumps({"type": "tool_call", "name": "t__echo", "arguments": {"text": "x"}})
     srv.push(final("other"), call, final("one"), call, final("two"), call, final("three"))
     write_config(tmp_path, srv)             # session "other" needs no MCP server (seconds)
     assert bob(tmp_path, "--session", "other", "-p", "hi").returncode == 0
     approval_config(tmp_path, srv)
-    term = Terminal(tmp_path, env=xdg_env(tmp_path))
+    return Terminal(tmp_path, env=xdg_env(tmp_path))
+
+
+def test_always_holds_for_one_session_only(early):
+    # "[a]lways for this tool this session" approved the tool in every session switched to.
+    # Both switches in one REPL (its CLI imports the MCP SDK: a second of CPU): /reset, then
+    # /resume of another session, each after an "always".
+    term = early["always"].run
     try:
         term.expect(b"bob> ")
         term.send(b"first\r")
@@ -256,3 +270,15 @@ def test_always_holds_for_one_session_only(tmp_path, srv):
             assert b"<- t__echo" not in shown, switch
     finally:
         term.close()
+
+
+# ---- the runs whose CLI imports the MCP SDK, begun together ----
+
+@pytest.fixture(scope="module")
+def early(tmp_path_factory):
+    """The four runs above whose CLI starts an MCP server (a second of CPU each), begun
+    together (conftest.begun_together)."""
+    with McpHttpServer() as http, begun_together(tmp_path_factory, {
+            "escapes": begin_escapes, "token": functools.partial(begin_token, http_url=http.url),
+            "typed_ahead": begin_typed_ahead, "always": begin_always}) as runs:
+        yield runs

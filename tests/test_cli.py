@@ -32,7 +32,8 @@ from fake_openai import FakeOpenAI, stream_reply
 
 import bob
 import bob_cli
-from conftest import CLI, KEY, MCP_SERVER, REPO, Terminal, child_env, final, messages_of, run_cli, write_config
+from conftest import (CLI, KEY, MCP_SERVER, REPO, Terminal, begun_together, child_env, final,
+                      messages_of, run_cli, write_config)
 
 
 
@@ -434,17 +435,24 @@ def processes_with(marker: str) -> list[int]:
     return pids
 
 
-def test_mcp_tools_in_the_repl_and_no_server_outlives_sigterm(tmp_path, srv):
-    # The hand-written server and its grandchild (it starts in milliseconds; the CLI with the
-    # SDK's own server: tests/test_cli_mcp_call.py).
-    marker = f"bob-test-{uuid.uuid4().hex}"
+MARKER = f"bob-test-{uuid.uuid4().hex}"   # the server of the sigterm test below
+
+
+def begin_sigterm(tmp_path: Path, srv: FakeOpenAI) -> Terminal:
+    marker = MARKER
     srv.push(json.dumps({"type": "tool_call", "name": "t__echo", "arguments": {"text": "ping-77"}}),
              final("echoed"), FakeOpenAI.HANG)
     write_config(tmp_path, srv, extra=(
         '[policy]\ndeny_tools = ["t__crash"]\n'
         f'[[mcp.servers]]\nid = "t"\ncommand = "{sys.executable}"\n'
         f'args = ["{RAW_SERVER}", "child", "{marker}"]\nenv = {{ MARKER = "{marker}" }}\n'))
-    term = Terminal(tmp_path)
+    return Terminal(tmp_path)
+
+
+def test_mcp_tools_in_the_repl_and_no_server_outlives_sigterm(early):
+    # The hand-written server and its grandchild (it starts in milliseconds; the CLI with the
+    # SDK's own server: tests/test_cli_mcp_call.py).
+    marker, term, srv = MARKER, early["sigterm"].run, early["sigterm"].srv
     try:
         term.expect(b"bob> ")
         term.send(b"/tools\r")                     # waits for the server, started in background
@@ -470,6 +478,7 @@ def test_mcp_tools_in_the_repl_and_no_server_outlives_sigterm(tmp_path, srv):
 
 
 def test_ctrl_c_while_mcp_servers_start_brings_the_prompt_back(tmp_path, srv):
+    # Not begun early: "hello" must reach the turn before the server runs (seen as its marker)
     marker = f"bob-test-{uuid.uuid4().hex}"
     write_config(tmp_path, srv, extra=(
         f'[[mcp.servers]]\nid = "slow"\ncommand = "{sys.executable}"\nstartup_timeout_ms = 20000\n'
@@ -491,11 +500,15 @@ def test_ctrl_c_while_mcp_servers_start_brings_the_prompt_back(tmp_path, srv):
     assert not srv.requests and processes_with(marker) == []
 
 
-def test_a_required_mcp_server_that_fails_stops_the_repl_with_exit_1(tmp_path, srv):
+def begin_failing(tmp_path: Path, srv: FakeOpenAI) -> Terminal:
     write_config(tmp_path, srv, extra=(
         f'[[mcp.servers]]\nid = "bad"\ncommand = "{sys.executable}"\n'
         f'args = ["{MCP_SERVER}", "--fail"]\n'))
-    term = Terminal(tmp_path)
+    return Terminal(tmp_path)
+
+
+def test_a_required_mcp_server_that_fails_stops_the_repl_with_exit_1(early):
+    term, srv = early["failing"].run, early["failing"].srv
     try:
         term.expect(b"bob> ")
         term.send(b"hello\r")
@@ -505,3 +518,12 @@ def test_a_required_mcp_server_that_fails_stops_the_repl_with_exit_1(tmp_path, s
     finally:
         term.close()
     assert srv.requests == []
+
+
+@pytest.fixture(scope="module")
+def early(tmp_path_factory):
+    """Two REPLs above that start an MCP server (their CLI imports the MCP SDK: a second of
+    CPU), begun together (conftest.begun_together)."""
+    with begun_together(tmp_path_factory, {"sigterm": begin_sigterm,
+                                           "failing": begin_failing}) as runs:
+        yield runs

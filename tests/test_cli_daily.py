@@ -14,8 +14,8 @@ import pytest
 
 import bob_cli
 from fake_openai import FakeOpenAI, completion, stream_reply
-from conftest import (CLI, KEY, Terminal, child_env, final, messages_of, run_cli, write_config,
-                      xdg_env)
+from conftest import (CLI, KEY, Terminal, begun_together, child_env, cli_begun, collected, final,
+                      messages_of, run_cli, write_config, xdg_env)
 
 
 def work_config(tmp_path: Path, srv: FakeOpenAI, **kw: str) -> Path:
@@ -203,14 +203,18 @@ def mcp_config(dirpath: Path, srv: FakeOpenAI) -> Path:
         f'[[mcp.servers]]\nid = "t"\ncommand = "{sys.executable}"\nargs = ["{RAW_SERVER}"]\n'))
 
 
-def test_the_repl_asks_yes_no_with_a_reason_and_always_and_ctrl_c_cancels(tmp_path, srv):
-    # One REPL for the whole prompt (its CLI imports the MCP SDK: a second of CPU): Ctrl-C at
-    # it cancels the turn, then yes, no with a reason, always.
+def begin_asking(tmp_path: Path, srv: FakeOpenAI) -> Terminal:
     srv.push(echo_call("x"), final("after"),
              echo_call("one"), final("did one"), echo_call("two"), final("did two"),
              echo_call("three"), final("did three"), echo_call("four"), final("did four"))
     mcp_config(tmp_path, srv)
-    term = Terminal(tmp_path)
+    return Terminal(tmp_path)
+
+
+def test_the_repl_asks_yes_no_with_a_reason_and_always_and_ctrl_c_cancels(early):
+    # One REPL for the whole prompt (its CLI imports the MCP SDK: a second of CPU): Ctrl-C at
+    # it cancels the turn, then yes, no with a reason, always.
+    term, srv = early["asking"].run, early["asking"].srv
     try:
         term.expect(b"bob> ")
         term.send(b"go\r")
@@ -236,23 +240,24 @@ def test_the_repl_asks_yes_no_with_a_reason_and_always_and_ctrl_c_cancels(tmp_pa
         term.close()
 
 
-def test_one_shot_declines_without_yes_and_says_how_to_allow(tmp_path, srv):
-    # The two runs side by side (each imports the MCP SDK), each with its own model and dirs.
+def begin_declining(tmp_path: Path, srv: FakeOpenAI) -> subprocess.Popen[str]:
     srv.push(echo_call("a"), final("declined"))
-    with FakeOpenAI() as srv_yes:
-        srv_yes.push(echo_call("b"), final("allowed"))
-        procs = {}
-        try:
-            for name, server, flags in (("no", srv, ()), ("yes", srv_yes, ("--yes",))):
-                (tmp_path / name / "work").mkdir(parents=True)
-                mcp_config(tmp_path / name / "work", server)
-                procs[name] = started(tmp_path / name, *flags, "-p", "go")
-            r, r_yes = finished(procs["no"]), finished(procs["yes"])
-        finally:
-            for proc in procs.values():   # the other one too, when the first failed
-                if proc.poll() is None:
-                    proc.kill()
-                    proc.communicate()
+    (tmp_path / "work").mkdir()
+    mcp_config(tmp_path / "work", srv)
+    return cli_begun(tmp_path / "work", "-p", "go", env=xdg_env(tmp_path))   # stdin: empty
+
+
+def begin_allowing(tmp_path: Path, srv: FakeOpenAI) -> subprocess.Popen[str]:
+    srv.push(echo_call("b"), final("allowed"))
+    (tmp_path / "work").mkdir()
+    mcp_config(tmp_path / "work", srv)
+    return cli_begun(tmp_path / "work", "--yes", "-p", "go", env=xdg_env(tmp_path))
+
+
+def test_one_shot_declines_without_yes_and_says_how_to_allow(early):
+    # The two runs side by side (each imports the MCP SDK), each with its own model and dirs.
+    r, r_yes = collected(early["declining"].run), collected(early["allowing"].run)
+    srv, srv_yes = early["declining"].srv, early["allowing"].srv
     assert r.returncode == 0 and r.stdout == "declined\n", r.stderr
     assert "bob: warning: t__echo not run" in r.stderr and "--yes" in r.stderr
     assert "no one can approve" in messages_of(srv.requests[1])
@@ -435,3 +440,12 @@ def test_a_server_dying_at_the_prompt_does_not_overwrite_it(tmp_path, srv):
         term.expect(b"bob> typed")   # the prompt again, with what was typed
     finally:
         term.close()
+
+
+@pytest.fixture(scope="module")
+def early(tmp_path_factory):
+    """The runs above whose CLI starts an MCP server and imports the MCP SDK (a second of CPU
+    each), begun together (conftest.begun_together)."""
+    with begun_together(tmp_path_factory, {"asking": begin_asking, "declining": begin_declining,
+                                           "allowing": begin_allowing}) as runs:
+        yield runs

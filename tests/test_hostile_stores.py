@@ -389,23 +389,32 @@ def test_saves_killed_at_random_moments_leave_at_most_one_temp_file(tmp_path):
 
 # ---- 7. Big sessions and cancel -----------------------------------------------------------------
 
-def big_session(size: int, n: int) -> bob.SessionState:
+@pytest.fixture(scope="module")
+def histories() -> dict:
+    """big_session's messages by (size, n), built once for both stores (Message is frozen;
+    100,000 of them take 0.4 s to build), dropped with the module."""
+    return {}
+
+
+def big_session(size: int, n: int, histories: dict) -> bob.SessionState:
     """About `size` bytes of history in `n` messages: questions, tool calls and results."""
-    text = "y" * (size // n)
-    messages: list[bob.Message] = []
-    for i in range(0, n, 4):
-        call = ToolCall(f"c{i}", "echo", {"x": i})
-        messages += [bob.Message("user", text), bob.Message("assistant", "", (call,)),
-                     bob.Message("tool", text, tool_call_id=call.id, name="echo"),
-                     bob.Message("assistant", text)]
-    return bob.SessionState(messages, bob.Usage(1, 1), 1)
+    if (size, n) not in histories:
+        text = "y" * (size // n)
+        messages: list[bob.Message] = []
+        for i in range(0, n, 4):
+            call = ToolCall(f"c{i}", "echo", {"x": i})
+            messages += [bob.Message("user", text), bob.Message("assistant", "", (call,)),
+                         bob.Message("tool", text, tool_call_id=call.id, name="echo"),
+                         bob.Message("assistant", text)]
+        histories[size, n] = tuple(messages)
+    return bob.SessionState(list(histories[size, n]), bob.Usage(1, 1), 1)
 
 
 @pytest.mark.parametrize("n", [2_000, 20_000, 100_000])
 @pytest.mark.parametrize("kind", ["memory", "file"])
-def test_cancel_returns_soon_with_a_20_mb_session(tmp_path, hang, kind, n):
+def test_cancel_returns_soon_with_a_20_mb_session(tmp_path, hang, histories, kind, n):
     store = stores(tmp_path)[kind]()
-    store.save("big", big_session(20_000_000, n))
+    store.save("big", big_session(20_000_000, n, histories))
     release, asked = hang(), threading.Event()
 
     def hanging(req, cancel):

@@ -39,6 +39,14 @@ def stdio(server_id: str, *flags: str, marker: str = MARKER, **kw) -> McpServerC
                            args=(SERVER, "--marker", marker, *flags), **kw)
 
 
+def raw_with_child(server_id: str, marker: str) -> McpServerConfig:
+    """The hand-written server (it starts in milliseconds; tests/mcp_server.py imports the SDK:
+    a second and a half of CPU) with a grandchild, both carrying `marker`, for tests of the
+    port's lifecycle, where any server will do."""
+    return McpServerConfig(server_id, command=sys.executable,
+                           args=(RAW, "child", "lifecycle", marker), env={"MARKER": marker})
+
+
 def call(port: McpToolPort, tool: str, timeout_s: float = 5.0, **arguments) -> bob.ToolResult:
     return port.call_tool(ToolCall("c1", tool, arguments), timeout_s)
 
@@ -291,8 +299,8 @@ def test_name_clash_at_start_names_both_servers_and_tools(port, http_url, caplog
 def test_lifecycle_optional_skip_death_restart_and_clean_close(caplog, capfd):
     marker = MARKER + "-life"
     threads_before = set(threading.enumerate())
-    servers = [stdio("opt", "--fail", marker=marker, required=False),
-               stdio("k", "--child", marker=marker)]
+    servers = [stdio("opt", "--fail", marker=marker, required=False),   # fails before the SDK
+               raw_with_child("k", marker)]
     caplog.set_level(logging.DEBUG, logger="bob.mcp")
     port = McpToolPort(servers).start(wait=False)        # the first call waits for startup
     names = [t.name for t in port.list_tools()]
@@ -305,7 +313,7 @@ def test_lifecycle_optional_skip_death_restart_and_clean_close(caplog, capfd):
     assert r.is_error and r.content.startswith("executor unavailable: server k exited (code 7)")
     assert "dying with code 7" in r.content
     assert call(port, "k__echo", text="x").is_error      # the rest of this turn: still down
-    assert "[k] mcp_server: dying with code 7" in caplog.text   # server stderr: in the log,
+    assert "[k] raw server: dying with code 7" in caplog.text   # server stderr: in the log,
     assert "dying with code 7" not in capfd.readouterr().err     # not on the terminal
 
     assert "k__echo" in [t.name for t in port.list_tools()]   # next turn: restarted once
@@ -349,7 +357,7 @@ def test_servers_die_with_bob_after_ctrl_c():
 
 def test_a_second_close_waits_until_the_servers_are_gone():
     marker = MARKER + "-close2"
-    port = McpToolPort([stdio("c", "--child", marker=marker)]).start()
+    port = McpToolPort([raw_with_child("c", marker)]).start()
     server_pid = int(call(port, "c__pid").content)
     other = threading.Thread(target=port.close)       # the first close() ...
     other.start()

@@ -140,35 +140,51 @@ def test_setsid_grandchildren_of_servers_that_crashed_are_ended():
     assert wait_until(lambda: not marked_pids(marker), timeout=5), marked_pids(marker)
 
 
-def bob_command(modes: list[str], level: str, tool: str = "echo") -> list[str]:
-    """A real bob process: the raw server started, one tool called, logging at `level`."""
+PHASE = "---- the noisy server ----"   # between the two servers' output of one bob process
+
+
+def bob_command(level: str) -> list[str]:
+    """A real bob process, logging at `level`: the raw server in mode bad-level started and its
+    echo called, then (after PHASE on stdout and stderr) one in mode noisy and its crash."""
     script = textwrap.dedent(f"""
         import logging, sys
         sys.path.insert(0, {str(Path(__file__).parent.parent)!r})
         logging.basicConfig(level={level!r}, stream=sys.stderr)
         from bob import ToolCall
         from bob_mcp import McpServerConfig, McpToolPort
-        cfg = McpServerConfig("r", command=sys.executable, args=({RAW!r}, *{modes!r}),
-                              env={{"API_KEY": {SECRET!r}}})
-        with McpToolPort([cfg]) as port:
-            r = port.call_tool(ToolCall("c", "r__{tool}", {{"text": "hi"}}), 10)
-            print(r.is_error, repr(r.content[:200]))
+        for mode, tool in (("bad-level", "echo"), ("noisy", "crash")):
+            if mode == "noisy":
+                for stream in (sys.stdout, sys.stderr):
+                    print({PHASE!r}, file=stream, flush=True)
+            cfg = McpServerConfig("r", command=sys.executable, args=({RAW!r}, mode),
+                                  env={{"API_KEY": {SECRET!r}}})
+            with McpToolPort([cfg]) as port:
+                r = port.call_tool(ToolCall("c", "r__" + tool, {{"text": "hi"}}), 10)
+                print(r.is_error, repr(r.content[:200]), flush=True)
     """)
     return [sys.executable, "-c", script]
 
 
 @pytest.fixture(scope="module")
 def bobs():
-    """The bob processes of the two tests below at each level, started together."""
-    with Together({(modes[0], level): bob_command(modes, level, tool)
-                   for modes, tool in ((["bad-level"], "echo"), (["noisy"], "crash"))
-                   for level in ("INFO", "WARNING")}) as started:
+    """The bob processes of the two tests below, one at each level (each imports the MCP SDK: a
+    second of CPU), started together; each test reads its server's part of their output."""
+    with Together({level: bob_command(level) for level in ("INFO", "WARNING")}) as started:
         yield started
+
+
+def part(bobs: Together, level: str, mode: str) -> subprocess.CompletedProcess[str]:
+    """What the bob process at `level` printed while the server in `mode` ran."""
+    r = bobs.result(level)
+    assert r.stdout.count(PHASE) == 1 and r.stderr.count(PHASE) == 1, (r.stdout, r.stderr[-2000:])
+    index = 0 if mode == "bad-level" else 2
+    out, err = (text.partition(PHASE + "\n")[index] for text in (r.stdout, r.stderr))
+    return subprocess.CompletedProcess(r.args, r.returncode, out, err)
 
 
 @pytest.mark.parametrize("level", ["INFO", "WARNING"])
 def test_notifications_with_an_invalid_level_are_masked_and_bounded(bobs, level):
-    r = bobs.result(("bad-level", level))
+    r = part(bobs, level, "bad-level")
     assert r.stdout.startswith("False 'hi'"), (r.stdout, r.stderr[-2000:])
     assert SECRET not in r.stderr, r.stderr[-2000:]
     assert "Traceback" not in r.stderr and "WARNING" not in r.stderr, r.stderr[-2000:]
@@ -183,7 +199,7 @@ def test_tool_descriptions_and_schema_defaults_are_masked():
 
 @pytest.mark.parametrize("level", ["INFO", "WARNING"])
 def test_what_a_server_wrote_is_shown_bounded_and_neutralised(bobs, level):
-    r = bobs.result(("noisy", level))
+    r = part(bobs, level, "noisy")
     assert r.stdout.startswith("True"), r.stdout
     for text in (r.stdout, r.stderr):
         assert "\x1b" not in text and "\x07" not in text, text[:300]

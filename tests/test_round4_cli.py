@@ -15,7 +15,9 @@ import termios
 import unicodedata
 from pathlib import Path
 
-from conftest import CLI, Terminal, final, write_config, xdg_env
+import pytest
+
+from conftest import CLI, Terminal, begun_together, final, write_config, xdg_env
 from fake_openai import FakeOpenAI, completion, stream_reply
 
 RAW_SERVER = Path(__file__).resolve().parent / "mcp_raw_server.py"
@@ -70,14 +72,18 @@ def echo_config(tmp_path: Path, srv, runtime: str = "turn_timeout_ms = 20000\n")
 
 # ---- 1. one-line displays are cut in terminal cells ----
 
-def test_wide_characters_never_wrap_a_one_line_display(tmp_path, srv):
-    # A line was cut by code points: 60 wide characters took 120 columns and wrapped.
+def begin_wide(tmp_path: Path, srv: FakeOpenAI) -> Terminal:
     call = json.dumps({"type": "tool_call", "name": "t__echo", "arguments": {"text": WIDE}})
     srv.push(final("first"), call, final("done"))
     write_config(tmp_path, srv)       # the one-shot calls no tool: no MCP server (a second)
     assert bob(tmp_path, "--session", "wide", "-p", COMBINED + WIDE).returncode == 0
     echo_config(tmp_path, srv)
-    term = narrow(tmp_path, 60)
+    return narrow(tmp_path, 60)
+
+
+def test_wide_characters_never_wrap_a_one_line_display(early):
+    # A line was cut by code points: 60 wide characters took 120 columns and wrapped.
+    term = early["wide"].run
     try:
         seen = term.expect(b"bob> ")
         term.send(b"go\r")
@@ -173,8 +179,9 @@ def test_model_switched_in_the_repl_is_remembered_by_the_session(tmp_path, srv):
 
 # ---- 3. other known gaps ----
 
-LONG_REPLY = ['{"type": "final", "content": "'] + ["word " * 2000] * 40 + ['"}']   # 400 KB:
-                                                                  # more than a pipe holds
+LONG_REPLY = ['{"type": "final", "content": "'] + ["word " * 2000] * 16 + ['"}']   # 160 KB:
+                                    # more than a pipe holds (64 KB); the CLI takes 0.3 s of CPU
+                                    # for it (400 KB took 0.8 s)
 
 
 def streamed_to_a_reader_that_leaves(tmp_path: Path, *args: str) -> None:
@@ -199,13 +206,17 @@ def test_stream_into_a_reader_that_left_is_141_without_a_warning(tmp_path, srv):
     streamed_to_a_reader_that_leaves(tmp_path, "-p", "hi")
 
 
-def test_the_approval_prompt_ends_with_its_turn(tmp_path, srv):
-    # A turn that timed out while the person was away left "[y]es / [n]o / [a]lways ...?" up;
-    # the answer went nowhere and the REPL showed the turn's end only after it.
+def begin_approval(tmp_path: Path, srv: FakeOpenAI) -> Terminal:
     call = json.dumps({"type": "tool_call", "name": "t__echo", "arguments": {"text": "x"}})
     srv.push(call, final("unused"))
-    echo_config(tmp_path, srv, runtime="turn_timeout_ms = 1000\n")   # waited out
-    term = Terminal(tmp_path, env=xdg_env(tmp_path))
+    echo_config(tmp_path, srv, runtime="turn_timeout_ms = 500\n")   # waited out
+    return Terminal(tmp_path, env=xdg_env(tmp_path))
+
+
+def test_the_approval_prompt_ends_with_its_turn(early):
+    # A turn that timed out while the person was away left "[y]es / [n]o / [a]lways ...?" up;
+    # the answer went nowhere and the REPL showed the turn's end only after it.
+    term, srv = early["approval"].run, early["approval"].srv
     try:
         term.expect(b"bob> ")
         term.send(b"/tools\r")
@@ -232,3 +243,12 @@ def test_a_shell_without_llm_for_still_resumes_a_session(capsys):
     assert shell.command("/reset") and shell.session_id != "s1"
     assert shell.command("/resume s1") and shell.session_id == "s1"
     assert "resumed session s1 (2 messages)" in capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def early(tmp_path_factory):
+    """The REPLs above that start an MCP server (their CLI imports the MCP SDK: a second of
+    CPU), begun together (conftest.begun_together)."""
+    with begun_together(tmp_path_factory, {"wide": begin_wide,
+                                           "approval": begin_approval}) as runs:
+        yield runs

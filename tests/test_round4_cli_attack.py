@@ -8,8 +8,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from conftest import KEY, Terminal, final, write_config, xdg_env
-from fake_openai import stream_reply
+import pytest
+
+from conftest import KEY, Terminal, begun_together, final, write_config, xdg_env
+from fake_openai import FakeOpenAI, stream_reply
 from test_round4_cli import (LONG_REPLY, assert_fits, bob, echo_config, narrow, screen_lines,
                              status_redraws, streamed_to_a_reader_that_leaves)
 
@@ -31,17 +33,23 @@ def test_the_status_line_fits_a_terminal_narrower_than_its_ellipsis(tmp_path, sr
 BIDI = "\u202e\u2066\u2067\u2068\u2069\u202a\u202b\u202c\u202d\u200e\u200f\u061c"
 
 
-def test_bidi_controls_from_the_model_or_a_server_never_reach_the_terminal(tmp_path, srv):
+EVIL = f"{BIDI}gnp.exe"
+
+
+def begin_bidi(tmp_path: Path, srv: FakeOpenAI) -> Terminal:
+    call = json.dumps({"type": "tool_call", "name": "t__echo", "arguments": {"text": EVIL}})
+    srv.push(final("first"), call, final("done"))
+    write_config(tmp_path, srv)       # the one-shot calls no tool: no MCP server (a second)
+    assert bob(tmp_path, "--session", "bidi", "-p", EVIL).returncode == 0
+    echo_config(tmp_path, srv, runtime="turn_timeout_ms = 20000\n")   # the MCP server starts
+    return narrow(tmp_path, 200)
+
+
+def test_bidi_controls_from_the_model_or_a_server_never_reach_the_terminal(early):
     # A tool line, /history or /sessions showing U+202E (right-to-left override) let the model
     # or an MCP server draw the rest of bob's line backwards (Trojan Source): "<- t__echo:
     # {RLO}txt.exe" reads as "exe.txt".
-    evil = f"{BIDI}gnp.exe"
-    call = json.dumps({"type": "tool_call", "name": "t__echo", "arguments": {"text": evil}})
-    srv.push(final("first"), call, final("done"))
-    write_config(tmp_path, srv)       # the one-shot calls no tool: no MCP server (a second)
-    assert bob(tmp_path, "--session", "bidi", "-p", evil).returncode == 0
-    echo_config(tmp_path, srv, runtime="turn_timeout_ms = 20000\n")   # the MCP server starts
-    term = narrow(tmp_path, 200)
+    term = early["bidi"].run
     try:
         term.expect(b"bob> ")
         term.send(b"/resume bidi\r")
@@ -59,15 +67,19 @@ def test_bidi_controls_from_the_model_or_a_server_never_reach_the_terminal(tmp_p
     assert not [c for c in BIDI if c.encode() in seen], seen
 
 
-def test_a_line_of_combining_marks_is_cut_too(tmp_path, srv):
-    # Combining marks take no column, so a line of them was never cut: an argument of 200,000
-    # (a hostile model's) was written whole to the terminal by the approval prompt, the tool
-    # line and /history (1 MB of them: a second each, on the turn's time).
+def begin_zalgo(tmp_path: Path, srv: FakeOpenAI) -> Terminal:
     zalgo = "e" + "\u0301" * 200_000
     call = json.dumps({"type": "tool_call", "name": "t__echo", "arguments": {"text": zalgo}})
     srv.push(call, final("done"))
     echo_config(tmp_path, srv, runtime="turn_timeout_ms = 20000\n")
-    term = narrow(tmp_path, 80)
+    return narrow(tmp_path, 80)
+
+
+def test_a_line_of_combining_marks_is_cut_too(early):
+    # Combining marks take no column, so a line of them was never cut: an argument of 200,000
+    # (a hostile model's) was written whole to the terminal by the approval prompt, the tool
+    # line and /history (1 MB of them: a second each, on the turn's time).
+    term = early["zalgo"].run
     try:
         term.expect(b"bob> ")
         term.send(b"go\r")
@@ -149,3 +161,11 @@ def test_a_stream_whose_reader_left_keeps_the_turn_its_flags_and_its_trace(tmp_p
     again = bob(tmp_path, "-c", "-p", "more")   # no flags: the session's own
     assert again.returncode == 0 and again.stdout == "again\n", again.stderr
     assert srv.requests[1]["body"]["model"] == "kept"
+
+
+@pytest.fixture(scope="module")
+def early(tmp_path_factory):
+    """The REPLs above that start an MCP server (their CLI imports the MCP SDK: a second of
+    CPU), begun together (conftest.begun_together)."""
+    with begun_together(tmp_path_factory, {"bidi": begin_bidi, "zalgo": begin_zalgo}) as runs:
+        yield runs

@@ -27,6 +27,29 @@ def fds(pid: int) -> dict[int, str]:
     return {int(fd): os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")}
 
 
+def cpu_and_states(pid: int) -> tuple[int, str]:
+    """The process's CPU time so far (clock ticks) and the state letter of each thread."""
+    stat = open(f"/proc/{pid}/stat").read().rpartition(")")[2].split()
+    states = "".join(open(f"/proc/{pid}/task/{tid}/stat").read().rpartition(")")[2].split()[0]
+                     for tid in os.listdir(f"/proc/{pid}/task"))
+    return int(stat[11]) + int(stat[12]), states
+
+
+def idle_for(pid: int, quiet_s: float = 0.05):
+    """A predicate for wait_until: every thread of the process sleeps, and its CPU time has
+    stood still for `quiet_s`: the work a thread was doing (masking a big piece) has ended,
+    and what it wrote is on the terminal."""
+    last: dict = {}
+
+    def idle() -> bool:
+        now, sample = time.monotonic(), cpu_and_states(pid)
+        if set(sample[1]) != {"S"} or sample != last.get("sample"):
+            last.update(sample=sample, since=now)
+            return False
+        return now - last["since"] >= quiet_s
+    return idle
+
+
 # ---- 1. The REPL with stdout redirected ----
 
 def test_a_redirected_repl_with_no_file_descriptor_left_still_reads_lines(tmp_path, srv):
@@ -83,11 +106,10 @@ def test_a_turn_cancelled_while_a_reply_streams_puts_nothing_of_it_on_the_termin
         term.send(b"\x03")
         term.expect(b"turn cancelled", timeout=10)
         term.expect(b"bob> ", timeout=10)
-        late = b""   # what reaches the terminal while the prompt waits (the masking ends)
-        end = time.monotonic() + 3
-        while time.monotonic() < end:
-            if select.select([term.fd], [], [], 0.1)[0]:
-                late += os.read(term.fd, 1 << 16)
+        assert wait_until(idle_for(term.proc.pid), timeout=10), "the masking never ended"
+        late = b""   # what reached the terminal while the prompt waited (the masking ended)
+        while select.select([term.fd], [], [], 0.05)[0]:
+            late += os.read(term.fd, 1 << 16)
         term.send(b"\x04")
         assert term.proc.wait(10) == 0
     finally:
