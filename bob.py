@@ -1823,8 +1823,10 @@ class _Turn:
         if self.caller_cancel.cancelled:
             return self._end_cancelled()
         # no answer: the deadline passed, or the turn's own token fired (a port gave it up, and
-        # may have raised Cancelled, seeing it): the turn is out of time (_Turn.woken)
-        if not worker.done or isinstance(worker.error, Cancelled):
+        # may have raised Cancelled, seeing it: _Turn.woken). A failure once the time is up is
+        # the turn's timeout too: the adapter's own clock ends a request at the same deadline,
+        # and whichever sees it first, the turn ran out of time
+        if not worker.done or worker.error and self.guard.out_of_time():
             return self._end_on_trip(self._no_answer(what))
         e = worker.error
         if e is None:
@@ -3219,7 +3221,7 @@ def _cancel_point(events):
         return None
     states = [i for i, e in enumerate(events) if e["kind"] == "state"]
     if "before this call started" in texts:   # while the model answered: before the batch
-        return max(i for i in states if events[i]["to"] == State.CALL_TOOL.value)
+        return max(i for i in states if events[i]["to"] == State.CALL_TOOL)   # (a str enum)
     return states[-1] - 1   # the cancel was seen at the last transition, to done
 
 
@@ -3234,7 +3236,7 @@ def _expiry_point(events):
             point = i
         elif e.get("reason") == "turn_timeout" and events[i - 1]["kind"] != "llm_call_started":
             return point
-    return None
+    # (None: the recorded turn's time did not run out between port calls)
 
 
 # -- replaying a turn --

@@ -125,3 +125,23 @@ def test_a_port_that_fires_the_token_it_was_given_ends_the_turns_time():
                                                  GuardReason.TURN_TIMEOUT)
     assert r.content == "Stopped: the turn took longer than turn_timeout_ms=60000."
     assert r.history[-1].content == "gave up" and r.steps == 1
+
+
+def test_a_model_error_that_comes_as_the_turns_time_runs_out_is_the_turns_timeout():
+    """The adapter's own clock ends a request at the turn's deadline too ("no answer in time"):
+    whichever sees the deadline first, the turn ends TURN_TIMEOUT, not with the adapter's error
+    (tests/test_cli.py's exit-3 test saw exit 1 in about one full run of eleven). Deterministic
+    here: an inline port fails only once the deadline has passed."""
+
+    class LateFailure:
+        _answers_inline = True   # on the loop's thread: the wait cannot see the deadline first
+
+        def complete(self, req, cancel, on_delta=None):
+            threading.Event().wait(max(0.0, req.deadline - time.monotonic()) + 0.05)
+            raise bob.LlmError("http://127.0.0.1:9/v1 gave no answer in time")
+
+    rt = AgentRuntime(LateFailure(), policy=TurnPolicy(turn_timeout_ms=200))
+    r = rt.run(AgentRequest("hi", "s1"))
+    assert (r.finish_reason, r.guard_reason) == (FinishReason.GUARD_EXCEEDED,
+                                                 GuardReason.TURN_TIMEOUT)
+    assert r.content == "Stopped: the model did not answer within turn_timeout_ms=200."
