@@ -10,18 +10,11 @@ Sections:
 """
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import json
-import os
-import pty
 import re
-import select
 import signal
-import struct
 import subprocess
 import sys
-import termios
 import threading
 import time
 import uuid
