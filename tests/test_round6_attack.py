@@ -15,6 +15,7 @@ import logging
 import math
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from fake_openai import FakeOpenAI, stream_reply, tool_calls_reply
@@ -26,7 +27,7 @@ import bob
 from bob import (AgentRequest, AgentRuntime, Approval, CancelToken, FinishReason, FunctionTools,
                  GuardReason, InMemorySessionStore, JsonlEventSink, LlmError, LlmRequest, Message,
                  ScriptedLlm, SessionState, ToolCall, ToolDescriptor, ToolResult, TurnPolicy)
-from conftest import KEY, assert_well_formed, make_llm, run_cli
+from conftest import KEY, assert_well_formed, make_llm, run_cli, wait_until
 
 
 # ---- 1. Helpers ---------------------------------------------------------------------------------
@@ -220,11 +221,10 @@ def test_a_cancel_recorded_as_the_time_ran_out_replays_cancelled(tmp_path):
     assert report.ok, str(report)
 
 
-def test_a_reply_streamed_past_the_deadline_in_a_later_step_replays_at_once(tmp_path):
+def streamed_past_the_deadline(path) -> None:
     """A real adapter streaming (as the REPL does): the second step's reply drips until the
-    turn's time runs out mid-stream; the replay answers at once."""
+    turn's time runs out mid-stream."""
     slow = stream_reply(["Hel", "lo", " wor", "ld", "!"] * 4, delay_s=0.15)
-    path = tmp_path / "t.jsonl"
     with FakeOpenAI([tool_calls_reply([("add", {"a": 1, "b": 2})]), slow]) as srv:
         rt = AgentRuntime(make_llm(srv, stream=True), FunctionTools([add]),
                           events=JsonlEventSink(path), action_mode="native",
@@ -235,22 +235,17 @@ def test_a_reply_streamed_past_the_deadline_in_a_later_step_replays_at_once(tmp_
         except LlmError as e:   # the adapter's clock ran out first: the cut stream's error
             assert "cut before it finished" in str(e) or "no answer in time" in str(e)
         rt.sinks[0].close()
-    assert [e["kind"] for e in lines_of(path)].count("llm_call_started") == 2
-    report = replayed_at_once(path)
-    assert report.ok, str(report)
 
 
-def test_two_sessions_in_one_trace_one_timed_out_while_the_other_answered(tmp_path, hang):
+def two_sessions_one_timed_out(path, release: threading.Event) -> dict:
     """Two sessions on one runtime and one trace file, their events interleaved: s1's model
-    outlives its turn while s2's whole turn runs; both replay at once."""
-    release = hang()
+    outlives its turn while s2's whole turn runs."""
     entered = threading.Event()
 
     def slow(req, cancel):
         entered.set()
         release.wait(10)
         return "late"
-    path = tmp_path / "t.jsonl"
     sink = JsonlEventSink(path)
     rt = AgentRuntime(ScriptedLlm([slow, "two"]), FunctionTools([add]), events=sink,
                       policy=TurnPolicy(turn_timeout_ms=1500), action_mode="native")
@@ -263,6 +258,43 @@ def test_two_sessions_in_one_trace_one_timed_out_while_the_other_answered(tmp_pa
     first.join(5)
     release.set()
     sink.close()
+    return results
+
+
+@pytest.fixture(scope="module")
+def out_of_time(tmp_path_factory):
+    """The two cases below each wait out a turn deadline of 1.5 s (a loaded machine's first
+    step, or the other session's turn, must fit in it), idle: they run side by side in threads
+    when the first of their tests asks, and each test takes its own (a case's failed assertion
+    is raised by .result()). Then, as conftest's hang checks: blocked workers must end."""
+    before, release = bob.abandoned_workers(), threading.Event()
+    paths = {key: tmp_path_factory.mktemp(key) / "t.jsonl" for key in ("streamed", "two")}
+    with ThreadPoolExecutor(2) as pool:
+        cases = {"streamed": pool.submit(streamed_past_the_deadline, paths["streamed"]),
+                 "two": pool.submit(two_sessions_one_timed_out, paths["two"], release)}
+        try:
+            yield paths, cases, before
+        finally:
+            release.set()
+
+
+def test_a_reply_streamed_past_the_deadline_in_a_later_step_replays_at_once(out_of_time):
+    """The replay of streamed_past_the_deadline answers at once."""
+    paths, cases, _ = out_of_time
+    cases["streamed"].result(timeout=30)
+    path = paths["streamed"]
+    assert [e["kind"] for e in lines_of(path)].count("llm_call_started") == 2
+    report = replayed_at_once(path)
+    assert report.ok, str(report)
+
+
+def test_two_sessions_in_one_trace_one_timed_out_while_the_other_answered(out_of_time):
+    """two_sessions_one_timed_out: s2 answered before s1 timed out; both replay at once."""
+    paths, cases, before = out_of_time
+    results = cases["two"].result(timeout=30)
+    cases["streamed"].result(timeout=30)   # done too, before counting the blocked workers
+    assert wait_until(lambda: bob.abandoned_workers() <= before), "blocked workers never ended"
+    path = paths["two"]
     assert results["s1"].guard_reason is GuardReason.TURN_TIMEOUT
     assert results["s2"].content == "two"
     kinds = [(e["session_id"], e["kind"]) for e in lines_of(path)]
