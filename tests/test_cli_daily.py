@@ -87,15 +87,18 @@ def test_a_missing_key_says_what_to_set_and_the_ways_around_it(tmp_path):
 
 
 def test_version_system_max_steps_and_api_key_env(tmp_path, srv):
-    assert re.fullmatch(r"bob \d+\.\d+\.\d+\n", bob(tmp_path, "--version").stdout)
-    srv.push(final("s"), json.dumps({"type": "tool_call", "name": "nope", "arguments": {}}))
     base = ("--base-url", srv.url, "--model", "x:y", "--api-key-env", "MY_KEY")
+    # the two runs that never reach the model, begun first: side by side with the others
+    version, no_steps = started(tmp_path, "--version"), started(tmp_path, *base, "--max-steps",
+                                                               "0", "-p", "hi")
+    assert re.fullmatch(r"bob \d+\.\d+\.\d+\n", finished(version).stdout)
+    srv.push(final("s"), json.dumps({"type": "tool_call", "name": "nope", "arguments": {}}))
     r = bob(tmp_path, *base, "--system", "SYS-TEXT", "-p", "hi", MY_KEY="k-1")
     assert r.returncode == 0 and "SYS-TEXT" in messages_of(srv.requests[0])
     assert srv.requests[0]["headers"]["authorization"] == "Bearer k-1"
     r = bob(tmp_path, *base, "--max-steps", "1", "-p", "hi", MY_KEY="k-1")
     assert r.returncode == 3 and "max_steps" in r.stderr
-    assert bob(tmp_path, *base, "--max-steps", "0", "-p", "hi").returncode == 2
+    assert finished(no_steps).returncode == 2
 
 
 def test_stream_and_no_stream_override_the_config(tmp_path, srv):
@@ -114,13 +117,14 @@ def test_stream_and_no_stream_override_the_config(tmp_path, srv):
 def test_piped_text_follows_the_prompt_and_dash_reads_stdin(tmp_path, srv):
     srv.push(final("summary"), final("whole"))
     work_config(tmp_path, srv)
+    empty = started(tmp_path, "-p", "")   # never reaches the model: side by side with the others
     r = bob(tmp_path, "-p", "summarize this", stdin="line one\nline two\n")
     assert r.returncode == 0 and r.stdout == "summary\n"
     assert len(srv.requests) == 1
     assert "summarize this\\n\\nline one\\nline two" in messages_of(srv.requests[0])
     r = bob(tmp_path, "-p", "-", stdin="the prompt from stdin")
     assert r.returncode == 0 and "the prompt from stdin" in messages_of(srv.requests[1])
-    r = bob(tmp_path, "-p", "")
+    r = finished(empty)
     assert r.returncode == 2 and "-p needs a prompt" in r.stderr and r.stdout == ""
 
 
@@ -267,9 +271,11 @@ def test_one_shot_declines_without_yes_and_says_how_to_allow(early):
 
 
 def test_a_malformed_base_url_flag_or_environment_is_a_usage_error(tmp_path):
-    r = bob(tmp_path, "--base-url", "localhost:8080", "--model", "x:y", "-p", "hi")
+    flag = started(tmp_path, "--base-url", "localhost:8080", "--model", "x:y", "-p", "hi")
+    environ = started(tmp_path, "-p", "hi", OPENAI_BASE_URL="ftp://h/v1", OPENAI_API_KEY=KEY)
+    r = finished(flag)   # the two side by side
     assert r.returncode == 2 and "--base-url must be an http" in r.stderr
-    r = bob(tmp_path, "-p", "hi", OPENAI_BASE_URL="ftp://h/v1", OPENAI_API_KEY=KEY)
+    r = finished(environ)
     assert r.returncode == 2 and "OPENAI_BASE_URL must be an http" in r.stderr
 
 
@@ -393,7 +399,10 @@ def test_model_text_cannot_drive_the_terminal_in_one_line_displays(tmp_path, srv
 # ---- 8. bob --init, and -v (issue 14) ----
 
 def test_init_writes_a_commented_config_that_loads_and_never_overwrites(tmp_path):
-    r = bob(tmp_path, "--init")
+    in_proc = subprocess.Popen([sys.executable, str(CLI), "--init"], cwd="/proc", text=True,
+                               stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, env=xdg_env(tmp_path))   # no writes
+    r = bob(tmp_path, "--init")   # side by side with the one in /proc
     path = tmp_path / "work" / "agent.toml"
     assert r.returncode == 0 and r.stdout == "" and f"wrote {path}" in r.stderr, r.stderr
     text = path.read_text()
@@ -403,8 +412,7 @@ def test_init_writes_a_commented_config_that_loads_and_never_overwrites(tmp_path
     r = bob(tmp_path, "--init")
     assert r.returncode == 2 and "agent.toml exists here already" in r.stderr
     assert path.read_text() == "# mine\n"
-    r = subprocess.run([sys.executable, str(CLI), "--init"], cwd="/proc", capture_output=True,
-                       text=True, env=xdg_env(tmp_path), timeout=15, check=False)  # no writes
+    r = finished(in_proc)
     assert r.returncode == 1 and r.stderr.startswith("bob: error: cannot write agent.toml in "
                                                      "this directory: "), r.stderr
 
@@ -412,6 +420,7 @@ def test_init_writes_a_commented_config_that_loads_and_never_overwrites(tmp_path
 def test_verbose_shows_each_event_once_on_one_short_line(tmp_path, srv):
     srv.push(final("ok " * 200))
     work_config(tmp_path, srv)
+    demo = started(tmp_path, "--demo", "-v", COLUMNS="100")   # side by side with the -p run
     r = bob(tmp_path, "-v", "-p", "hi " * 200, COLUMNS="100")
     assert r.returncode == 0 and r.stdout == "ok " * 200 + "\n", r.stderr
     lines = r.stderr.splitlines()
@@ -419,7 +428,7 @@ def test_verbose_shows_each_event_once_on_one_short_line(tmp_path, srv):
     assert kinds[:2] == ["session_loaded", "turn_started"] and kinds[-1] == "turn_completed", lines
     assert kinds.count("turn_completed") == 1 and "llm_call_completed" in kinds
     assert all(len(x) <= 100 for x in lines), max(lines, key=len)
-    demo = bob(tmp_path, "--demo", "-v", COLUMNS="100")
+    demo = finished(demo)
     assert demo.returncode == 0 and demo.stdout.count("turn_completed") == 1, demo.stderr
     assert "turn_completed" not in demo.stderr
 
