@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import CLI, KEY, Terminal, final, messages_of, run_cli, write_config, xdg_env
+from conftest import (CLI, KEY, Terminal, cli_begun, collected, final, messages_of, run_cli,
+                      write_config, xdg_env)
 from fake_openai import FakeOpenAI, completion
 
 
@@ -60,9 +61,12 @@ def test_no_key_with_a_base_url_says_to_change_the_provider(tmp_path, srv):
 
 def test_the_no_config_notice_is_shown_only_with_verbose(tmp_path, srv):
     srv.push(final("a"), final("b"))
-    r = bob(tmp_path, "--base-url", srv.url, "--model", "local:m", "-p", "hi")
+    flags = ("--base-url", srv.url, "--model", "local:m")
+    quiet = cli_begun(tmp_path, *flags, "-p", "hi", env=xdg_env(tmp_path))
+    verbose = cli_begun(tmp_path, *flags, "-v", "-p", "hi", env=xdg_env(tmp_path))
+    r = collected(quiet)   # the two side by side (either answer will do)
     assert r.returncode == 0 and r.stderr == "", r.stderr
-    r = bob(tmp_path, "--base-url", srv.url, "--model", "local:m", "-v", "-p", "hi")
+    r = collected(verbose)
     assert "no agent.toml" in r.stderr
 
 
@@ -196,8 +200,11 @@ def test_a_failed_first_turn_keeps_no_session_and_forget_prunes(tmp_path, srv):
     assert failed.returncode == 1 and "bad model" in failed.stderr, failed.stderr
     assert sessions_in(tmp_path) == []
     srv.push(final("kept"), final("kept too"))
-    assert bob(tmp_path, "-p", "hi").returncode == 0
-    assert bob(tmp_path, "--base-url", srv.url, "--model", "local:x", "-p", "x").returncode == 0
+    kept = cli_begun(tmp_path, "-p", "hi", env=xdg_env(tmp_path))
+    flagged = cli_begun(tmp_path, "--base-url", srv.url, "--model", "local:x", "-p", "x",
+                        env=xdg_env(tmp_path))   # the two side by side (either answer will do)
+    assert collected(kept).returncode == 0
+    assert collected(flagged).returncode == 0
     sessions = tmp_path / "xd" / "bob" / "sessions"
     (two,) = [p.stem for p in sessions.glob("*.flags")]   # the run with flags
     (one,) = set(sessions_in(tmp_path)) - {two}
