@@ -80,43 +80,89 @@ def write_lines(path, events) -> None:
 
 # ---- 2. Replay: where the time ran out ----------------------------------------------------------
 
-def test_time_found_passed_before_the_first_llm_call_replays_the_same(tmp_path):
-    path = tmp_path / "t.jsonl"
-    [r] = record(path, ["never asked"], ["hi"], policy=TurnPolicy(turn_timeout_ms=300),
-                 cancel_on=held_at("state", 300))   # start -> build_prompt: the first state
-    assert (r.guard_reason, r.steps) == (GuardReason.TURN_TIMEOUT, 0)
-    report = replayed_at_once(path)
-    assert report.ok, str(report)
+def before_the_first_llm_call(path) -> list:
+    return record(path, ["never asked"], ["hi"], policy=TurnPolicy(turn_timeout_ms=300),
+                  cancel_on=held_at("state", 300))   # start -> build_prompt: the first state
 
 
-def test_time_found_passed_before_the_first_llm_call_of_a_second_turn_replays(tmp_path):
-    path = tmp_path / "t.jsonl"
+def before_the_first_llm_call_of_a_second_turn(path) -> list:
     hold = held_at("state", 300)
     turns = []
 
     def second_turn_held(event) -> bool:
         turns.extend([1] if event.kind == "turn_started" else [])
         return len(turns) == 2 and hold(event)
-    first, second = record(path, ["one", "never asked"], ["hi", "again"],
-                           policy=TurnPolicy(turn_timeout_ms=300), cancel_on=second_turn_held)
+    return record(path, ["one", "never asked"], ["hi", "again"],
+                  policy=TurnPolicy(turn_timeout_ms=300), cancel_on=second_turn_held)
+
+
+def before_the_batch(path) -> list:
+    return record(path, [calls(("c1", "add", {"a": 1, "b": 2}))], ["sum"],
+                  policy=TurnPolicy(turn_timeout_ms=300), cancel_on=held_at("action_parsed", 300))
+
+
+def cancelled_as_the_time_ran_out(path) -> list:
+    hold = held_at("action_parsed", 300)
+    return record(path, [calls(("c1", "add", {"a": 1, "b": 2}))], ["sum"],
+                  policy=TurnPolicy(turn_timeout_ms=300),
+                  cancel_on=lambda e: not hold(e) and e.kind == "action_parsed")
+
+
+# Each recording waits (idle) for its 300 ms turn deadline: all run side by side, in threads.
+RAN_OUT = {
+    "first call": before_the_first_llm_call,
+    "second turn": before_the_first_llm_call_of_a_second_turn,
+    "resumed, before its batch": lambda path: resume_held(path, "approval_decided", ["3"]),
+    "resumed, while its tool ran": lambda path: resume_held(path, "tool_call_completed",
+                                                            ["never asked"]),
+    "cli, first call": before_the_first_llm_call,
+    "cli, before its batch": before_the_batch,
+    "live, before its batch": before_the_batch,
+    "trip deleted, before its batch": before_the_batch,   # section 3
+    "live, after a tool answered": lambda path: record(
+        path, [calls(("c1", "add", {"a": 1, "b": 2}))], ["sum"],
+        policy=TurnPolicy(turn_timeout_ms=300), cancel_on=held_at("tool_call_completed", 300)),
+    "cancelled": cancelled_as_the_time_ran_out,
+}
+
+
+@pytest.fixture(scope="module")
+def ran_out(tmp_path_factory):
+    """The recordings of RAN_OUT, each in its own directory, run side by side in threads when
+    the first of their tests asks, all ended before any test goes on (nothing runs behind a
+    replay's time bound). A test takes its own: path, result = ran_out("first call") (a
+    recording's failure is raised there)."""
+    paths = {key: tmp_path_factory.mktemp("ran-out") / "t.jsonl" for key in RAN_OUT}
+    with ThreadPoolExecutor(len(RAN_OUT)) as pool:
+        done = {key: pool.submit(RAN_OUT[key], paths[key]) for key in RAN_OUT}
+    return lambda key: (paths[key], done[key].result())
+
+
+def test_time_found_passed_before_the_first_llm_call_replays_the_same(ran_out):
+    path, [r] = ran_out("first call")
+    assert (r.guard_reason, r.steps) == (GuardReason.TURN_TIMEOUT, 0)
+    report = replayed_at_once(path)
+    assert report.ok, str(report)
+
+
+def test_time_found_passed_before_the_first_llm_call_of_a_second_turn_replays(ran_out):
+    path, (first, second) = ran_out("second turn")
     assert first.finish_reason is FinishReason.FINAL
     assert second.guard_reason is GuardReason.TURN_TIMEOUT
     report = replayed_at_once(path)
     assert report.ok, str(report)
 
 
-def test_a_resumed_turn_whose_time_ran_out_before_its_batch_replays_the_same(tmp_path):
-    path = tmp_path / "t.jsonl"
-    r = resume_held(path, "approval_decided", ["3"])
+def test_a_resumed_turn_whose_time_ran_out_before_its_batch_replays_the_same(ran_out):
+    path, r = ran_out("resumed, before its batch")
     assert r.guard_reason is GuardReason.TURN_TIMEOUT
     assert r.history[-1].content.startswith("not run: the turn took longer than")
     report = replayed_at_once(path)
     assert report.ok, str(report)
 
 
-def test_a_resumed_turn_whose_time_ran_out_while_its_tool_ran_replays_the_same(tmp_path):
-    path = tmp_path / "t.jsonl"
-    r = resume_held(path, "tool_call_completed", ["never asked"])
+def test_a_resumed_turn_whose_time_ran_out_while_its_tool_ran_replays_the_same(ran_out):
+    path, r = ran_out("resumed, while its tool ran")
     assert (r.guard_reason, r.history[-1].content) == (GuardReason.TURN_TIMEOUT, "3")
     report = replayed_at_once(path)
     assert report.ok, str(report)
@@ -142,19 +188,15 @@ def test_a_turn_whose_tool_listing_ran_out_of_time_replays_the_same(tmp_path, ha
     assert report.ok, str(report)
 
 
-def test_the_cli_replays_a_turn_whose_time_ran_out_before_its_first_llm_call(tmp_path):
-    path = tmp_path / "t.jsonl"
-    record(path, ["never asked"], ["hi"], policy=TurnPolicy(turn_timeout_ms=300),
-           cancel_on=held_at("state", 300))
+def test_the_cli_replays_a_turn_whose_time_ran_out_before_its_first_llm_call(tmp_path, ran_out):
+    path, _ = ran_out("cli, first call")
     done = run_cli(tmp_path, "replay", str(path))
     assert done.returncode == 0, done.stdout + done.stderr
     assert "turn 1: same" in done.stdout
 
 
-def test_the_cli_replays_a_turn_whose_time_ran_out_before_its_batch(tmp_path):
-    path = tmp_path / "t.jsonl"
-    [r] = record(path, [calls(("c1", "add", {"a": 1, "b": 2}))], ["sum"],
-                 policy=TurnPolicy(turn_timeout_ms=300), cancel_on=held_at("action_parsed", 300))
+def test_the_cli_replays_a_turn_whose_time_ran_out_before_its_batch(tmp_path, ran_out):
+    path, [r] = ran_out("cli, before its batch")
     assert r.guard_reason is GuardReason.TURN_TIMEOUT
     done = run_cli(tmp_path, "replay", str(path))
     assert done.returncode == 0, done.stdout + done.stderr
@@ -181,7 +223,7 @@ def test_parallel_calls_one_outliving_the_turn_replay_at_once(tmp_path, hang):
     assert replayed_at_once(path).ok
 
 
-def test_live_tools_replay_a_turn_whose_time_ran_out_before_its_batch(tmp_path):
+def test_live_tools_replay_a_turn_whose_time_ran_out_before_its_batch(ran_out):
     """replay(tools=live): the live port runs on a worker thread; the recorded check before the
     batch trips again and the live tool is never called."""
     ran = []
@@ -191,30 +233,22 @@ def test_live_tools_replay_a_turn_whose_time_ran_out_before_its_batch(tmp_path):
         ran.append((a, b))
         return a + b
     counted.__name__ = "add"
-    path = tmp_path / "t.jsonl"
-    record(path, [calls(("c1", "add", {"a": 1, "b": 2}))], ["sum"],
-           policy=TurnPolicy(turn_timeout_ms=300), cancel_on=held_at("action_parsed", 300))
+    path, _ = ran_out("live, before its batch")
     report = replayed_at_once(path, tools=FunctionTools([counted, shout]))
     assert report.ok, str(report)
     assert ran == []
 
 
-def test_live_tools_replay_a_turn_whose_time_ran_out_after_a_tool_answered(tmp_path):
-    path = tmp_path / "t.jsonl"
-    record(path, [calls(("c1", "add", {"a": 1, "b": 2}))], ["sum"],
-           policy=TurnPolicy(turn_timeout_ms=300), cancel_on=held_at("tool_call_completed", 300))
+def test_live_tools_replay_a_turn_whose_time_ran_out_after_a_tool_answered(ran_out):
+    path, _ = ran_out("live, after a tool answered")
     report = replayed_at_once(path, tools=FunctionTools([add, shout]))
     assert report.ok, str(report)
 
 
-def test_a_cancel_recorded_as_the_time_ran_out_replays_cancelled(tmp_path):
+def test_a_cancel_recorded_as_the_time_ran_out_replays_cancelled(ran_out):
     """The sink holds the loop past the deadline at action_parsed, and the caller cancels
     there too: the cancel wins (CANCELLED, "interrupted"), and replays so, at once."""
-    path = tmp_path / "t.jsonl"
-    hold = held_at("action_parsed", 300)
-    [r] = record(path, [calls(("c1", "add", {"a": 1, "b": 2}))], ["sum"],
-                 policy=TurnPolicy(turn_timeout_ms=300),
-                 cancel_on=lambda e: not hold(e) and e.kind == "action_parsed")
+    path, [r] = ran_out("cancelled")
     assert r.finish_reason is FinishReason.CANCELLED
     assert r.history[-1].content.startswith("interrupted")
     report = replayed_at_once(path)
@@ -332,12 +366,10 @@ def test_an_added_turn_timeout_trip_is_reported_at_once(tmp_path):
     assert not report.ok and report.turn == 1
 
 
-def test_a_deleted_turn_timeout_trip_is_reported_at_once(tmp_path):
+def test_a_deleted_turn_timeout_trip_is_reported_at_once(ran_out):
     """The check before the batch tripped; the trip deleted by hand: the replay runs the call
     the recording did not, and says so at once."""
-    path = tmp_path / "t.jsonl"
-    record(path, [calls(("c1", "add", {"a": 1, "b": 2}))], ["sum"],
-           policy=TurnPolicy(turn_timeout_ms=300), cancel_on=held_at("action_parsed", 300))
+    path, _ = ran_out("trip deleted, before its batch")
     write_lines(path, [e for e in lines_of(path) if e["kind"] != "guard_tripped"])
     report = replayed_at_once(path)
     assert not report.ok
