@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -49,18 +50,34 @@ def replays_at_once(path, bound_s: float = 0.25):
 # ---- 2. Where the time ran out ------------------------------------------------------------------
 
 NOT_RUN = "not run: the turn took longer than"
+HELD = ["action_parsed", "approval_decided", "tool_call_completed"]
 
 
-@pytest.mark.parametrize("held, approving, last", [
-    ("action_parsed", False, NOT_RUN),             # the batch's check found the time passed
-    ("approval_decided", True, NOT_RUN),           # so, after the approver answered
-    ("tool_call_completed", False, "3"),           # the check before the next LLM call
-], ids=["before a batch", "after the approver answered", "after a tool answered"])
-def test_time_that_ran_out_between_port_calls_replays_the_same(tmp_path, held, approving, last):
-    path = tmp_path / "t.jsonl"
+def held_between_port_calls(path, held: str) -> list:
+    approving = held == "approval_decided"
     asking = {"ask_tools": ["add"], "approver": lambda call: Approval(True)} if approving else {}
-    [r] = record(path, [calls(("c1", "add", {"a": 1, "b": 2})), "3"], ["sum"],
-                 policy=TurnPolicy(turn_timeout_ms=300), cancel_on=held_at(held, 300), **asking)
+    return record(path, [calls(("c1", "add", {"a": 1, "b": 2})), "3"], ["sum"],
+                  policy=TurnPolicy(turn_timeout_ms=300), cancel_on=held_at(held, 300), **asking)
+
+
+@pytest.fixture(scope="module")
+def held_recordings(tmp_path_factory):
+    """The three recordings below, each held (idle) until its 300 ms deadline had passed, run
+    side by side in threads, all ended before any test goes on (nothing runs behind a replay's
+    time bound); a test takes its own: path, results = held_recordings(held)."""
+    paths = {held: tmp_path_factory.mktemp("held") / "t.jsonl" for held in HELD}
+    with ThreadPoolExecutor(len(HELD)) as pool:
+        done = {held: pool.submit(held_between_port_calls, paths[held], held) for held in HELD}
+    return lambda held: (paths[held], done[held].result())
+
+
+@pytest.mark.parametrize("held, last", [
+    ("action_parsed", NOT_RUN),             # the batch's check found the time passed
+    ("approval_decided", NOT_RUN),          # so, after the approver answered
+    ("tool_call_completed", "3"),           # the check before the next LLM call
+], ids=["before a batch", "after the approver answered", "after a tool answered"])
+def test_time_that_ran_out_between_port_calls_replays_the_same(held_recordings, held, last):
+    path, [r] = held_recordings(held)
     assert r.guard_reason is GuardReason.TURN_TIMEOUT
     assert r.history[-1].content.startswith(last)   # "3": the next LLM call never came
     replays_at_once(path)
