@@ -359,6 +359,19 @@ def begun_together(tmp_path_factory, begins: dict[str, Callable[[Path, FakeOpenA
         yield runs
 
 
+def begun_early(begins: dict[str, Callable[[Path, FakeOpenAI], Any]]):
+    """begun_together's usual use, written once: a module fixture beginning `begins` together
+    when the first of their tests asks; a module names it `early`:
+
+        early = begun_early({"a": begin_a, ...})   # a test: early["a"].run, .srv, .path
+    """
+    @pytest.fixture(scope="module")
+    def early(tmp_path_factory):
+        with begun_together(tmp_path_factory, begins) as runs:
+            yield runs
+    return early
+
+
 def _ended(run) -> None:
     """A run that its test left running (the test failed) is ended."""
     if isinstance(run, Terminal):

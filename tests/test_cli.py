@@ -25,7 +25,7 @@ from fake_openai import FakeOpenAI, stream_reply
 
 import bob
 import bob_cli
-from conftest import (CLI, KEY, MCP_SERVER, REPO, Terminal, begun_together, child_env, final,
+from conftest import (CLI, KEY, MCP_SERVER, REPO, Terminal, begun_early, child_env, final,
                       messages_of, run_cli, write_config)
 
 
@@ -513,10 +513,6 @@ def test_a_required_mcp_server_that_fails_stops_the_repl_with_exit_1(early):
     assert srv.requests == []
 
 
-@pytest.fixture(scope="module")
-def early(tmp_path_factory):
-    """Two REPLs above that start an MCP server (their CLI imports the MCP SDK: a second of
-    CPU), begun together (conftest.begun_together)."""
-    with begun_together(tmp_path_factory, {"sigterm": begin_sigterm,
-                                           "failing": begin_failing}) as runs:
-        yield runs
+# Two REPLs above that start an MCP server (their CLI imports the MCP SDK: a second of CPU),
+# begun together
+early = begun_early({"sigterm": begin_sigterm, "failing": begin_failing})

@@ -10,11 +10,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 
 import bob_cli
 from fake_openai import FakeOpenAI, completion, stream_reply
-from conftest import (CLI, KEY, Terminal, begun_together, child_env, cli_begun, collected, final,
+from conftest import (CLI, KEY, Terminal, begun_early, child_env, cli_begun, collected, final,
                       messages_of, run_cli, write_config, xdg_env)
 
 
@@ -451,10 +450,7 @@ def test_a_server_dying_at_the_prompt_does_not_overwrite_it(tmp_path, srv):
         term.close()
 
 
-@pytest.fixture(scope="module")
-def early(tmp_path_factory):
-    """The runs above whose CLI starts an MCP server and imports the MCP SDK (a second of CPU
-    each), begun together (conftest.begun_together)."""
-    with begun_together(tmp_path_factory, {"asking": begin_asking, "declining": begin_declining,
-                                           "allowing": begin_allowing}) as runs:
-        yield runs
+# The runs above whose CLI starts an MCP server and imports the MCP SDK (a second of CPU
+# each), begun together
+early = begun_early({"asking": begin_asking, "declining": begin_declining,
+                     "allowing": begin_allowing})

@@ -15,9 +15,7 @@ import termios
 import unicodedata
 from pathlib import Path
 
-import pytest
-
-from conftest import CLI, Terminal, begun_together, final, write_config, xdg_env
+from conftest import CLI, Terminal, begun_early, final, write_config, xdg_env
 from fake_openai import FakeOpenAI, completion, stream_reply
 
 RAW_SERVER = Path(__file__).resolve().parent / "mcp_raw_server.py"
@@ -245,10 +243,6 @@ def test_a_shell_without_llm_for_still_resumes_a_session(capsys):
     assert "resumed session s1 (2 messages)" in capsys.readouterr().err
 
 
-@pytest.fixture(scope="module")
-def early(tmp_path_factory):
-    """The REPLs above that start an MCP server (their CLI imports the MCP SDK: a second of
-    CPU), begun together (conftest.begun_together)."""
-    with begun_together(tmp_path_factory, {"wide": begin_wide,
-                                           "approval": begin_approval}) as runs:
-        yield runs
+# The REPLs above that start an MCP server (their CLI imports the MCP SDK: a second of CPU),
+# begun together
+early = begun_early({"wide": begin_wide, "approval": begin_approval})

@@ -8,9 +8,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import pytest
-
-from conftest import KEY, Terminal, begun_together, final, write_config, xdg_env
+from conftest import KEY, Terminal, begun_early, final, write_config, xdg_env
 from fake_openai import FakeOpenAI, stream_reply
 from test_round4_cli import (LONG_REPLY, assert_fits, bob, echo_config, narrow, screen_lines,
                              status_redraws, streamed_to_a_reader_that_leaves)
@@ -163,9 +161,6 @@ def test_a_stream_whose_reader_left_keeps_the_turn_its_flags_and_its_trace(tmp_p
     assert srv.requests[1]["body"]["model"] == "kept"
 
 
-@pytest.fixture(scope="module")
-def early(tmp_path_factory):
-    """The REPLs above that start an MCP server (their CLI imports the MCP SDK: a second of
-    CPU), begun together (conftest.begun_together)."""
-    with begun_together(tmp_path_factory, {"bidi": begin_bidi, "zalgo": begin_zalgo}) as runs:
-        yield runs
+# The REPLs above that start an MCP server (their CLI imports the MCP SDK: a second of CPU),
+# begun together
+early = begun_early({"bidi": begin_bidi, "zalgo": begin_zalgo})

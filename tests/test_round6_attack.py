@@ -20,7 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from fake_openai import FakeOpenAI, stream_reply, tool_calls_reply
 from test_replay import record
-from test_round6_replay import held_at
+from test_round6_replay import GivingUp, held_at, ran_out_of_time, replayed_at_once
 from test_trace import add, calls, shout
 
 import bob
@@ -31,15 +31,6 @@ from conftest import KEY, assert_well_formed, make_llm, run_cli, wait_until
 
 
 # ---- 1. Helpers ---------------------------------------------------------------------------------
-
-def replayed_at_once(trace, bound_s: float = 0.5, **kw) -> bob.ReplayReport:
-    """The report of replay(trace), which must come before bound_s (not waiting out a recorded
-    deadline)."""
-    t0 = time.monotonic()
-    report = bob.replay(trace, **kw)
-    assert time.monotonic() - t0 < bound_s, f"replay took {time.monotonic() - t0:.2f} s"
-    return report
-
 
 class HeldSink(JsonlEventSink):
     """A trace file whose writer is slow at one event kind (held_at): the loop's thread waits."""
@@ -420,11 +411,7 @@ def test_a_port_firing_its_token_late_ends_the_approvers_wait_as_out_of_time(han
     rt = AgentRuntime(llm, FunctionTools([add]), ask_tools=["add"], approver=approver,
                       policy=TurnPolicy(turn_timeout_ms=60_000), action_mode="native")
     threading.Thread(target=lambda: asked.wait(5) and llm.token.cancel()).start()
-    t0 = time.monotonic()
-    r = rt.run(AgentRequest("sum", "s1"))
-    assert time.monotonic() - t0 < 2
-    assert (r.finish_reason, r.guard_reason) == (FinishReason.GUARD_EXCEEDED,
-                                                 GuardReason.TURN_TIMEOUT)
+    r = ran_out_of_time(rt, AgentRequest("sum", "s1"), 2.0)
     assert r.content == "Stopped: the approver did not answer within turn_timeout_ms=60000."
     assert_well_formed(r.history)
 
@@ -463,19 +450,12 @@ def test_a_model_port_that_fires_its_token_and_raises_cancelled_ends_the_turn_ou
 
 
 def test_a_tool_firing_its_token_in_a_resumed_turn_ends_it_out_of_time_its_answer_kept():
-    class GivingUp(FunctionTools):
-        def call_tool(self, call, timeout_s, cancel=None):
-            cancel.cancel()
-            return ToolResult(call.id, call.name, "gave up")
     store = InMemorySessionStore()
     rt = AgentRuntime(ScriptedLlm([calls(("c1", "add", {"a": 1, "b": 2})), "never asked"]),
                       GivingUp([add]), ask_tools=["add"], store=store, action_mode="native",
                       policy=TurnPolicy(turn_timeout_ms=60_000))
     assert rt.run(AgentRequest("sum", "s1")).finish_reason is FinishReason.NEEDS_APPROVAL
-    t0 = time.monotonic()
-    r = rt.run(AgentRequest(None, "s1", approvals={"c1": Approval(True)}))
-    assert time.monotonic() - t0 < 1
-    assert r.guard_reason is GuardReason.TURN_TIMEOUT
+    r = ran_out_of_time(rt, AgentRequest(None, "s1", approvals={"c1": Approval(True)}), 1.0)
     assert r.content == "Stopped: the turn took longer than turn_timeout_ms=60000."
     assert r.history[-1].content == "gave up"
     # and the next turn has its own time

@@ -39,12 +39,38 @@ def held_at(kind: str, timeout_ms: int):
     return hold
 
 
-def replays_at_once(path, bound_s: float = 0.25):
+def replayed_at_once(trace, bound_s: float = 0.5, **kw) -> bob.ReplayReport:
+    """The report of replay(trace), which must come before bound_s (not waiting out a recorded
+    deadline)."""
     t0 = time.monotonic()
-    report = bob.replay(path)
-    assert report.ok, str(report)
-    assert time.monotonic() - t0 < bound_s   # not waiting out the recorded deadline
+    report = bob.replay(trace, **kw)
+    assert time.monotonic() - t0 < bound_s, f"replay took {time.monotonic() - t0:.2f} s"
     return report
+
+
+def replays_at_once(path, bound_s: float = 0.25) -> bob.ReplayReport:
+    """replayed_at_once, and the same as recorded."""
+    report = replayed_at_once(path, bound_s)
+    assert report.ok, str(report)
+    return report
+
+
+class GivingUp(FunctionTools):
+    """Tools whose call fires the token it was given (gives the turn up), then answers."""
+
+    def call_tool(self, call, timeout_s, cancel=None):
+        cancel.cancel()
+        return ToolResult(call.id, call.name, "gave up")
+
+
+def ran_out_of_time(rt: AgentRuntime, request: AgentRequest, within_s: float):
+    """rt.run(request), which must end TURN_TIMEOUT within `within_s` (not at turn_timeout_ms)."""
+    t0 = time.monotonic()
+    r = rt.run(request)
+    assert time.monotonic() - t0 < within_s
+    assert (r.finish_reason, r.guard_reason) == (FinishReason.GUARD_EXCEEDED,
+                                                 GuardReason.TURN_TIMEOUT)
+    return r
 
 
 # ---- 2. Where the time ran out ------------------------------------------------------------------
@@ -127,19 +153,10 @@ def test_a_port_that_fires_the_token_it_was_given_ends_the_turns_time():
     """The token a port gets is the turn's own: a port that fires it gives the turn up, as a
     replay does where the recorded time ran out; the caller's cancel stays CANCELLED."""
 
-    class GivingUp(FunctionTools):
-        def call_tool(self, call, timeout_s, cancel=None):
-            cancel.cancel()
-            return ToolResult(call.id, call.name, "gave up")
-
     rt = AgentRuntime(ScriptedLlm([calls(("c1", "add", {"a": 1, "b": 2})), "never asked"]),
                       GivingUp([add]), policy=TurnPolicy(turn_timeout_ms=60_000),
                       action_mode="native")
-    t0 = time.monotonic()
-    r = rt.run(AgentRequest("sum", "s1"))
-    assert time.monotonic() - t0 < 1.0
-    assert (r.finish_reason, r.guard_reason) == (FinishReason.GUARD_EXCEEDED,
-                                                 GuardReason.TURN_TIMEOUT)
+    r = ran_out_of_time(rt, AgentRequest("sum", "s1"), 1.0)
     assert r.content == "Stopped: the turn took longer than turn_timeout_ms=60000."
     assert r.history[-1].content == "gave up" and r.steps == 1
 
@@ -158,7 +175,5 @@ def test_a_model_error_that_comes_as_the_turns_time_runs_out_is_the_turns_timeou
             raise bob.LlmError("http://127.0.0.1:9/v1 gave no answer in time")
 
     rt = AgentRuntime(LateFailure(), policy=TurnPolicy(turn_timeout_ms=200))
-    r = rt.run(AgentRequest("hi", "s1"))
-    assert (r.finish_reason, r.guard_reason) == (FinishReason.GUARD_EXCEEDED,
-                                                 GuardReason.TURN_TIMEOUT)
+    r = ran_out_of_time(rt, AgentRequest("hi", "s1"), 2.0)
     assert r.content == "Stopped: the model did not answer within turn_timeout_ms=200."
