@@ -67,7 +67,8 @@ def run_task(llm: bob.OpenAICompatLlm, mode: str, prompt: str, want: int,
     except bob.LlmError as e:
         return f"LlmError {e.status_code}"
     if result.finish_reason is not bob.FinishReason.FINAL:
-        return f"{result.finish_reason.value} {result.guard_reason.value if result.guard_reason else ''}"
+        guard = result.guard_reason.value if result.guard_reason else ""
+        return f"{result.finish_reason.value} {guard}"
     return "ok" if str(want) in result.content.replace(",", "") else "wrong answer"
 
 

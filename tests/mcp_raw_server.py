@@ -5,8 +5,9 @@
 Modes: `null-result` / `array-result` (tools/call answered with "result": null / [...]),
 `pages` (tools/list pages forever), `old-protocol` (initialize answers version 1999-01-01),
 `no-schema` (a tool without inputSchema), `twice` (the same tool listed twice), `clash` (tools
-`a.b` and `a_b`), `prefixed` (a tool `x__echo`), `bad-level` (notifications/message with an invalid level quoting API_KEY,
-200 times, on every call), `described` (a description and a schema default quoting API_KEY),
+`a.b` and `a_b`), `prefixed` (a tool `x__echo`), `bad-level` (notifications/message with an
+invalid level quoting API_KEY, 200 times, on every call), `described` (a description and a
+schema default quoting API_KEY),
 `setsid-crash` (a setsid grandchild at start, tool `crash` exits at once), `child` (a grandchild
 at start that holds only stderr, like `npx` spawning node), `banner` (non-JSON lines quoting
 API_KEY on stdout at start, and a tool `noise` that writes one and invalid UTF-8), `noisy` (stderr

@@ -25,10 +25,10 @@ from pathlib import Path
 import pytest
 from conftest import REPO, Counter, ListSink, assert_well_formed, batch, final, make_llm, tc
 from fake_openai import FakeOpenAI, completion
-from test_hostile_llm import ask, bounded, endless, head
+from test_hostile_llm import ask, bounded, head
 
 import bob
-from bob import (AgentError, AgentRequest, AgentRuntime, Approval, CancelToken,
+from bob import (AgentRequest, AgentRuntime, Approval, CancelToken,
                  CompositeToolPort, ConfigError, FinishReason, GuardReason, JsonFileSessionStore,
                  JsonlEventSink, LlmError, Message, OpenAICompatLlm, ScriptedLlm, StoreError,
                  ToolDescriptor, ToolResult, TurnPolicy)

@@ -14,7 +14,7 @@ import pytest
 
 import bob
 from bob import (AgentRequest, AgentRuntime, FunctionTools, JsonFileSessionStore, JsonlEventSink,
-                 LlmError, TurnPolicy)
+                 LlmError)
 from conftest import KEY, final, make_llm
 from fake_openai import FakeOpenAI, chunk, tool_calls_reply
 

@@ -8,7 +8,6 @@ Sections: 1. Helpers  2. Secrets  3. Completeness and digests  4. Hostile data
 from __future__ import annotations
 
 import json
-import os
 import threading
 import time
 from pathlib import Path
@@ -18,7 +17,7 @@ import pytest
 import bob
 from bob import (AgentRequest, AgentRuntime, Approval, FunctionTools, JsonlEventSink, LlmResponse,
                  Message, ScriptedLlm, ToolCall)
-from conftest import KEY, final, make_llm, tc
+from conftest import final, make_llm
 from fake_openai import completion, stream_reply, tool_calls_reply
 
 SECRET = "hunter2-SECRET"

@@ -13,7 +13,7 @@ import threading
 
 import pytest
 from fake_openai import FakeOpenAI, stream_reply
-from conftest import CLI, Terminal, child_env, final, run_cli, write_config, xdg_env
+from conftest import CLI, Terminal, final, run_cli, write_config, xdg_env
 
 
 # ---- 1. Config values that fail at load time (exit 2, key and file named) ----

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import (CLI, KEY, Terminal, cli_begun, collected, final, messages_of, run_cli,
-                      write_config, xdg_env)
+from conftest import (CLI, Terminal, cli_begun, collected, final, messages_of, write_config,
+                      xdg_env)
 from fake_openai import FakeOpenAI, completion
 
 

@@ -4,7 +4,6 @@ setsid grandchildren; garbage lines at startup and the setsid grandchild through
 hand-written tests/mcp_raw_server.py (it starts in milliseconds); roots: tests/test_mcp.py."""
 from __future__ import annotations
 
-import subprocess
 import sys
 import textwrap
 import threading

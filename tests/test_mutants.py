@@ -167,8 +167,8 @@ def test_a_too_long_prompt_of_two_messages_is_retried_with_one():
     llm, sink = ScriptedLlm([too_long(), final("short")]), ListSink()
     r = AgentRuntime(llm, events=sink).run(
         AgentRequest("go", history=[Message("user", "old")]))
-    assert r.content == "short" and [(d["from"], d["to"]) for d in sink.of("history_truncated")] == [
-        (2, 1)]
+    truncated = [(d["from"], d["to"]) for d in sink.of("history_truncated")]
+    assert r.content == "short" and truncated == [(2, 1)]
     assert [m.content for m in llm.requests[1].messages[1:]] == ["go"]
 
 

@@ -21,9 +21,9 @@ import pytest
 from fake_openai import FakeOpenAI, chunk, completion, stream_reply, tool_calls_reply
 
 from conftest import KEY, make_llm
-from bob import (PROVIDERS, action_schema, AgentRequest, AgentRuntime, CancelToken, Cancelled, ConfigError,
-                 FinishReason, FunctionTools, JsonlEventSink, LlmError, LlmRequest, Message,
-                 OpenAICompatLlm, ToolCall, ToolDescriptor, Usage)
+from bob import (PROVIDERS, action_schema, AgentRequest, AgentRuntime, CancelToken, Cancelled,
+                 ConfigError, FinishReason, FunctionTools, JsonlEventSink, LlmError, LlmRequest,
+                 Message, OpenAICompatLlm, ToolCall, ToolDescriptor, Usage)
 
 
 
