@@ -2831,11 +2831,12 @@ class OpenAICompatLlm:
                    if f in body and f in text and f not in self.extra_body]
         # What a message carries back to the server that made it: another server (after
         # /model) may refuse it as an unknown field, unless its words ask for it (DeepSeek
-        # names reasoning_content when a message from another server lacks it). One already
-        # left out was not sent: naming it again is no refusal (else: retried for ever)
+        # names reasoning_content when a message from another server lacks it). A field no
+        # message carried is no refusal, named (an error quoting the user's text) or left out
+        # already (else: retried for ever)
+        sent = {k for m in body["messages"] for part in (m, *m.get("tool_calls", ())) for k in part}
         if not re.search(r"(?i)missing|required|must be passed", text):
-            refused += [f for f in ("reasoning_content", "extra_content")
-                        if f in text and f not in self._rejected]
+            refused += [f for f in ("reasoning_content", "extra_content") if f in text and f in sent]
         if refused and status in (400, 422, 500):  # 422: Mistral; 500: llama-cpp-python
             field_ = refused[0]
             if field_ == "response_format":
@@ -3018,8 +3019,12 @@ class _Replay:
         self._script = []
         self._parts = {}   # the parts of request_digest
         self.told = None   # the digest of the next request, if replay()'s sink saw it (_Recorder)
+        # the recorded listing outlived its turn; in replay() (its runtime here), so does this one
+        self.unlisted = False
+        self.runtime = None
         self._calls = {}   # call id -> the recorded calls with that id, oldest first
-        # call id -> the recorded decision; _TIMED_OUT: the approver was asked, never answered
+        # call id -> the recorded decisions on calls with that id, oldest first (a model may
+        # reuse an id in a later batch); _TIMED_OUT: the approver was asked, never answered
         self.decided = {}
         started = {}   # call id -> its tool_call_started
         asked = None   # the line of the request not answered yet
@@ -3056,15 +3061,18 @@ class _Replay:
             asked = None
         elif asked and kind == "guard_tripped":   # the only guard that trips while waiting
             self._script[-1][1] = _TIMED_OUT
+        elif kind == "guard_tripped":   # the one before any LLM call: listing the tools
+            self.unlisted |= d["detail"].startswith("listing the tools")
         elif asked and d.get("where") == "turn":   # the model failed: the turn raised
             self._script[-1][1] = LlmError(d["error"].partition(": ")[2])
         elif kind == "approval_requested":   # unanswered, unless a decision comes
-            self.decided[d["call_id"]] = _TIMED_OUT
-        elif kind == "approval_decided":
-            self.decided[d["call_id"]] = Approval(d["allow"], d["reason"], d["arguments"])
+            self.decided.setdefault(d["call_id"], []).append(_TIMED_OUT)
+        # (a decision on no request: a resume's, given in the AgentRequest, is not asked again)
+        elif kind == "approval_decided" and d["call_id"] in self.decided:
+            self.decided[d["call_id"]][-1] = Approval(d["allow"], d["reason"], d["arguments"])
         elif kind == "tool_call_started":
             started[d["call_id"]] = d
-            if d["runs"] and self.decided.get(d["call_id"]) is _TIMED_OUT:   # (no wait for it)
+            if d["runs"] and self.decided.get(d["call_id"], [0])[-1] is _TIMED_OUT:
                 raise TraceError(f"line {e['line']}: this call ran, yet the approver asked "
                                  "about it never decided: the trace was edited")
         elif kind == "tool_call_completed" and started[d["call_id"]]["runs"]:
@@ -3105,7 +3113,11 @@ class _Replay:
     # -- the ToolPort --
 
     def list_tools(self) -> list[ToolDescriptor]:
-        """The tools the (first) recorded turn offered."""
+        """The tools the (first) recorded turn offered. In replay(), a listing that outlived
+        the recorded turn ends the turn's time (_Turn.woken) and has no answer: it trips again."""
+        if self.unlisted and self.runtime:
+            self.runtime._turn.cancel.cancel()
+            raise _NoAnswer("the recorded listing never answered")
         return list(self.tools)
 
     def call_tool(self, call: ToolCall, timeout_s: float,
@@ -3131,7 +3143,8 @@ class _Replay:
         """The recorded decision on this call (none recorded: declined). None for a call the
         recorded turn ran out of time asking about: replay() has ended the turn's time just
         before (_expiry_point), so the turn stops as recorded."""
-        decision = self.decided.get(call.id, Approval(False, "replay: no recorded decision"))
+        decision = (self.decided.get(call.id) or [Approval(False, "replay: no recorded decision")]
+                    ).pop(0)
         if decision is _TIMED_OUT:   # the turn's token was fired before (_expiry_point)
             raise _NoAnswer("the recorded approver never answered")
         return decision
@@ -3322,7 +3335,7 @@ def _replay_turn(events, state, given
         ask_tools=start["ask_tools"],   # and the recorded denials stay:
         deny_tools=(*given.get("deny_tools", ()), *start["deny_tools"]),
         approver=port if start["approver"] else None)   # the recorded decisions
-    sink.runtime = runtime   # (it ends the turn's time: _Recorder)
+    sink.runtime = port.runtime = runtime   # (they end the turn's time: _Recorder, list_tools)
     # the turn: an error that ends it is an event; a bad recorded approval fails again
     approvals = {k: Approval(**a) if isinstance(a, dict) else a
                  for k, a in start["approvals"].items()}

@@ -159,10 +159,6 @@ def test_a_resumed_turn_whose_time_ran_out_while_its_tool_ran_replays_the_same(r
     assert report.ok, str(report)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "a turn whose tool listing outlived turn_timeout_ms ('listing the tools did not answer') "
-    "does not replay: its trip comes before any state event, so _expiry_point finds no point "
-    "(None) and the replay's list_tools answers: 'a different event' at step 0"))
 def test_a_turn_whose_tool_listing_ran_out_of_time_replays_the_same(tmp_path, hang):
     release = hang()
 
@@ -367,11 +363,6 @@ def test_a_deleted_turn_timeout_trip_is_reported_at_once(ran_out):
     assert report.what == "tool call c1 add({\"a\": 1, \"b\": 2}) was never recorded"
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "a model that reuses a call id across the batches of one turn (native mode; ids are unique "
-    "only within a reply) replays every batch with the LAST recorded decision for that id: "
-    "_Replay.decided keeps one decision per call id (ReplayTools keeps a list per id). The first "
-    "batch, allowed when recorded, is declined in the replay: DIFFERENT"))
 def test_decisions_on_a_call_id_reused_across_batches_replay_in_order(tmp_path):
     path = tmp_path / "t.jsonl"
     answers = iter([Approval(True), Approval(False, "no more")])
@@ -382,6 +373,29 @@ def test_decisions_on_a_call_id_reused_across_batches_replay_in_order(tmp_path):
         "3", "the user declined this call: no more"]
     report = replayed_at_once(path)
     assert report.ok, str(report)
+
+
+def test_a_resumed_turn_asked_again_about_its_id_replays_the_approvers_decision(tmp_path):
+    """A resume's decision on c1 is given in the request, not asked; the model then reuses c1
+    and the approver declines it: the replay's approver answers with that decline, not the
+    resume's allow (nor fails to read the resume's decision, asked about in no request)."""
+    path = tmp_path / "t.jsonl"
+    [paused] = record(path, [calls(("c1", "add", {"a": 1, "b": 2}))], ["sum"],
+                      ask_tools=["add"])
+    rt = AgentRuntime(ScriptedLlm([calls(("c1", "add", {"a": 3, "b": 4})), "done"]),
+                      FunctionTools([add]), ask_tools=["add"], action_mode="native",
+                      approver=lambda call: Approval(False, "no more"),
+                      events=JsonlEventSink(path), store=InMemorySessionStore())
+    rt.store.save("s1", SessionState(paused.history, version=1, paused={
+        "guard": {}, "input_index": 0, "approvals": {}}))
+    r = rt.run(AgentRequest(None, "s1", approvals={"c1": Approval(True)}))
+    rt.sinks[0].close()
+    assert [m.content for m in r.history if m.role == "tool"] == [
+        "3", "the user declined this call: no more"]
+    report = replayed_at_once(path)
+    assert report.ok, str(report)
+    assert report.turns == ["turn 1: same (1 LLM calls, 0 tool calls, needs_approval)",
+                            "turn 2: same (2 LLM calls, 1 tool calls, final)"]
 
 
 # ---- 4. The turn's own token --------------------------------------------------------------------
@@ -633,19 +647,13 @@ def test_a_refusal_echoing_a_reasoning_that_says_required_is_still_learnt():
         assert [sent_back(r)[0] for r in srv.requests] == [True, False]
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "an error that names reasoning_content when no message carried it (the server quotes the "
-    "user's text) is taken for a refusal: a false warning, an uncounted retry of a 400, and "
-    "the adapter never sends a reasoning back again (a DeepSeek thinking server that needs it "
-    "then fails for the adapter's life). response_format and stream_options are learnt only "
-    "when the body held them; the message fields are not checked so"))
 def test_a_message_field_named_but_never_sent_is_no_refusal(caplog):
     flagged = {"status": 400, "body": {"error": {"message": (
         "Invalid 'messages[0].content': the text 'why is reasoning_content unexpected?' was "
         "flagged by the moderation filter"), "type": "invalid_request_error"}}}
     question = [Message("user", "why is reasoning_content unexpected?")]
     with caplog.at_level(logging.WARNING, logger="bob"), \
-            FakeOpenAI([flagged, flagged, "ok"]) as srv:
+            FakeOpenAI([flagged, "ok"]) as srv:
         llm = make_llm(srv, retry_max=0)
         with pytest.raises(LlmError, match="HTTP 400"):
             llm.complete(a_request(question), CancelToken())
