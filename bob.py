@@ -911,9 +911,9 @@ def _ms_since(t0):
 
 @dataclass(frozen=True)
 class _Function:
-    fn: Callable[..., Any]
+    fn: Callable                 # the Python function the tool runs
     descriptor: ToolDescriptor   # its input_schema's "properties": name -> schema
-    nullable: frozenset[str]     # params that accept None
+    nullable: frozenset          # names (str) of the params that accept None
 
 
 def _check_args(f, args):
@@ -1607,10 +1607,10 @@ class _Turn:
     cancel: CancelToken
     guard: LoopGuard
     session: SessionState = field(default_factory=SessionState)
-    tools: list[ToolDescriptor] = field(default_factory=list)
+    tools: list = field(default_factory=list)   # ToolDescriptors, masked as the model sees them
     input_index: int = 0                    # where this turn's user message sits in history
     system: Message | None = None
-    wire: dict[int, Message] = field(default_factory=dict)  # rendered messages, by index
+    wire: dict = field(default_factory=dict)   # index -> its Message rendered for the wire
     units: _Units = field(default_factory=_Units)  # of session.messages, read as they grow
     wake: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)  # of None: _wait_all
     prompt: LlmRequest | None = None
@@ -1622,9 +1622,9 @@ class _Turn:
     finish: FinishReason = FinishReason.FINAL
     guard_reason: GuardReason | None = None
     error: BaseException | None = None
-    approvals: dict[str, Approval] = field(default_factory=dict)  # decisions, by call id
+    approvals: dict = field(default_factory=dict)   # call id -> its Approval (decision)
     resumed: bool = False                   # took up a paused batch (its guards already ran)
-    pending: tuple[ToolCall, ...] = ()      # calls left waiting for a decision
+    pending: tuple = ()                     # ToolCalls left waiting for a decision
     parts: dict = field(default_factory=dict)   # request_digest's cache
     started: bool = False                   # turn_started was emitted: the turn must end too
 
