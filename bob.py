@@ -2165,15 +2165,17 @@ class _Turn:
     def _trace_start(self):
         """turn_started: all that decides the run."""
         rt = self.rt
+        # the settings as they are (a policy's fields, the glob tuples): _emit's masking copies
+        # them, tuples as lists; the tools, masked at Start and not again, are copied here
         self._emit("turn_started", lambda: {
             "format": TRACE_FORMAT, "version": __version__, "input": self.request.input,
             "model": getattr(rt.llm, "describe", lambda: type(rt.llm).__name__)(),
-            "action_mode": rt.action_mode, "policy": dataclasses.asdict(self.policy),
-            "deny_tools": list(rt.deny_tools), "system_prompt": self._instructions(),
+            "action_mode": rt.action_mode, "policy": vars(self.policy),
+            "deny_tools": rt.deny_tools, "system_prompt": self._instructions(),
             "tools": [dataclasses.asdict(d) for d in self.tools],
-            "ask_tools": list(rt.ask_tools),
+            "ask_tools": rt.ask_tools,
             "approver": rt.approver is not None, "approvals": {
-                k: dataclasses.asdict(a) if isinstance(a, Approval) else repr(a)
+                k: vars(a) if isinstance(a, Approval) else repr(a)
                 for k, a in (self.request.approvals or {}).items()}})
 
 
