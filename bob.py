@@ -1106,12 +1106,13 @@ def _head(state):
     return json.dumps(dataclasses.replace(state, messages=[]).to_dict())[:-2]
 
 
-def _session_json(state, known=None):
+def _session_json(state, known):
     """`state.to_dict()` as ASCII JSON, messages encoded a thousand at a time: their dicts die
     young, so the GC does not walk a big heap again and again (100,000: 125 ms, not 250-350).
-    `known` is (messages, their text) as a load read them: while the state still begins with
-    those very messages, that text is written again, not encoded anew (a 20 MB session: the
-    save after a cancel took 200-370 ms of CPU here, over the 300 a cancel may take)."""
+    `known` is (messages, their text) as a load read them, or None: while the state still
+    begins with those very messages, that text is written again, not encoded anew (a 20 MB
+    session: the save after a cancel took 200-370 ms of CPU here, over the 300 a cancel may
+    take)."""
     ms = state.messages
     parts = []
     if known and len(known[0]) <= len(ms) and all(a is b for a, b in zip(known[0], ms)):
@@ -1783,12 +1784,10 @@ class _Turn:
 
     # -- ending the turn: `end` writes the outcome, the others say why --
 
-    def end(self, finish=FinishReason.FINAL, content="",
-            guard_reason=None,
-            error=None):
+    def end(self, finish=None, content="", guard_reason=None, error=None):
         """The one place a turn's outcome is written: how it finished, its content and the
-        guard that stopped it; or the error it raises (the rest is left as it was: a turn that
-        raises has no finish reason)."""
+        guard that stopped it (every caller names the finish); or, given alone, the error it
+        raises (the rest is left as it was: a turn that raises has no finish reason)."""
         if error is None:
             self.finish = finish
             self.content = content
@@ -1895,7 +1894,7 @@ class _Turn:
         return self._call_port(lambda: self.rt.llm.complete(prompt, self.cancel, self._delta),
                                self.rt.llm)
 
-    def _call_port(self, fn, port=None):
+    def _call_port(self, fn, port):
         """Run a port call on a worker; wait until it ends, the turn deadline, or a cancel."""
         # a port that ignores cancel: stop leaking threads (an inline port uses none)
         if abandoned_workers() >= _MAX_ABANDONED and not _inline(port):
