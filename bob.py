@@ -797,10 +797,11 @@ class LoopGuard:
 
     def check_text(self, text: str) -> Trip | None:
         """Stagnation: the same non-final assistant text seen too often (catches A->B->A)."""
-        if not text.strip():
+        text = text.strip()
+        if not text:
             return None
         # the text as a replay sees it (masked), hashed
-        key = hashlib.sha1(redact(text.strip()).encode("utf-8", "surrogatepass")).hexdigest()
+        key = hashlib.sha1(redact(text).encode("utf-8", "surrogatepass")).hexdigest()
         self._texts[key] = seen = self._texts.get(key, 0) + 1
         if seen > self.policy.max_stagnation_steps:
             return Trip(GuardReason.STAGNATION,
@@ -1703,13 +1704,12 @@ class _Turn:
         # custom port's reasoning that is not text is dropped (saved, it would not load)
         duration = _ms_since(t0)
         reply = worker.value
-        self.reply = dataclasses.replace(
+        self.reply = fitted = dataclasses.replace(
             reply, tool_calls=tuple(map(_fit, reply.tool_calls)),
             reasoning=_str(reply.reasoning))
         self.usage += reply.usage
         # llm_call_completed: the reply as fitted above, its ids as the port gave them (bob fixes
         # them in parse_action)
-        fitted = self.reply
         self._emit("llm_call_completed", lambda: {
             **vars(fitted), "tool_calls": [c.to_dict() for c in fitted.tool_calls],
             "usage": vars(fitted.usage), "duration_ms": duration})
@@ -1913,7 +1913,7 @@ class _Turn:
         if n > max(_MAX_CALLS_PER_REPLY, self.policy.max_parallel_tools):
             raise ActionParseError(f"the reply has {n} tool calls; call at most "
                                    f"{self.policy.max_parallel_tools} tools at a time")
-        if reply.tool_calls:  # ids must be unique; some servers omit or repeat them
+        if n:  # ids must be unique; some servers omit or repeat them
             calls = []
             seen = set()
             for i, c in enumerate(reply.tool_calls):
