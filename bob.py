@@ -1726,7 +1726,7 @@ class _Turn:
         self.parse_failures = 0
         self._emit("action_parsed", {
             "type": {Final: "final", AskUser: "ask_user", CallTools: "tool_call"}[type(action)],
-            "tools": [c.name for c in action.calls] if isinstance(action, CallTools) else []})
+            "tools": [c.name for c in getattr(action, "calls", ())]})   # a CallTools' calls
         # An answer or a question ends the turn
         if isinstance(action, Final):
             return self._end_with_answer(FinishReason.FINAL, action.content)
