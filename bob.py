@@ -1333,11 +1333,6 @@ def _masked_schema(schema, secret=False):
         secret_name(k) and k not in _SCHEMA_VALUES)) for k, v in schema.items()}
 
 
-def _masked_tool(d):
-    """A tool as the model and the trace see it: no secret in its description or schema."""
-    return ToolDescriptor(d.name, redact(d.description), _masked_schema(d.input_schema))
-
-
 def _fit(call):
     """The call, or if its arguments are unfit to keep, the call with none and an `error`.
     What the server attached (`extra`), if unfit to keep, is dropped: saved, it would not load."""
@@ -1653,7 +1648,9 @@ class _Turn:
                 self.tools = [d for d in worker.value if not is_denied(d.name, rt.deny_tools)]
         unfit = next((f"tool {d.name!r}: its input schema {p}" for d in self.tools
                       if (p := _json_problem(d.input_schema))), None)
-        self.tools = [] if unfit else list(map(_masked_tool, self.tools))
+        self.tools = [] if unfit else [   # no secret in a description or a schema
+            ToolDescriptor(d.name, redact(d.description), _masked_schema(d.input_schema))
+            for d in self.tools]
         # The trace's opening events, then the input (or the paused batch)
         self._trace_loaded()
         self._trace_start()   # first: every turn in the trace begins with it
@@ -2137,7 +2134,7 @@ class _Turn:
         # while): a turn that ended meanwhile gets nothing after its turn_completed
         if kind == "text_delta" and self.cancel.cancelled:
             return
-        if kind == "turn_started":   # masked at Start as the model sees them (_masked_tool)
+        if kind == "turn_started":   # masked at Start as the model sees them (_Turn.start)
             masked["tools"] = data["tools"]
         event = AgentEvent(kind, self.request.session_id, self.guard.steps, masked, time.time())
         for sink in rt.sinks:
