@@ -1655,12 +1655,12 @@ class _Turn:
         self._trace_loaded()
         self._trace_start()   # first: every turn in the trace begins with it
         self.started = True
-        resume = self._resume_or_add_input()
+        self._resume_or_add_input()
         if unfit:
             raise AgentError(f"{unfit}; deny it")
         if worker is not None and (stop := self._end_if_failed(worker, "listing the tools")):
             return stop
-        return State.CALL_TOOL if resume else State.BUILD_PROMPT
+        return State.CALL_TOOL if self.resumed else State.BUILD_PROMPT
 
     def build_prompt(self) -> State:
         """System message + history cut to max_history_messages, in the mode's wire shape."""
@@ -1925,7 +1925,7 @@ class _Turn:
 
     def _resume_or_add_input(self):
         """Append the input (waiting calls get "not run" first), or for `input=None` take up
-        the paused batch with its counts and decisions (True); call_tool answers the pause."""
+        the paused batch with its counts and decisions (`resumed`); call_tool answers the pause."""
         request = self.request
         paused = self.session.paused if request.history is None else None
         # The last message's calls have no results yet: a paused batch, or a turn cut short
@@ -1937,7 +1937,7 @@ class _Turn:
                                         "deciding on this call")
             messages.append(Message("user", request.input))
             self.input_index = len(messages) - 1
-            return False
+            return
         # Resuming: the pause's counts and decisions, and the decisions given now
         if not (paused and waiting):
             raise AgentError(f"session {request.session_id!r} has no tool calls waiting "
@@ -1953,7 +1953,6 @@ class _Turn:
             self._record_decision(call, given[call.id])
         self.action = CallTools(waiting)
         self.resumed = True
-        return True
 
     def _instructions(self):
         return self.request.system_prompt or self.rt.system_prompt or DEFAULT_INSTRUCTIONS
