@@ -2697,7 +2697,7 @@ class OpenAICompatLlm:
                               "line of ASCII, e.g. {'api-key': '...'}")
         try:
             json.dumps(_want(self.extra_body, dict, "extra_body"), allow_nan=False)
-        except (TypeError, ValueError, RecursionError) as e:
+        except (TypeError, *_BAD_JSON) as e:
             raise ConfigError(f"extra_body must be a JSON object of body fields ({e})") from None
         self._headers = {"Content-Type": "application/json", **(
             {"Authorization": f"Bearer {self._api_key}"} if self._api_key else {}), **headers}
