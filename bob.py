@@ -2067,10 +2067,10 @@ class _Turn:
             self._trace_call(call, False)
         self._append_results([_error(c, text) for c in calls])
 
-    def _run_batch(self, calls, refusals):
-        """Run the calls not refused, all at once, each with its timeout. Returns the results
-        in call order and how many calls ran."""
-        results = list(refusals)
+    def _run_batch(self, calls, results):
+        """Run the calls not refused, all at once, each with its timeout. `results` holds the
+        refusals (None for a call to run; call_tool's list, not used after) and is filled in
+        place, in call order. Returns it and how many calls ran."""
         running = []
         for i, call in enumerate(calls):
             self._trace_call(call, results[i] is None)
