@@ -1836,14 +1836,13 @@ class _Turn:
         return Trip(GuardReason.TURN_TIMEOUT, f"{what} did not answer within "
                     f"turn_timeout_ms={self.policy.turn_timeout_ms}")
 
-    def _reprompt(self, raw):
-        """A reply that is no action: the model is told so and asked again, once; the second
-        in a row ends the turn with an AgentError."""
+    def _reprompt(self, e):
+        """A reply that is no action (`e`, its ActionParseError): the model is told so and
+        asked again, once; the second in a row ends the turn with an AgentError."""
         self.parse_failures += 1
         seen = redact(self.reply.content)   # as the trace has it: so a replay finds the same error
         json_mode = self.rt.action_mode == "json"
-        e = raw
-        if json_mode:   # the error of the masked reply, if it has one
+        if json_mode:   # the error of the masked reply instead, if it has one
             try:
                 parse_action(seen)
             except ActionParseError as masked:
