@@ -764,9 +764,12 @@ class Trip:
 
 
 class LoopGuard:
-    """Counts steps, tool calls, errors, repeated batches and repeated texts in one turn."""
+    """Counts steps, tool calls, errors, repeated batches and repeated texts in one turn. The
+    scheduler's own (not in __all__), like _Turn: `policy` is a TurnPolicy, `deadline` a
+    time.monotonic() value, each check's answer a Trip or None, and the calls it is given are
+    ToolCalls, the results ToolResults."""
 
-    def __init__(self, policy: TurnPolicy, deadline: float):
+    def __init__(self, policy, deadline):
         self.policy = policy
         self.deadline = deadline
         self.steps = self.tool_calls = self.consecutive_errors = 0
@@ -774,14 +777,14 @@ class LoopGuard:
         self._repeated = None   # the last batch check_loop saw, if it reached the loop limit
         self._texts = {}     # an assistant text's sha1 -> how often it was seen
 
-    def out_of_time(self) -> Trip | None:
+    def out_of_time(self):
         """The turn deadline has passed."""
         if time.monotonic() < self.deadline:
             return None
         return Trip(GuardReason.TURN_TIMEOUT, "the turn took longer than "
                     f"turn_timeout_ms={self.policy.turn_timeout_ms}")
 
-    def before_llm_call(self) -> Trip | None:
+    def before_llm_call(self):
         """Checked before every LLM call: deadline, error streak, step budget."""
         if trip := self.out_of_time():
             return trip
@@ -795,7 +798,7 @@ class LoopGuard:
         self.steps += 1
         return None
 
-    def check_text(self, text: str) -> Trip | None:
+    def check_text(self, text):
         """Stagnation: the same non-final assistant text seen too often (catches A->B->A)."""
         text = text.strip()
         if not text:
@@ -809,12 +812,12 @@ class LoopGuard:
                         f"(max_stagnation_steps={self.policy.max_stagnation_steps})")
         return None
 
-    def at_loop_limit(self, calls: Sequence[ToolCall]) -> bool:
+    def at_loop_limit(self, calls):
         """This batch, the last check_loop saw, was repeated (requested twice or more) and once
         more trips LOOP_DETECTED. (Not hashed again: asked before every json-mode step.)"""
         return calls is self._repeated
 
-    def check_loop(self, calls: Sequence[ToolCall]) -> Trip | None:
+    def check_loop(self, calls):
         """Before a batch runs: the same batch (names, canonical arguments) seen too often."""
         sig = "|".join(sorted(c.name + json.dumps(redact(c.arguments), sort_keys=True,
                                                   default=str)   # masked, as a replay sees it
@@ -828,7 +831,7 @@ class LoopGuard:
                         f"  (max_repeated_batches={self.policy.max_repeated_batches})")
         return None
 
-    def check_budget(self, runnable: int) -> Trip | None:
+    def check_budget(self, runnable):
         """Before a batch runs: time left, and room for its `runnable` (not refused) calls?"""
         if trip := self.out_of_time():  # no tool should start with a 0 ms timeout
             return trip
@@ -837,7 +840,7 @@ class LoopGuard:
                         f"{runnable} more would pass max_tool_calls={self.policy.max_tool_calls}")
         return None
 
-    def record_results(self, results: Sequence[ToolResult], ran: int) -> None:
+    def record_results(self, results, ran):
         """Count the `ran` calls; each error result (refusals too) extends the error streak,
         any other result ends it."""
         self.tool_calls += ran
@@ -848,12 +851,12 @@ class LoopGuard:
 
     _COUNTS = ("steps", "tool_calls", "consecutive_errors", "_batches", "_texts")
 
-    def counts(self) -> dict[str, Any]:
+    def counts(self):
         """What a paused turn saves of this guard (session.paused["guard"]): the counts, not
         the policy or the deadline, which the resuming turn brings."""
         return {name: getattr(self, name) for name in self._COUNTS}
 
-    def restore(self, counts: dict[str, Any]) -> None:
+    def restore(self, counts):
         """Take up the counts a paused turn saved (counts()) as the resumed turn's own; a
         count not saved stays as it starts."""
         for name in self._COUNTS:
