@@ -660,8 +660,9 @@ def action_schema(tools: Sequence[ToolDescriptor]) -> dict[str, Any]:
                       for kind, fields in forms]}
 
 
-def build_system_prompt(instructions: str, tools: Sequence[ToolDescriptor], mode: str) -> str:
-    """Instructions, then (json mode) the action contract and one block per tool."""
+def build_system_prompt(instructions, tools, mode):
+    """Instructions, then (json mode) the action contract and one block per tool: the text of
+    the system message (`tools`: ToolDescriptors; `mode`: "json" or "native")."""
     if mode != "json":
         return instructions
     parts = [instructions, "", ACTION_CONTRACT, "", "Tools you can call:" if tools else
@@ -740,8 +741,8 @@ def _action_text(m):
                      for c in m.tool_calls)
 
 
-def render_for_wire(m: Message, mode: str) -> Message:
-    """One history message in the action mode's wire shape (see LlmRequest)."""
+def render_for_wire(m, mode):
+    """A history Message as a Message in the action mode's wire shape (see LlmRequest)."""
     if mode != "json":
         return m
     if m.role == "tool":
@@ -1064,8 +1065,8 @@ def is_denied(name: str, patterns: Sequence[str]) -> bool:
     return any(fnmatch.fnmatchcase(name, p) for p in patterns)
 
 
-def cut_output(text: str, limit: int) -> str:
-    """Cut text over `limit` chars to head + tail, with a notice of how much was cut."""
+def cut_output(text, limit):
+    """Cut text over `limit` chars to head + tail, with a notice of how much was cut (a str)."""
     if len(text) <= limit:
         return text
     keep = limit - 100              # room for the notice, so the result stays under the limit
