@@ -660,8 +660,9 @@ def action_schema(tools: Sequence[ToolDescriptor]) -> dict[str, Any]:
                       for kind, fields in forms]}
 
 
-def build_system_prompt(instructions: str, tools: Sequence[ToolDescriptor], mode: str) -> str:
-    """Instructions, then (json mode) the action contract and one block per tool."""
+def build_system_prompt(instructions, tools, mode):
+    """Instructions, then (json mode) the action contract and one block per tool: the text of
+    the system message (`tools`: ToolDescriptors; `mode`: "json" or "native")."""
     if mode != "json":
         return instructions
     parts = [instructions, "", ACTION_CONTRACT, "", "Tools you can call:" if tools else
@@ -740,8 +741,8 @@ def _action_text(m):
                      for c in m.tool_calls)
 
 
-def render_for_wire(m: Message, mode: str) -> Message:
-    """One history message in the action mode's wire shape (see LlmRequest)."""
+def render_for_wire(m, mode):
+    """A history Message as a Message in the action mode's wire shape (see LlmRequest)."""
     if mode != "json":
         return m
     if m.role == "tool":
@@ -764,9 +765,12 @@ class Trip:
 
 
 class LoopGuard:
-    """Counts steps, tool calls, errors, repeated batches and repeated texts in one turn."""
+    """Counts steps, tool calls, errors, repeated batches and repeated texts in one turn. The
+    scheduler's own (not in __all__), like _Turn: `policy` is a TurnPolicy, `deadline` a
+    time.monotonic() value, each check's answer a Trip or None, and the calls it is given are
+    ToolCalls, the results ToolResults."""
 
-    def __init__(self, policy: TurnPolicy, deadline: float):
+    def __init__(self, policy, deadline):
         self.policy = policy
         self.deadline = deadline
         self.steps = self.tool_calls = self.consecutive_errors = 0
@@ -774,14 +778,14 @@ class LoopGuard:
         self._repeated = None   # the last batch check_loop saw, if it reached the loop limit
         self._texts = {}     # an assistant text's sha1 -> how often it was seen
 
-    def out_of_time(self) -> Trip | None:
+    def out_of_time(self):
         """The turn deadline has passed."""
         if time.monotonic() < self.deadline:
             return None
         return Trip(GuardReason.TURN_TIMEOUT, "the turn took longer than "
                     f"turn_timeout_ms={self.policy.turn_timeout_ms}")
 
-    def before_llm_call(self) -> Trip | None:
+    def before_llm_call(self):
         """Checked before every LLM call: deadline, error streak, step budget."""
         if trip := self.out_of_time():
             return trip
@@ -795,12 +799,13 @@ class LoopGuard:
         self.steps += 1
         return None
 
-    def check_text(self, text: str) -> Trip | None:
+    def check_text(self, text):
         """Stagnation: the same non-final assistant text seen too often (catches A->B->A)."""
-        if not text.strip():
+        text = text.strip()
+        if not text:
             return None
         # the text as a replay sees it (masked), hashed
-        key = hashlib.sha1(redact(text.strip()).encode("utf-8", "surrogatepass")).hexdigest()
+        key = hashlib.sha1(redact(text).encode("utf-8", "surrogatepass")).hexdigest()
         self._texts[key] = seen = self._texts.get(key, 0) + 1
         if seen > self.policy.max_stagnation_steps:
             return Trip(GuardReason.STAGNATION,
@@ -808,12 +813,12 @@ class LoopGuard:
                         f"(max_stagnation_steps={self.policy.max_stagnation_steps})")
         return None
 
-    def at_loop_limit(self, calls: Sequence[ToolCall]) -> bool:
+    def at_loop_limit(self, calls):
         """This batch, the last check_loop saw, was repeated (requested twice or more) and once
         more trips LOOP_DETECTED. (Not hashed again: asked before every json-mode step.)"""
         return calls is self._repeated
 
-    def check_loop(self, calls: Sequence[ToolCall]) -> Trip | None:
+    def check_loop(self, calls):
         """Before a batch runs: the same batch (names, canonical arguments) seen too often."""
         sig = "|".join(sorted(c.name + json.dumps(redact(c.arguments), sort_keys=True,
                                                   default=str)   # masked, as a replay sees it
@@ -827,7 +832,7 @@ class LoopGuard:
                         f"  (max_repeated_batches={self.policy.max_repeated_batches})")
         return None
 
-    def check_budget(self, runnable: int) -> Trip | None:
+    def check_budget(self, runnable):
         """Before a batch runs: time left, and room for its `runnable` (not refused) calls?"""
         if trip := self.out_of_time():  # no tool should start with a 0 ms timeout
             return trip
@@ -836,7 +841,7 @@ class LoopGuard:
                         f"{runnable} more would pass max_tool_calls={self.policy.max_tool_calls}")
         return None
 
-    def record_results(self, results: Sequence[ToolResult], ran: int) -> None:
+    def record_results(self, results, ran):
         """Count the `ran` calls; each error result (refusals too) extends the error streak,
         any other result ends it."""
         self.tool_calls += ran
@@ -847,12 +852,12 @@ class LoopGuard:
 
     _COUNTS = ("steps", "tool_calls", "consecutive_errors", "_batches", "_texts")
 
-    def counts(self) -> dict[str, Any]:
+    def counts(self):
         """What a paused turn saves of this guard (session.paused["guard"]): the counts, not
         the policy or the deadline, which the resuming turn brings."""
         return {name: getattr(self, name) for name in self._COUNTS}
 
-    def restore(self, counts: dict[str, Any]) -> None:
+    def restore(self, counts):
         """Take up the counts a paused turn saved (counts()) as the resumed turn's own; a
         count not saved stays as it starts."""
         for name in self._COUNTS:
@@ -911,9 +916,9 @@ def _ms_since(t0):
 
 @dataclass(frozen=True)
 class _Function:
-    fn: Callable[..., Any]
+    fn: Callable                 # the Python function the tool runs
     descriptor: ToolDescriptor   # its input_schema's "properties": name -> schema
-    nullable: frozenset[str]     # params that accept None
+    nullable: frozenset          # names (str) of the params that accept None
 
 
 def _check_args(f, args):
@@ -1060,8 +1065,8 @@ def is_denied(name: str, patterns: Sequence[str]) -> bool:
     return any(fnmatch.fnmatchcase(name, p) for p in patterns)
 
 
-def cut_output(text: str, limit: int) -> str:
-    """Cut text over `limit` chars to head + tail, with a notice of how much was cut."""
+def cut_output(text, limit):
+    """Cut text over `limit` chars to head + tail, with a notice of how much was cut (a str)."""
     if len(text) <= limit:
         return text
     keep = limit - 100              # room for the notice, so the result stays under the limit
@@ -1106,12 +1111,13 @@ def _head(state):
     return json.dumps(dataclasses.replace(state, messages=[]).to_dict())[:-2]
 
 
-def _session_json(state, known=None):
+def _session_json(state, known):
     """`state.to_dict()` as ASCII JSON, messages encoded a thousand at a time: their dicts die
     young, so the GC does not walk a big heap again and again (100,000: 125 ms, not 250-350).
-    `known` is (messages, their text) as a load read them: while the state still begins with
-    those very messages, that text is written again, not encoded anew (a 20 MB session: the
-    save after a cancel took 200-370 ms of CPU here, over the 300 a cancel may take)."""
+    `known` is (messages, their text) as a load read them, or None: while the state still
+    begins with those very messages, that text is written again, not encoded anew (a 20 MB
+    session: the save after a cancel took 200-370 ms of CPU here, over the 300 a cancel may
+    take)."""
     ms = state.messages
     parts = []
     if known and len(known[0]) <= len(ms) and all(a is b for a, b in zip(known[0], ms)):
@@ -1329,11 +1335,6 @@ def _masked_schema(schema, secret=False):
         return redact(schema)
     return {k: "***" if secret and k in _SCHEMA_VALUES else _masked_schema(v, secret or (
         secret_name(k) and k not in _SCHEMA_VALUES)) for k, v in schema.items()}
-
-
-def _masked_tool(d):
-    """A tool as the model and the trace see it: no secret in its description or schema."""
-    return ToolDescriptor(d.name, redact(d.description), _masked_schema(d.input_schema))
 
 
 def _fit(call):
@@ -1607,10 +1608,10 @@ class _Turn:
     cancel: CancelToken
     guard: LoopGuard
     session: SessionState = field(default_factory=SessionState)
-    tools: list[ToolDescriptor] = field(default_factory=list)
+    tools: list = field(default_factory=list)   # ToolDescriptors, masked as the model sees them
     input_index: int = 0                    # where this turn's user message sits in history
     system: Message | None = None
-    wire: dict[int, Message] = field(default_factory=dict)  # rendered messages, by index
+    wire: dict = field(default_factory=dict)   # index -> its Message rendered for the wire
     units: _Units = field(default_factory=_Units)  # of session.messages, read as they grow
     wake: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)  # of None: _wait_all
     prompt: LlmRequest | None = None
@@ -1622,9 +1623,9 @@ class _Turn:
     finish: FinishReason = FinishReason.FINAL
     guard_reason: GuardReason | None = None
     error: BaseException | None = None
-    approvals: dict[str, Approval] = field(default_factory=dict)  # decisions, by call id
+    approvals: dict = field(default_factory=dict)   # call id -> its Approval (decision)
     resumed: bool = False                   # took up a paused batch (its guards already ran)
-    pending: tuple[ToolCall, ...] = ()      # calls left waiting for a decision
+    pending: tuple = ()                     # ToolCalls left waiting for a decision
     parts: dict = field(default_factory=dict)   # request_digest's cache
     started: bool = False                   # turn_started was emitted: the turn must end too
 
@@ -1651,17 +1652,19 @@ class _Turn:
                 self.tools = [d for d in worker.value if not is_denied(d.name, rt.deny_tools)]
         unfit = next((f"tool {d.name!r}: its input schema {p}" for d in self.tools
                       if (p := _json_problem(d.input_schema))), None)
-        self.tools = [] if unfit else list(map(_masked_tool, self.tools))
+        self.tools = [] if unfit else [   # no secret in a description or a schema
+            ToolDescriptor(d.name, redact(d.description), _masked_schema(d.input_schema))
+            for d in self.tools]
         # The trace's opening events, then the input (or the paused batch)
         self._trace_loaded()
         self._trace_start()   # first: every turn in the trace begins with it
         self.started = True
-        resume = self._resume_or_add_input()
+        self._resume_or_add_input()
         if unfit:
             raise AgentError(f"{unfit}; deny it")
         if worker is not None and (stop := self._end_if_failed(worker, "listing the tools")):
             return stop
-        return State.CALL_TOOL if resume else State.BUILD_PROMPT
+        return State.CALL_TOOL if self.resumed else State.BUILD_PROMPT
 
     def build_prompt(self) -> State:
         """System message + history cut to max_history_messages, in the mode's wire shape."""
@@ -1702,13 +1705,12 @@ class _Turn:
         # custom port's reasoning that is not text is dropped (saved, it would not load)
         duration = _ms_since(t0)
         reply = worker.value
-        self.reply = dataclasses.replace(
+        self.reply = fitted = dataclasses.replace(
             reply, tool_calls=tuple(map(_fit, reply.tool_calls)),
             reasoning=_str(reply.reasoning))
         self.usage += reply.usage
         # llm_call_completed: the reply as fitted above, its ids as the port gave them (bob fixes
         # them in parse_action)
-        fitted = self.reply
         self._emit("llm_call_completed", lambda: {
             **vars(fitted), "tool_calls": [c.to_dict() for c in fitted.tool_calls],
             "usage": vars(fitted.usage), "duration_ms": duration})
@@ -1725,7 +1727,7 @@ class _Turn:
         self.parse_failures = 0
         self._emit("action_parsed", {
             "type": {Final: "final", AskUser: "ask_user", CallTools: "tool_call"}[type(action)],
-            "tools": [c.name for c in action.calls] if isinstance(action, CallTools) else []})
+            "tools": [c.name for c in getattr(action, "calls", ())]})   # a CallTools' calls
         # An answer or a question ends the turn
         if isinstance(action, Final):
             return self._end_with_answer(FinishReason.FINAL, action.content)
@@ -1783,12 +1785,10 @@ class _Turn:
 
     # -- ending the turn: `end` writes the outcome, the others say why --
 
-    def end(self, finish=FinishReason.FINAL, content="",
-            guard_reason=None,
-            error=None):
+    def end(self, finish=None, content="", guard_reason=None, error=None):
         """The one place a turn's outcome is written: how it finished, its content and the
-        guard that stopped it; or the error it raises (the rest is left as it was: a turn that
-        raises has no finish reason)."""
+        guard that stopped it (every caller names the finish); or, given alone, the error it
+        raises (the rest is left as it was: a turn that raises has no finish reason)."""
         if error is None:
             self.finish = finish
             self.content = content
@@ -1840,14 +1840,13 @@ class _Turn:
         return Trip(GuardReason.TURN_TIMEOUT, f"{what} did not answer within "
                     f"turn_timeout_ms={self.policy.turn_timeout_ms}")
 
-    def _reprompt(self, raw):
-        """A reply that is no action: the model is told so and asked again, once; the second
-        in a row ends the turn with an AgentError."""
+    def _reprompt(self, e):
+        """A reply that is no action (`e`, its ActionParseError): the model is told so and
+        asked again, once; the second in a row ends the turn with an AgentError."""
         self.parse_failures += 1
         seen = redact(self.reply.content)   # as the trace has it: so a replay finds the same error
         json_mode = self.rt.action_mode == "json"
-        e = raw
-        if json_mode:   # the error of the masked reply, if it has one
+        if json_mode:   # the error of the masked reply instead, if it has one
             try:
                 parse_action(seen)
             except ActionParseError as masked:
@@ -1895,7 +1894,7 @@ class _Turn:
         return self._call_port(lambda: self.rt.llm.complete(prompt, self.cancel, self._delta),
                                self.rt.llm)
 
-    def _call_port(self, fn, port=None):
+    def _call_port(self, fn, port):
         """Run a port call on a worker; wait until it ends, the turn deadline, or a cancel."""
         # a port that ignores cancel: stop leaking threads (an inline port uses none)
         if abandoned_workers() >= _MAX_ABANDONED and not _inline(port):
@@ -1914,7 +1913,7 @@ class _Turn:
         if n > max(_MAX_CALLS_PER_REPLY, self.policy.max_parallel_tools):
             raise ActionParseError(f"the reply has {n} tool calls; call at most "
                                    f"{self.policy.max_parallel_tools} tools at a time")
-        if reply.tool_calls:  # ids must be unique; some servers omit or repeat them
+        if n:  # ids must be unique; some servers omit or repeat them
             calls = []
             seen = set()
             for i, c in enumerate(reply.tool_calls):
@@ -1929,7 +1928,7 @@ class _Turn:
 
     def _resume_or_add_input(self):
         """Append the input (waiting calls get "not run" first), or for `input=None` take up
-        the paused batch with its counts and decisions (True); call_tool answers the pause."""
+        the paused batch with its counts and decisions (`resumed`); call_tool answers the pause."""
         request = self.request
         paused = self.session.paused if request.history is None else None
         # The last message's calls have no results yet: a paused batch, or a turn cut short
@@ -1941,7 +1940,7 @@ class _Turn:
                                         "deciding on this call")
             messages.append(Message("user", request.input))
             self.input_index = len(messages) - 1
-            return False
+            return
         # Resuming: the pause's counts and decisions, and the decisions given now
         if not (paused and waiting):
             raise AgentError(f"session {request.session_id!r} has no tool calls waiting "
@@ -1957,7 +1956,6 @@ class _Turn:
             self._record_decision(call, given[call.id])
         self.action = CallTools(waiting)
         self.resumed = True
-        return True
 
     def _instructions(self):
         return self.request.system_prompt or self.rt.system_prompt or DEFAULT_INSTRUCTIONS
@@ -2072,10 +2070,10 @@ class _Turn:
             self._trace_call(call, False)
         self._append_results([_error(c, text) for c in calls])
 
-    def _run_batch(self, calls, refusals):
-        """Run the calls not refused, all at once, each with its timeout. Returns the results
-        in call order and how many calls ran."""
-        results = list(refusals)
+    def _run_batch(self, calls, results):
+        """Run the calls not refused, all at once, each with its timeout. `results` holds the
+        refusals (None for a call to run; call_tool's list, not used after) and is filled in
+        place, in call order. Returns it and how many calls ran."""
         running = []
         for i, call in enumerate(calls):
             self._trace_call(call, results[i] is None)
@@ -2138,7 +2136,7 @@ class _Turn:
         # while): a turn that ended meanwhile gets nothing after its turn_completed
         if kind == "text_delta" and self.cancel.cancelled:
             return
-        if kind == "turn_started":   # masked at Start as the model sees them (_masked_tool)
+        if kind == "turn_started":   # masked at Start as the model sees them (_Turn.start)
             masked["tools"] = data["tools"]
         event = AgentEvent(kind, self.request.session_id, self.guard.steps, masked, time.time())
         for sink in rt.sinks:
@@ -2165,15 +2163,17 @@ class _Turn:
     def _trace_start(self):
         """turn_started: all that decides the run."""
         rt = self.rt
+        # the settings as they are (a policy's fields, the glob tuples): _emit's masking copies
+        # them, tuples as lists; the tools, masked at Start and not again, are copied here
         self._emit("turn_started", lambda: {
             "format": TRACE_FORMAT, "version": __version__, "input": self.request.input,
             "model": getattr(rt.llm, "describe", lambda: type(rt.llm).__name__)(),
-            "action_mode": rt.action_mode, "policy": dataclasses.asdict(self.policy),
-            "deny_tools": list(rt.deny_tools), "system_prompt": self._instructions(),
+            "action_mode": rt.action_mode, "policy": vars(self.policy),
+            "deny_tools": rt.deny_tools, "system_prompt": self._instructions(),
             "tools": [dataclasses.asdict(d) for d in self.tools],
-            "ask_tools": list(rt.ask_tools),
+            "ask_tools": rt.ask_tools,
             "approver": rt.approver is not None, "approvals": {
-                k: dataclasses.asdict(a) if isinstance(a, Approval) else repr(a)
+                k: vars(a) if isinstance(a, Approval) else repr(a)
                 for k, a in (self.request.approvals or {}).items()}})
 
 
@@ -2700,7 +2700,7 @@ class OpenAICompatLlm:
                               "line of ASCII, e.g. {'api-key': '...'}")
         try:
             json.dumps(_want(self.extra_body, dict, "extra_body"), allow_nan=False)
-        except (TypeError, ValueError, RecursionError) as e:
+        except (TypeError, *_BAD_JSON) as e:
             raise ConfigError(f"extra_body must be a JSON object of body fields ({e})") from None
         self._headers = {"Content-Type": "application/json", **(
             {"Authorization": f"Bearer {self._api_key}"} if self._api_key else {}), **headers}
