@@ -2836,7 +2836,8 @@ class OpenAICompatLlm:
         # already (else: retried for ever)
         sent = {k for m in body["messages"] for part in (m, *m.get("tool_calls", ())) for k in part}
         if not re.search(r"(?i)missing|required|must be passed", text):
-            refused += [f for f in ("reasoning_content", "extra_content") if f in text and f in sent]
+            refused += [f for f in ("reasoning_content", "extra_content")
+                        if f in text and f in sent]
         if refused and status in (400, 422, 500):  # 422: Mistral; 500: llama-cpp-python
             field_ = refused[0]
             if field_ == "response_format":
