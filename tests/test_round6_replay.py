@@ -180,7 +180,7 @@ def test_a_model_error_that_comes_as_the_turns_time_runs_out_is_the_turns_timeou
     assert r.content == "Stopped: the model did not answer within turn_timeout_ms=200."
 
 
-# ---- 4. The CLI's streamed answer -----------------------------------------------------------------
+# ---- 4. The CLI's streamed answer ----------------------------------------------------------------
 
 def test_a_streamed_json_answer_prints_exactly_its_content_however_it_is_cut(capsys):
     """bob_cli's view decodes a json-mode final as it streams in. Each piece now decodes only
