@@ -67,6 +67,7 @@ import os
 import queue
 import random
 import re
+import select
 import socket
 import stat
 import threading
@@ -1133,6 +1134,7 @@ _HEAD = re.compile(rb'\{\s*"version":\s*(\d+)\s*[,}]')   # how to_dict's JSON be
 
 
 _NONBLOCK = getattr(os, "O_NONBLOCK", 0)   # opening a FIFO must not wait for its other end
+_SINK_WAIT_S = 5   # how long JsonlEventSink waits for a pipe's reader to take a line
 
 
 def _read_file(path, size=-1):
@@ -1373,33 +1375,38 @@ class LoggingEventSink:
 
 
 class JsonlEventSink:
-    """Events appended to a file, one JSON object per line, flushed per event."""
+    """Events appended to a file, one JSON object per line, each written whole as it comes. Into
+    a pipe or FIFO too (`--trace >(gzip > t.gz)`): a line longer than the pipe's buffer waits
+    for its reader, but a reader that takes nothing for _SINK_WAIT_S fails the event (a sink's
+    failure is logged, and the turn goes on): a stalled reader never holds a turn for long."""
 
     def __init__(self, path: str | os.PathLike[str]):
         self.path = Path(path)
         self._lock = threading.Lock()
-        self._file = None   # opened on the first event
+        self._fd = None   # opened on the first event
 
     def emit(self, event: AgentEvent) -> None:
-        """Append the event as one JSON line and flush it."""
+        """Append the event as one JSON line."""
         if event.kind == "text_delta":   # pieces cannot be masked (a secret pair spans several);
             return                        # llm_call_completed has the whole reply, masked
         head = json.dumps({"kind": event.kind, "session_id": event.session_id, "step": event.step,
                            "ts": event.ts}, default=str)   # ASCII, as the data
-        line = f'{head[:-1]}, "data": {_data_json(event.data)}}}\n'  # the data as encoded
+        line = f'{head[:-1]}, "data": {_data_json(event.data)}}}\n'.encode()  # the data as encoded
         with self._lock:
-            if self._file is None:   # opened on the first event, never blocking (a FIFO nobody
+            if self._fd is None:   # opened never blocking: a FIFO nobody reads fails at once
                 flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | _NONBLOCK
-                self._file = open(os.open(self.path, flags, 0o600), "a", encoding="utf-8")  # reads)
-            self._file.write(line)
-            self._file.flush()
+                self._fd = os.open(self.path, flags, 0o600)
+            while line:   # a pipe takes what its buffer holds: the rest when its reader has read
+                if not select.select([], [self._fd], [], _SINK_WAIT_S)[1]:
+                    raise OSError(f"its reader took nothing for {_SINK_WAIT_S} s: a line is cut")
+                line = line[os.write(self._fd, line):]
 
     def close(self) -> None:
         """Close the file (a later event reopens it)."""
         with self._lock:
-            if self._file is not None:
-                self._file.close()
-                self._file = None
+            if self._fd is not None:
+                os.close(self._fd)
+                self._fd = None
 
 
 def request_digest(req: LlmRequest, cache: dict | None = None) -> str:
