@@ -631,11 +631,6 @@ def sent_back(request: dict) -> tuple:
     return "reasoning_content" in m, "extra_content" in m["tool_calls"][0]
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "a pydantic server's refusal (Mistral's 422 shape) echoes the refused value as its 'input': "
-    "a reasoning text saying 'required' (or 'missing') is taken for DeepSeek asking for the "
-    "field (_http_failure searches the whole body for missing|required|must be passed), so the "
-    "refusal is never learnt and every turn fails with HTTP 422"))
 def test_a_refusal_echoing_a_reasoning_that_says_required_is_still_learnt():
     refusal = {"status": 422, "body": {"object": "error", "message": {"detail": [{
         "type": "extra_forbidden", "loc": ["body", "messages", 2, "reasoning_content"],
