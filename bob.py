@@ -1396,8 +1396,10 @@ class JsonlEventSink:
             if self._fd is None:   # opened never blocking: a FIFO nobody reads fails at once
                 flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | _NONBLOCK
                 self._fd = os.open(self.path, flags, 0o600)
+            room = select.poll()   # (not select(): it takes no descriptor past 1023)
+            room.register(self._fd, select.POLLOUT)
             while line:   # a pipe takes what its buffer holds: the rest when its reader has read
-                if not select.select([], [self._fd], [], _SINK_WAIT_S)[1]:
+                if not room.poll(_SINK_WAIT_S * 1000):
                     raise OSError(f"its reader took nothing for {_SINK_WAIT_S} s: a line is cut")
                 line = line[os.write(self._fd, line):]
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import resource
 import threading
 
 import pytest
@@ -95,3 +96,21 @@ def test_a_regular_file_trace_is_as_before(tmp_path, size):
     kinds = [json.loads(line)["kind"] for line in path.read_text().splitlines()]
     assert kinds.count("turn_started") == kinds.count("turn_completed") == 2
     assert oct(path.stat().st_mode & 0o777) == "0o600"
+
+
+def test_a_process_with_many_open_files_still_writes_its_trace(tmp_path):
+    """select() takes no file descriptor past 1023 (ValueError: every event's write failed):
+    a program holding many sockets or files has its trace file at a high descriptor."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 1100:
+        pytest.skip(f"this system allows {hard} open files")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 1100), hard))
+    held = []
+    try:
+        while not held or held[-1] < 1030:   # the next descriptors are past select's range
+            held.append(os.open(os.devnull, os.O_RDONLY))
+        test_a_regular_file_trace_is_as_before(tmp_path, 10)
+    finally:
+        for fd in held:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
