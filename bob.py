@@ -1570,7 +1570,8 @@ class State(str, enum.Enum):
     DONE = "done"
 
 
-TRANSITIONS: dict[State, tuple[State, ...]] = {
+# Each State -> the States it may go to next (a tuple; DONE: none)
+TRANSITIONS = {
     # START goes to CALL_TOOL when it takes up a paused batch
     State.START: (State.BUILD_PROMPT, State.CALL_TOOL, State.DONE),
     State.BUILD_PROMPT: (State.LLM_INFER,),
@@ -1636,9 +1637,9 @@ class _Turn:
     parts: dict = field(default_factory=dict)   # request_digest's cache
     started: bool = False                   # turn_started was emitted: the turn must end too
 
-    # -- the states, in the order a turn visits them --
+    # -- the states, in the order a turn visits them; each method returns the next State --
 
-    def start(self) -> State:
+    def start(self):
         """Load the session, add the input (or resume a paused batch), list the tools once."""
         rt = self.rt
         # The session, or the history given in its place
@@ -1673,7 +1674,7 @@ class _Turn:
             return stop
         return State.CALL_TOOL if self.resumed else State.BUILD_PROMPT
 
-    def build_prompt(self) -> State:
+    def build_prompt(self):
         """System message + history cut to max_history_messages, in the mode's wire shape."""
         if self.system is None:
             self.system = Message("system", build_system_prompt(
@@ -1681,7 +1682,7 @@ class _Turn:
         self.prompt = self._prompt(self.policy.max_history_messages)
         return State.LLM_INFER
 
-    def llm_infer(self) -> State:
+    def llm_infer(self):
         """Check cancel and the guards, then call the model on a worker until it answers, the
         deadline passes or the turn is cancelled."""
         # Nothing is sent once cancelled or past a limit
@@ -1748,7 +1749,7 @@ class _Turn:
                                              reasoning=reply.reasoning))
         return State.CALL_TOOL
 
-    def call_tool(self) -> State:
+    def call_tool(self):
         """Guard the batch, get its decisions, run it, append the results in call order."""
         calls = self.action.calls
         self.session.paused = None   # answered below, or paused afresh
