@@ -1070,9 +1070,11 @@ def cut_output(text, limit):
     """Cut text over `limit` chars to head + tail, with a notice of how much was cut (a str)."""
     if len(text) <= limit:
         return text
-    keep = limit - 100              # room for the notice, so the result stays under the limit
-    head, tail = text[: keep // 2], text[len(text) - keep // 2:]
-    cut = len(text) - len(head) - len(tail)
+    # each side keeps half of what leaves room for the notice, so the result stays under the
+    # limit; half is at least 50 (its one caller's limit, max_tool_output_chars, is >= 200)
+    half = (limit - 100) // 2
+    head, tail = text[:half], text[-half:]
+    cut = len(text) - 2 * half
     return f"{head}\n[... {cut} of {len(text)} characters cut ...]\n{tail}"
 
 
