@@ -2776,10 +2776,10 @@ class OpenAICompatLlm:
         watchdog = threading.Timer(timeout, lambda: _abort(self._inflight.get(me)))  # at a time
         watchdog.start()           # are bounded by this (the body by _body's clock)
         try:
-            resp = self._session.post(self._url, json.dumps(body, separators=(",", ":")).encode(),
-                                      headers=self._headers, timeout=timeout,  # each of both
-                                      stream=True)
-            try:
+            # the response is closed as the block ends, however it ends (Response.__exit__)
+            with self._session.post(self._url, json.dumps(body, separators=(",", ":")).encode(),
+                                    headers=self._headers, timeout=timeout,  # each of both
+                                    stream=True) as resp:
                 if resp.status_code != 200:
                     return self._http_failure(resp, body, end)
                 if "text/event-stream" not in resp.headers.get("Content-Type", ""):
@@ -2789,8 +2789,6 @@ class OpenAICompatLlm:
                     return _Retry(LlmError(f"the stream from {self._shown} ended before any "
                                            "data"))  # nothing shown yet: safe to try again
                 return acc.response(self._shown)
-            finally:
-                resp.close()
         except self._transport_errors as e:
             if cancel.cancelled:
                 raise Cancelled("the LLM request was cancelled") from None
