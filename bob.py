@@ -1767,12 +1767,13 @@ class _Turn:
                 return self._refuse_oversize_batch(calls)
             if trip := self.guard.check_loop(calls):
                 return self._stop_batch_on_guard(trip)
-        # Each call: refused, declined, waiting for a decision, or to run
-        refusals = [self._refusal_of_call(c) for c in calls]
-        decided = self._approved_batch(refusals)
+        # Each call: refused, declined, waiting for a decision, or to run (None: the batch's
+        # run fills in its result)
+        results = [self._refusal_of_call(c) for c in calls]
+        decided = self._approved_batch(results)
         if isinstance(decided, State):
             return decided
-        if trip := self.guard.check_budget(sum(r is None for r in refusals)):
+        if trip := self.guard.check_budget(sum(r is None for r in results)):
             return self._stop_batch_on_guard(trip)
         # Claim a resumed pause before its calls run: another process resuming it too gets a
         # StoreError and runs nothing
@@ -1781,7 +1782,7 @@ class _Turn:
                 self.session, version=self.session.version + 1))
             self.session.version += 1
         # Run the batch, count it, append its results
-        results, ran = self._run_batch(decided, refusals)
+        ran = self._run_batch(decided, results)
         self.guard.record_results(results, ran)
         self._append_results(results)
         if self.caller_cancel.cancelled:
@@ -1959,11 +1960,13 @@ class _Turn:
         self.input_index = paused["input_index"]
         self.approvals = {k: Approval(**a) for k, a in paused["approvals"].items()}
         given = request.approvals or {}
-        for call in (c for c in waiting if c.id in given):
-            if not isinstance(given[call.id], Approval):
-                raise ConfigError(f"approvals[{call.id!r}] must be an Approval, "
-                                  f"got {given[call.id]!r}")
-            self._record_decision(call, given[call.id])
+        for call in waiting:
+            if call.id in given:
+                decision = given[call.id]
+                if not isinstance(decision, Approval):
+                    raise ConfigError(f"approvals[{call.id!r}] must be an Approval, "
+                                      f"got {decision!r}")
+                self._record_decision(call, decision)
         self.action = CallTools(waiting)
         self.resumed = True
 
@@ -2082,8 +2085,8 @@ class _Turn:
 
     def _run_batch(self, calls, results):
         """Run the calls not refused, all at once, each with its timeout. `results` holds the
-        refusals (None for a call to run; call_tool's list, not used after) and is filled in
-        place, in call order. Returns it and how many calls ran."""
+        refusals (None for a call to run: call_tool's list) and is filled in place, in call
+        order. Returns how many calls ran."""
         running = []
         for i, call in enumerate(calls):
             self._trace_call(call, results[i] is None)
@@ -2101,7 +2104,7 @@ class _Turn:
         # each call that ran fills its place, so every place holds a result
         for i, worker, timeout in running:
             results[i] = self._result_of(calls[i], worker, timeout)
-        return results, len(running)
+        return len(running)
 
     def _result_of(self, call, worker, timeout):
         """The result of one worker: its value, an error, a timeout or an interruption."""
@@ -2672,11 +2675,11 @@ class OpenAICompatLlm:
         self._cancels = {}       # thread id -> the CancelToken of its call
         self._session, self._transport_errors = _tracking_session(self._inflight, self._cancels)
 
-    def _find_key(self, model, api_key):
-        """The API key and where it came from; ConfigError naming the variable if it is bad."""
+    def _find_key(self, model, key):
+        """The API key (`key`: the api_key given, if any) and where it came from; ConfigError
+        naming the variable if it is bad."""
         env = self.api_key_env
-        if api_key:
-            key = api_key
+        if key:
             source = "the api_key given"
         elif env:
             key = os.environ.get(env)
