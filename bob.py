@@ -1444,7 +1444,7 @@ _MAX_ABANDONED = 32
 _MAX_CALLS_PER_REPLY = 1_000
 _IDLE_S = 30.0                 # an idle pool thread exits after this long
 _lock = threading.Lock()       # guards the two below
-_abandoned = 0
+_abandoned = 0                 # given-up workers still running (read as it is within bob.py)
 _idle = []                     # inboxes (queue.SimpleQueue) of idle pool threads
 
 
@@ -1908,7 +1908,7 @@ class _Turn:
     def _call_port(self, fn, port):
         """Run a port call on a worker; wait until it ends, the turn deadline, or a cancel."""
         # a port that ignores cancel: stop leaking threads (an inline port uses none)
-        if abandoned_workers() >= _MAX_ABANDONED and not _inline(port):
+        if _abandoned >= _MAX_ABANDONED and not _inline(port):
             raise AgentError(f"{_MAX_ABANDONED} earlier port calls are still hung (a port "
                              "that ignores cancel and deadlines); restart the program")
         worker = _Worker(fn, self.wake, port)
@@ -2051,7 +2051,7 @@ class _Turn:
         if all(d.name != call.name for d in self.tools):
             names = ", ".join(d.name for d in self.tools) or "none"
             return _error(call, f"unknown tool {call.name!r}; available tools: {names}")
-        if abandoned_workers() >= _MAX_ABANDONED and not _inline(self.rt.tools):
+        if _abandoned >= _MAX_ABANDONED and not _inline(self.rt.tools):
             return _error(call, f"executor unavailable: {_MAX_ABANDONED} earlier port calls "
                                 "are still hung; restart the program")
         return None
@@ -2253,8 +2253,8 @@ class AgentRuntime:
 
     def health(self, timeout_s: float = 5.0) -> dict[str, Any]:
         """A quick self-check: the tool listing (bounded by timeout_s) and hung workers."""
-        report = {"ok": abandoned_workers() < _MAX_ABANDONED, "tools": 0,
-                  "action_mode": self.action_mode, "abandoned_workers": abandoned_workers()}
+        report = {"ok": _abandoned < _MAX_ABANDONED, "tools": 0,
+                  "action_mode": self.action_mode, "abandoned_workers": _abandoned}
         if self.tools is None:
             return report
         # one at a time: no thread leak if it hangs
