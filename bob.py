@@ -1672,7 +1672,7 @@ class _Turn:
         self._resume_or_add_input()
         if unfit:
             raise AgentError(f"{unfit}; deny it")
-        if worker is not None and (stop := self._end_if_failed(worker, "listing the tools")):
+        if worker and (stop := self._end_if_failed(worker, "listing the tools")):
             return stop
         return State.CALL_TOOL if self.resumed else State.BUILD_PROMPT
 
@@ -2548,7 +2548,7 @@ def _abort(conn):
     sock = getattr(conn, "sock", None)
     fd = getattr(conn, "bob_fd", None)
     try:
-        if sock is not None and sock.fileno() != -1:
+        if sock and sock.fileno() != -1:
             sock.shutdown(socket.SHUT_RDWR)
         elif fd is not None:  # mid TLS handshake: shut the socket through a duplicate of its fd
             with socket.socket(fileno=os.dup(fd)) as dup:
@@ -2932,7 +2932,7 @@ class OpenAICompatLlm:
                                f"for the call ran out ({total} bytes came)")
             # looked up each time: at the body's end urllib3 gives the connection back to the
             # pool, which closes it when full (16 callers: "[Errno 9] Bad file descriptor")
-            if (sock := getattr(resp.raw.connection, "sock", None)) is not None:
+            if sock := getattr(resp.raw.connection, "sock", None):
                 sock.settimeout(left)  # test_a_server_sending_a_byte_every_so_often_...
             piece = resp.raw.read1(65536, decode_content=True)  # what has come, inflated
             total += len(piece)
