@@ -1609,7 +1609,8 @@ class _Turn:
     """One turn: everything it knows, and the work of each state, one method per state in
     the order a turn visits them. Owned by the scheduler's thread. The runtime's settings,
     ports and event sinks are `rt`'s. The outcome (finish, content, guard_reason, error)
-    is written by `end` alone."""
+    is written by `end` alone. A field that defaults to None holds the type it names, or None
+    until it is set (its comment says when)."""
     rt: AgentRuntime
     request: AgentRequest
     policy: TurnPolicy
@@ -1620,19 +1621,19 @@ class _Turn:
     session: SessionState = field(default_factory=SessionState)
     tools: list = field(default_factory=list)   # ToolDescriptors, masked as the model sees them
     input_index: int = 0                    # where this turn's user message sits in history
-    system: Message | None = None
+    system: Message = None                  # made by the first build_prompt
     wire: dict = field(default_factory=dict)   # index -> its Message rendered for the wire
     units: _Units = field(default_factory=_Units)  # of session.messages, read as they grow
     wake: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)  # of None: _wait_all
-    prompt: LlmRequest | None = None
-    reply: LlmResponse | None = None
-    action: AgentAction | None = None
+    prompt: LlmRequest = None               # this step's request (build_prompt, llm_infer)
+    reply: LlmResponse = None               # the model's reply to it, fitted (llm_infer)
+    action: AgentAction = None              # the last action parsed, or the batch resumed
     parse_failures: int = 0
     usage: Usage = field(default_factory=Usage)
     content: str = ""
     finish: FinishReason = FinishReason.FINAL
-    guard_reason: GuardReason | None = None
-    error: BaseException | None = None
+    guard_reason: GuardReason = None        # the guard that ended the turn, if one did
+    error: BaseException = None             # what the turn raises, if it raises
     approvals: dict = field(default_factory=dict)   # call id -> its Approval (decision)
     resumed: bool = False                   # took up a paused batch (its guards already ran)
     pending: tuple = ()                     # ToolCalls left waiting for a decision
@@ -2626,7 +2627,7 @@ def _check_settings(retry_max, max_response_bytes, tool_choice, timeout_s):
 class _Retry:
     """A failed attempt that may be tried again (after `retry_after` s, if the server said)."""
     error: LlmError
-    retry_after: float | None = None
+    retry_after: float = None   # None: the server did not say
     counted: bool = True  # False: an optional field was dropped, which costs no retry
 
 
