@@ -1618,7 +1618,7 @@ class _Turn:
     # this turn's own: also fired at the deadline and when the turn ends
     cancel: CancelToken
     guard: LoopGuard
-    session: SessionState = field(default_factory=SessionState)
+    session: SessionState = None            # loaded by start, before anything reads it
     tools: list = field(default_factory=list)   # ToolDescriptors, masked as the model sees them
     input_index: int = 0                    # where this turn's user message sits in history
     system: Message = None                  # made by the first build_prompt
@@ -1631,7 +1631,7 @@ class _Turn:
     parse_failures: int = 0
     usage: Usage = field(default_factory=Usage)
     content: str = ""
-    finish: FinishReason = FinishReason.FINAL
+    finish: FinishReason = None             # written by end (a turn that raises has none)
     guard_reason: GuardReason = None        # the guard that ended the turn, if one did
     error: BaseException = None             # what the turn raises, if it raises
     approvals: dict = field(default_factory=dict)   # call id -> its Approval (decision)
