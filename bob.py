@@ -1346,11 +1346,10 @@ def _fit(call):
     What the server attached (`extra`), if unfit to keep, is dropped: saved, it would not load."""
     if not isinstance(call.extra, _OPTIONAL_DICT) or _json_problem(call.extra):  # None: none
         call = dataclasses.replace(call, extra=None)
-    problem = _json_problem(call.arguments)
-    if problem is None:
-        return call
-    return dataclasses.replace(call, arguments={}, error=f"the arguments of {call.name!r} "
-                               f"{problem}; call it again with smaller arguments")
+    if problem := _json_problem(call.arguments):
+        return dataclasses.replace(call, arguments={}, error=f"the arguments of {call.name!r} "
+                                   f"{problem}; call it again with smaller arguments")
+    return call
 
 
 def _data_json(data):
@@ -2563,9 +2562,8 @@ def _abort(conn):
 
 def _tracked(pool_cls, inflight, cancels):
     """A urllib3 pool class noting in `inflight` the connection each thread uses."""
-    def cancelled_here():
-        token = cancels.get(threading.get_ident())
-        return token is not None and token.cancelled
+    def cancelled_here():   # (no token noted for this thread: not cancelled)
+        return getattr(cancels.get(threading.get_ident()), "cancelled", False)
 
     class Connection(pool_cls.ConnectionCls):  # test_cancel_aborts_a_tls_handshake_...
         def _new_conn(self):
@@ -2966,7 +2964,7 @@ class OpenAICompatLlm:
 # A JSONL trace is a complete record of a run; these ports answer from one, replay() compares.
 
 _Event = dict[str, Any]   # one event of a trace, as JSON has it, with its `line`
-_Trace = Union[str, os.PathLike, Sequence[_Event]]   # a JSONL file, or its events
+_Trace = str | os.PathLike | Sequence[_Event]   # a JSONL file, or its events
 _TIMED_OUT = "the recorded turn ran out of time waiting for this reply"
 _MALFORMED = (LookupError, TypeError, ValueError, AttributeError)  # a field missing or mistyped
 
