@@ -303,7 +303,8 @@ class TurnPolicy:
 
 @dataclass(frozen=True)
 class Usage:
-    """Token counts; add them with `+`."""
+    """Token counts; add them with `+` (a new Usage: one is never changed, so one zero Usage()
+    is every field's default)."""
     prompt_tokens: int = 0
     completion_tokens: int = 0
 
@@ -408,7 +409,7 @@ def _paused(p, n):
 class SessionState:
     """What a SessionStore keeps per session."""
     messages: list[Message] = field(default_factory=list)
-    usage: Usage = field(default_factory=Usage)
+    usage: Usage = Usage()
     version: int = 0
     paused: dict[str, Any] | None = None  # a turn waiting for approvals: its counts, decisions
 
@@ -497,7 +498,7 @@ class LlmResponse:
     """What an LlmPort returns. `finish_reason` is None when the endpoint did not say."""
     content: str
     tool_calls: tuple[ToolCall, ...] = ()
-    usage: Usage = field(default_factory=Usage)
+    usage: Usage = Usage()
     finish_reason: str | None = None
     reasoning: str | None = None   # the server's reasoning_content, when it sends one
 
@@ -1628,7 +1629,7 @@ class _Turn:
     reply: LlmResponse = None               # the model's reply to it, fitted (llm_infer)
     action: AgentAction = None              # the last action parsed, or the batch resumed
     parse_failures: int = 0
-    usage: Usage = field(default_factory=Usage)
+    usage: Usage = Usage()
     content: str = ""
     finish: FinishReason = None             # written by end (a turn that raises has none)
     guard_reason: GuardReason = None        # the guard that ended the turn, if one did
