@@ -2089,8 +2089,9 @@ class _Turn:
         order. Returns how many calls ran."""
         running = []
         for i, call in enumerate(calls):
-            self._trace_call(call, results[i] is None)
-            if results[i] is None:
+            runs = results[i] is None   # not refused
+            self._trace_call(call, runs)
+            if runs:
                 # tool_timeout_ms, never past the turn deadline (nor below 0 s)
                 timeout = min(self.policy.tool_timeout_ms / 1000,
                               max(0.0, self.guard.deadline - time.monotonic()))
