@@ -303,7 +303,8 @@ class TurnPolicy:
 
 @dataclass(frozen=True)
 class Usage:
-    """Token counts; add them with `+`."""
+    """Token counts; add them with `+` (a new Usage: one is never changed, so one zero Usage()
+    is every field's default)."""
     prompt_tokens: int = 0
     completion_tokens: int = 0
 
@@ -408,7 +409,7 @@ def _paused(p, n):
 class SessionState:
     """What a SessionStore keeps per session."""
     messages: list[Message] = field(default_factory=list)
-    usage: Usage = field(default_factory=Usage)
+    usage: Usage = Usage()
     version: int = 0
     paused: dict[str, Any] | None = None  # a turn waiting for approvals: its counts, decisions
 
@@ -497,7 +498,7 @@ class LlmResponse:
     """What an LlmPort returns. `finish_reason` is None when the endpoint did not say."""
     content: str
     tool_calls: tuple[ToolCall, ...] = ()
-    usage: Usage = field(default_factory=Usage)
+    usage: Usage = Usage()
     finish_reason: str | None = None
     reasoning: str | None = None   # the server's reasoning_content, when it sends one
 
@@ -1070,9 +1071,11 @@ def cut_output(text, limit):
     """Cut text over `limit` chars to head + tail, with a notice of how much was cut (a str)."""
     if len(text) <= limit:
         return text
-    keep = limit - 100              # room for the notice, so the result stays under the limit
-    head, tail = text[: keep // 2], text[len(text) - keep // 2:]
-    cut = len(text) - len(head) - len(tail)
+    # each side keeps half of what leaves room for the notice, so the result stays under the
+    # limit; half is at least 50 (its one caller's limit, max_tool_output_chars, is >= 200)
+    half = (limit - 100) // 2
+    head, tail = text[:half], text[-half:]
+    cut = len(text) - 2 * half
     return f"{head}\n[... {cut} of {len(text)} characters cut ...]\n{tail}"
 
 
@@ -1344,11 +1347,10 @@ def _fit(call):
     What the server attached (`extra`), if unfit to keep, is dropped: saved, it would not load."""
     if not isinstance(call.extra, _OPTIONAL_DICT) or _json_problem(call.extra):  # None: none
         call = dataclasses.replace(call, extra=None)
-    problem = _json_problem(call.arguments)
-    if problem is None:
-        return call
-    return dataclasses.replace(call, arguments={}, error=f"the arguments of {call.name!r} "
-                               f"{problem}; call it again with smaller arguments")
+    if problem := _json_problem(call.arguments):
+        return dataclasses.replace(call, arguments={}, error=f"the arguments of {call.name!r} "
+                                   f"{problem}; call it again with smaller arguments")
+    return call
 
 
 def _data_json(data):
@@ -1444,7 +1446,7 @@ _MAX_ABANDONED = 32
 _MAX_CALLS_PER_REPLY = 1_000
 _IDLE_S = 30.0                 # an idle pool thread exits after this long
 _lock = threading.Lock()       # guards the two below
-_abandoned = 0
+_abandoned = 0                 # given-up workers still running (read as it is within bob.py)
 _idle = []                     # inboxes (queue.SimpleQueue) of idle pool threads
 
 
@@ -1572,7 +1574,8 @@ class State(str, enum.Enum):
     DONE = "done"
 
 
-TRANSITIONS: dict[State, tuple[State, ...]] = {
+# Each State -> the States it may go to next (a tuple; DONE: none)
+TRANSITIONS = {
     # START goes to CALL_TOOL when it takes up a paused batch
     State.START: (State.BUILD_PROMPT, State.CALL_TOOL, State.DONE),
     State.BUILD_PROMPT: (State.LLM_INFER,),
@@ -1608,7 +1611,8 @@ class _Turn:
     """One turn: everything it knows, and the work of each state, one method per state in
     the order a turn visits them. Owned by the scheduler's thread. The runtime's settings,
     ports and event sinks are `rt`'s. The outcome (finish, content, guard_reason, error)
-    is written by `end` alone."""
+    is written by `end` alone. A field that defaults to None holds the type it names, or None
+    until it is set (its comment says when)."""
     rt: AgentRuntime
     request: AgentRequest
     policy: TurnPolicy
@@ -1616,31 +1620,31 @@ class _Turn:
     # this turn's own: also fired at the deadline and when the turn ends
     cancel: CancelToken
     guard: LoopGuard
-    session: SessionState = field(default_factory=SessionState)
+    session: SessionState = None            # loaded by start, before anything reads it
     tools: list = field(default_factory=list)   # ToolDescriptors, masked as the model sees them
     input_index: int = 0                    # where this turn's user message sits in history
-    system: Message | None = None
+    system: Message = None                  # made by the first build_prompt
     wire: dict = field(default_factory=dict)   # index -> its Message rendered for the wire
     units: _Units = field(default_factory=_Units)  # of session.messages, read as they grow
     wake: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)  # of None: _wait_all
-    prompt: LlmRequest | None = None
-    reply: LlmResponse | None = None
-    action: AgentAction | None = None
+    prompt: LlmRequest = None               # this step's request (build_prompt, llm_infer)
+    reply: LlmResponse = None               # the model's reply to it, fitted (llm_infer)
+    action: AgentAction = None              # the last action parsed, or the batch resumed
     parse_failures: int = 0
-    usage: Usage = field(default_factory=Usage)
+    usage: Usage = Usage()
     content: str = ""
-    finish: FinishReason = FinishReason.FINAL
-    guard_reason: GuardReason | None = None
-    error: BaseException | None = None
+    finish: FinishReason = None             # written by end (a turn that raises has none)
+    guard_reason: GuardReason = None        # the guard that ended the turn, if one did
+    error: BaseException = None             # what the turn raises, if it raises
     approvals: dict = field(default_factory=dict)   # call id -> its Approval (decision)
     resumed: bool = False                   # took up a paused batch (its guards already ran)
     pending: tuple = ()                     # ToolCalls left waiting for a decision
     parts: dict = field(default_factory=dict)   # request_digest's cache
     started: bool = False                   # turn_started was emitted: the turn must end too
 
-    # -- the states, in the order a turn visits them --
+    # -- the states, in the order a turn visits them; each method returns the next State --
 
-    def start(self) -> State:
+    def start(self):
         """Load the session, add the input (or resume a paused batch), list the tools once."""
         rt = self.rt
         # The session, or the history given in its place
@@ -1671,11 +1675,11 @@ class _Turn:
         self._resume_or_add_input()
         if unfit:
             raise AgentError(f"{unfit}; deny it")
-        if worker is not None and (stop := self._end_if_failed(worker, "listing the tools")):
+        if worker and (stop := self._end_if_failed(worker, "listing the tools")):
             return stop
         return State.CALL_TOOL if self.resumed else State.BUILD_PROMPT
 
-    def build_prompt(self) -> State:
+    def build_prompt(self):
         """System message + history cut to max_history_messages, in the mode's wire shape."""
         if self.system is None:
             self.system = Message("system", build_system_prompt(
@@ -1683,7 +1687,7 @@ class _Turn:
         self.prompt = self._prompt(self.policy.max_history_messages)
         return State.LLM_INFER
 
-    def llm_infer(self) -> State:
+    def llm_infer(self):
         """Check cancel and the guards, then call the model on a worker until it answers, the
         deadline passes or the turn is cancelled."""
         # Nothing is sent once cancelled or past a limit
@@ -1750,7 +1754,7 @@ class _Turn:
                                              reasoning=reply.reasoning))
         return State.CALL_TOOL
 
-    def call_tool(self) -> State:
+    def call_tool(self):
         """Guard the batch, get its decisions, run it, append the results in call order."""
         calls = self.action.calls
         self.session.paused = None   # answered below, or paused afresh
@@ -1766,12 +1770,13 @@ class _Turn:
                 return self._refuse_oversize_batch(calls)
             if trip := self.guard.check_loop(calls):
                 return self._stop_batch_on_guard(trip)
-        # Each call: refused, declined, waiting for a decision, or to run
-        refusals = [self._refusal_of_call(c) for c in calls]
-        decided = self._approved_batch(refusals)
+        # Each call: refused, declined, waiting for a decision, or to run (None: the batch's
+        # run fills in its result)
+        results = [self._refusal_of_call(c) for c in calls]
+        decided = self._approved_batch(results)
         if isinstance(decided, State):
             return decided
-        if trip := self.guard.check_budget(sum(r is None for r in refusals)):
+        if trip := self.guard.check_budget(sum(r is None for r in results)):
             return self._stop_batch_on_guard(trip)
         # Claim a resumed pause before its calls run: another process resuming it too gets a
         # StoreError and runs nothing
@@ -1780,7 +1785,7 @@ class _Turn:
                 self.session, version=self.session.version + 1))
             self.session.version += 1
         # Run the batch, count it, append its results
-        results, ran = self._run_batch(decided, refusals)
+        ran = self._run_batch(decided, results)
         self.guard.record_results(results, ran)
         self._append_results(results)
         if self.caller_cancel.cancelled:
@@ -1906,7 +1911,7 @@ class _Turn:
     def _call_port(self, fn, port):
         """Run a port call on a worker; wait until it ends, the turn deadline, or a cancel."""
         # a port that ignores cancel: stop leaking threads (an inline port uses none)
-        if abandoned_workers() >= _MAX_ABANDONED and not _inline(port):
+        if _abandoned >= _MAX_ABANDONED and not _inline(port):
             raise AgentError(f"{_MAX_ABANDONED} earlier port calls are still hung (a port "
                              "that ignores cancel and deadlines); restart the program")
         worker = _Worker(fn, self.wake, port)
@@ -1958,11 +1963,13 @@ class _Turn:
         self.input_index = paused["input_index"]
         self.approvals = {k: Approval(**a) for k, a in paused["approvals"].items()}
         given = request.approvals or {}
-        for call in (c for c in waiting if c.id in given):
-            if not isinstance(given[call.id], Approval):
-                raise ConfigError(f"approvals[{call.id!r}] must be an Approval, "
-                                  f"got {given[call.id]!r}")
-            self._record_decision(call, given[call.id])
+        for call in waiting:
+            if call.id in given:
+                decision = given[call.id]
+                if not isinstance(decision, Approval):
+                    raise ConfigError(f"approvals[{call.id!r}] must be an Approval, "
+                                      f"got {decision!r}")
+                self._record_decision(call, decision)
         self.action = CallTools(waiting)
         self.resumed = True
 
@@ -2017,8 +2024,7 @@ class _Turn:
             return self._stop_batch_on_cancel()
         if not worker.done:
             return self._stop_batch_on_guard(self._no_answer("the approver"))
-        e = worker.error
-        if e is not None:
+        if e := worker.error:
             return Approval(False, f"the approver failed: {type(e).__name__}: {e}")
         if isinstance(worker.value, Approval):
             return worker.value
@@ -2047,7 +2053,7 @@ class _Turn:
         if all(d.name != call.name for d in self.tools):
             names = ", ".join(d.name for d in self.tools) or "none"
             return _error(call, f"unknown tool {call.name!r}; available tools: {names}")
-        if abandoned_workers() >= _MAX_ABANDONED and not _inline(self.rt.tools):
+        if _abandoned >= _MAX_ABANDONED and not _inline(self.rt.tools):
             return _error(call, f"executor unavailable: {_MAX_ABANDONED} earlier port calls "
                                 "are still hung; restart the program")
         return None
@@ -2081,12 +2087,13 @@ class _Turn:
 
     def _run_batch(self, calls, results):
         """Run the calls not refused, all at once, each with its timeout. `results` holds the
-        refusals (None for a call to run; call_tool's list, not used after) and is filled in
-        place, in call order. Returns it and how many calls ran."""
+        refusals (None for a call to run: call_tool's list) and is filled in place, in call
+        order. Returns how many calls ran."""
         running = []
         for i, call in enumerate(calls):
-            self._trace_call(call, results[i] is None)
-            if results[i] is None:
+            runs = results[i] is None   # not refused
+            self._trace_call(call, runs)
+            if runs:
                 # tool_timeout_ms, never past the turn deadline (nor below 0 s)
                 timeout = min(self.policy.tool_timeout_ms / 1000,
                               max(0.0, self.guard.deadline - time.monotonic()))
@@ -2100,7 +2107,7 @@ class _Turn:
         # each call that ran fills its place, so every place holds a result
         for i, worker, timeout in running:
             results[i] = self._result_of(calls[i], worker, timeout)
-        return results, len(running)
+        return len(running)
 
     def _result_of(self, call, worker, timeout):
         """The result of one worker: its value, an error, a timeout or an interruption."""
@@ -2110,7 +2117,7 @@ class _Turn:
                               "interrupted: the turn was cancelled before this call ended")
             return _error(call, f"tool {call.name!r} timed out after "
                                 f"{round(timeout * 1000)} ms")
-        if (e := worker.error) is not None:
+        if e := worker.error:
             return _error(call, f"executor unavailable: {type(e).__name__}: {e}")
         r = worker.value
         if not isinstance(r, ToolResult):
@@ -2249,8 +2256,8 @@ class AgentRuntime:
 
     def health(self, timeout_s: float = 5.0) -> dict[str, Any]:
         """A quick self-check: the tool listing (bounded by timeout_s) and hung workers."""
-        report = {"ok": abandoned_workers() < _MAX_ABANDONED, "tools": 0,
-                  "action_mode": self.action_mode, "abandoned_workers": abandoned_workers()}
+        report = {"ok": _abandoned < _MAX_ABANDONED, "tools": 0,
+                  "action_mode": self.action_mode, "abandoned_workers": _abandoned}
         if self.tools is None:
             return report
         # one at a time: no thread leak if it hangs
@@ -2289,14 +2296,14 @@ class AgentRuntime:
                 f"cannot save session {sid!r}: {type(e).__name__}: {e}")
             failed.result = result
         # Report: the turn's own error first (it is what the caller sees), then the end
-        if t.error is not None:
+        if t.error:
             t._emit("error", {"error": f"{type(t.error).__name__}: {t.error}", "where": "turn"})
         failed = t.error or failed
         t._emit("turn_completed", {  # a turn that raises has no finish reason
             "finish_reason": None if failed else t.finish.value, "usage": vars(t.usage),
             "guard_reason": t.guard_reason.value if t.guard_reason else None,
             "steps": result.steps, "tool_calls": result.tool_calls, "content": t.content})
-        if failed is not None:
+        if failed:
             raise failed
         return result
 
@@ -2544,7 +2551,7 @@ def _abort(conn):
     sock = getattr(conn, "sock", None)
     fd = getattr(conn, "bob_fd", None)
     try:
-        if sock is not None and sock.fileno() != -1:
+        if sock and sock.fileno() != -1:
             sock.shutdown(socket.SHUT_RDWR)
         elif fd is not None:  # mid TLS handshake: shut the socket through a duplicate of its fd
             with socket.socket(fileno=os.dup(fd)) as dup:
@@ -2559,9 +2566,8 @@ def _abort(conn):
 
 def _tracked(pool_cls, inflight, cancels):
     """A urllib3 pool class noting in `inflight` the connection each thread uses."""
-    def cancelled_here():
-        token = cancels.get(threading.get_ident())
-        return token is not None and token.cancelled
+    def cancelled_here():   # (no token noted for this thread: not cancelled)
+        return getattr(cancels.get(threading.get_ident()), "cancelled", False)
 
     class Connection(pool_cls.ConnectionCls):  # test_cancel_aborts_a_tls_handshake_...
         def _new_conn(self):
@@ -2622,7 +2628,7 @@ def _check_settings(retry_max, max_response_bytes, tool_choice, timeout_s):
 class _Retry:
     """A failed attempt that may be tried again (after `retry_after` s, if the server said)."""
     error: LlmError
-    retry_after: float | None = None
+    retry_after: float = None   # None: the server did not say
     counted: bool = True  # False: an optional field was dropped, which costs no retry
 
 
@@ -2671,11 +2677,11 @@ class OpenAICompatLlm:
         self._cancels = {}       # thread id -> the CancelToken of its call
         self._session, self._transport_errors = _tracking_session(self._inflight, self._cancels)
 
-    def _find_key(self, model, api_key):
-        """The API key and where it came from; ConfigError naming the variable if it is bad."""
+    def _find_key(self, model, key):
+        """The API key (`key`: the api_key given, if any) and where it came from; ConfigError
+        naming the variable if it is bad."""
         env = self.api_key_env
-        if api_key:
-            key = api_key
+        if key:
             source = "the api_key given"
         elif env:
             key = os.environ.get(env)
@@ -2775,10 +2781,10 @@ class OpenAICompatLlm:
         watchdog = threading.Timer(timeout, lambda: _abort(self._inflight.get(me)))  # at a time
         watchdog.start()           # are bounded by this (the body by _body's clock)
         try:
-            resp = self._session.post(self._url, json.dumps(body, separators=(",", ":")).encode(),
-                                      headers=self._headers, timeout=timeout,  # each of both
-                                      stream=True)
-            try:
+            # the response is closed as the block ends, however it ends (Response.__exit__)
+            with self._session.post(self._url, json.dumps(body, separators=(",", ":")).encode(),
+                                    headers=self._headers, timeout=timeout,  # each of both
+                                    stream=True) as resp:
                 if resp.status_code != 200:
                     return self._http_failure(resp, body, end)
                 if "text/event-stream" not in resp.headers.get("Content-Type", ""):
@@ -2788,8 +2794,6 @@ class OpenAICompatLlm:
                     return _Retry(LlmError(f"the stream from {self._shown} ended before any "
                                            "data"))  # nothing shown yet: safe to try again
                 return acc.response(self._shown)
-            finally:
-                resp.close()
         except self._transport_errors as e:
             if cancel.cancelled:
                 raise Cancelled("the LLM request was cancelled") from None
@@ -2932,7 +2936,7 @@ class OpenAICompatLlm:
                                f"for the call ran out ({total} bytes came)")
             # looked up each time: at the body's end urllib3 gives the connection back to the
             # pool, which closes it when full (16 callers: "[Errno 9] Bad file descriptor")
-            if (sock := getattr(resp.raw.connection, "sock", None)) is not None:
+            if sock := getattr(resp.raw.connection, "sock", None):
                 sock.settimeout(left)  # test_a_server_sending_a_byte_every_so_often_...
             piece = resp.raw.read1(65536, decode_content=True)  # what has come, inflated
             total += len(piece)
@@ -2966,7 +2970,7 @@ class OpenAICompatLlm:
 # A JSONL trace is a complete record of a run; these ports answer from one, replay() compares.
 
 _Event = dict[str, Any]   # one event of a trace, as JSON has it, with its `line`
-_Trace = Union[str, os.PathLike, Sequence[_Event]]   # a JSONL file, or its events
+_Trace = str | os.PathLike | Sequence[_Event]   # a JSONL file, or its events
 _TIMED_OUT = "the recorded turn ran out of time waiting for this reply"
 _MALFORMED = (LookupError, TypeError, ValueError, AttributeError)  # a field missing or mistyped
 
