@@ -2024,7 +2024,7 @@ class _Turn:
             return self._stop_batch_on_cancel()
         if not worker.done:
             return self._stop_batch_on_guard(self._no_answer("the approver"))
-        if e := worker.error:
+        if (e := worker.error) is not None:   # (an exception may test false: is None, always)
             return Approval(False, f"the approver failed: {type(e).__name__}: {e}")
         if isinstance(worker.value, Approval):
             return worker.value
@@ -2117,7 +2117,7 @@ class _Turn:
                               "interrupted: the turn was cancelled before this call ended")
             return _error(call, f"tool {call.name!r} timed out after "
                                 f"{round(timeout * 1000)} ms")
-        if e := worker.error:
+        if (e := worker.error) is not None:
             return _error(call, f"executor unavailable: {type(e).__name__}: {e}")
         r = worker.value
         if not isinstance(r, ToolResult):
@@ -2296,14 +2296,14 @@ class AgentRuntime:
                 f"cannot save session {sid!r}: {type(e).__name__}: {e}")
             failed.result = result
         # Report: the turn's own error first (it is what the caller sees), then the end
-        if t.error:
+        if t.error is not None:
             t._emit("error", {"error": f"{type(t.error).__name__}: {t.error}", "where": "turn"})
-        failed = t.error or failed
+        failed = failed if t.error is None else t.error   # (an exception may test false)
         t._emit("turn_completed", {  # a turn that raises has no finish reason
-            "finish_reason": None if failed else t.finish.value, "usage": vars(t.usage),
+            "finish_reason": None if failed is not None else t.finish.value, "usage": vars(t.usage),
             "guard_reason": t.guard_reason.value if t.guard_reason else None,
             "steps": result.steps, "tool_calls": result.tool_calls, "content": t.content})
-        if failed:
+        if failed is not None:
             raise failed
         return result
 
