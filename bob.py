@@ -3079,6 +3079,8 @@ class _Replay:
             self._script[-1][1] = _TIMED_OUT
         elif kind == "guard_tripped":   # the one before any LLM call: listing the tools
             self.unlisted |= d["detail"].startswith("listing the tools")
+        elif kind == "error" and d["error"].endswith("; deny it"):   # a schema not JSON: listed
+            self.tools = [ToolDescriptor("unfit", "", {"default": math.nan})]   # so again, offline
         elif asked and d.get("where") == "turn":   # the model failed: the turn raised
             self._script[-1][1] = LlmError(d["error"].partition(": ")[2])
         elif kind == "approval_requested":   # unanswered, unless a decision comes

@@ -2,8 +2,8 @@
 turn whose own token fires is out of time, the tools offered compared at turn_started, the
 adapter learning refused message fields), tried where its promises are weakest.
 
-A break is a test marked xfail(strict=True) whose reason says what breaks; the plain tests show
-a promise that held under attack. Real parts throughout: real runtimes, tools and stores, the
+The five breaks it found were strict xfails until round 7 fixed them; they are plain tests now,
+beside the promises that held under attack. Real parts throughout: real runtimes, tools and stores, the
 fake OpenAI server on 127.0.0.1 (tests/fake_openai.py), the CLI as a subprocess.
 Sections: 1. Helpers  2. Replay: where the time ran out  3. Replay: edited traces, reused ids
 4. The turn's own token  5. The tools offered  6. The adapter's refused fields
@@ -574,12 +574,6 @@ def test_odd_tools_offered_replay_recorded_and_live(tmp_path, description, schem
         assert report.ok, str(report)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "a turn that failed because a tool's schema is not JSON (FunctionTools of a function whose "
-    "default is math.inf: 'holds NaN or Infinity ...; deny it') does not replay offline: "
-    "turn_started records the tools offered as [] and _Replay.list_tools answers [], so the "
-    "replayed turn goes on to the model where the recorded one raised: 'a different event' "
-    "(replay(tools=live) does replay it)"))
 def test_a_turn_failed_on_an_unfit_tool_schema_replays_offline(tmp_path):
     def clamp(x: float, hi: float = math.inf) -> float:
         """Clamp x to hi."""
