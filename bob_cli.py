@@ -1174,6 +1174,10 @@ def _run_replay(argv):
 def main(argv: list[str] | None = None) -> int:
     """Run the CLI on `argv` (default sys.argv[1:]); returns the exit code."""
     argv = sys.argv[1:] if argv is None else argv
+    # A closed terminal sends SIGHUP; the exit stops MCP servers (`replay --live-tools` too:
+    # killed outright, it left them running)
+    for signum in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, lambda n, frame: sys.exit(128 + n))
     if argv[:1] == ["replay"]:
         return _run_replay(argv[1:])
     parser = _parser()
@@ -1187,8 +1191,6 @@ def main(argv: list[str] | None = None) -> int:
     for stream, errors in ((sys.stdin, "replace"), (sys.stdout, "bob"), (sys.stderr, "bob")):
         if isinstance(stream, io.TextIOWrapper):
             stream.reconfigure(errors=errors)
-    for signum in (signal.SIGTERM, signal.SIGHUP):   # a closed terminal sends SIGHUP; the
-        signal.signal(signum, lambda n, frame: sys.exit(128 + n))  # exit stops MCP servers
     opened: list[Shell] = []
     try:
         code = _start(args, opened)
