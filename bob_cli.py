@@ -90,9 +90,9 @@ class Config:
 
 
 def _checked(values, label, where, kinds):
-    """The table, unknown keys refused (naming the nearest) and wrong kinds (None: unchecked)."""
-    if not isinstance(values, dict):
-        raise bob.ConfigError(f"{where}: {label} must be a table")
+    """The table, unknown keys refused (naming the nearest) and wrong kinds (None: unchecked).
+    `values` is a table: the kinds of the table holding it said so ("a table", "an array of
+    tables"), and TOML's top level is one."""
     for key, value in values.items():
         if key not in kinds:
             near = difflib.get_close_matches(key, list(kinds), n=1)
@@ -142,7 +142,7 @@ def _mcp_server(raw, n, where, base, environ):
     import bob_mcp   # cheap: the mcp SDK itself loads only when a server starts
     label = f"[[mcp.servers]] #{n}"
     keys = dict.fromkeys(f.name for f in fields(bob_mcp.McpServerConfig))   # kinds: its own
-    server = dict(_checked(raw, label, where, keys))
+    server = _checked(raw, label, where, keys)   # this parse's own: expanded in place
     if "id" not in server:
         raise bob.ConfigError(f"{where}: {label} needs the required key 'id'")
     for key in ("args", "env", "headers", "url"):
@@ -183,7 +183,7 @@ def _read_toml(path):
     try:
         with open(path, "rb") as f:
             data = _bounded(f.read, f"config file {path}", mib=1)
-        return tomllib.loads(data.decode("utf-8").replace("\r\n", "\n"))
+        return tomllib.loads(data.decode("utf-8"))   # CRLF lines too: TOML allows them
     except FileNotFoundError:
         raise bob.ConfigError(f"config file {path} not found; fix --config, or leave it out "
                               "to run on ./agent.toml or the built-in defaults") from None
@@ -326,9 +326,8 @@ class _EventPrinter:
 
     def emit(self, event):
         """State transitions as `from -> to`, other data as JSON, cut to the terminal's width."""
-        d = event.data
-        text = (f"{d['from']} -> {d['to']}" if event.kind == "state"
-                else json.dumps(d, default=str, ensure_ascii=False))
+        text = (f"{event.data['from']} -> {event.data['to']}" if event.kind == "state"
+                else json.dumps(event.data, default=str, ensure_ascii=False))
         print(_cut(f"  [{event.step}] {event.kind:<20} {text}"), file=self.out, flush=True)
 
 
@@ -511,7 +510,7 @@ def _input(prompt):
 
 def _note(text):
     """A line for the human on stderr (stdout carries only answers)."""
-    print(f"bob: {text}", file=sys.stderr, flush=True)
+    print(f"bob: {text}", file=sys.stderr)   # line-buffered: no flush needed
 
 
 class _Approvals:
@@ -676,7 +675,7 @@ class Shell:
                   f"in {self.config_name}")
         if self.view.out and result.finish_reason is not bob.FinishReason.CANCELLED:
             stats = f"  {self.view.stats(result)}"
-            print(stats if _plain() else f"\x1b[2m{stats}\x1b[0m", file=sys.stderr, flush=True)
+            print(stats if _plain() else f"\x1b[2m{stats}\x1b[0m", file=sys.stderr)
         if self.view.error is not None:
             raise self._unsaved()
         return result
@@ -792,9 +791,9 @@ class Shell:
     def _print_tools(self):
         tools, sources = (self.mcp.list_tools(), self.mcp.tool_sources()) if self.mcp else ([], {})
         width = max((len(t.name) for t in tools), default=0)
-        deny = self.runtime.deny_tools
         for t in tools:
-            mark = "  (denied by [policy])" if bob.is_denied(t.name, deny) else ""
+            denied = bob.is_denied(t.name, self.runtime.deny_tools)
+            mark = "  (denied by [policy])" if denied else ""
             print(_cut(f"  {t.name:<{width}}  {sources.get(t.name, '?'):<12} {t.description}",
                        len(mark)) + mark)
         if not tools:
@@ -960,8 +959,16 @@ def _parser():
 class _Voice(logging.Formatter):
     """Without -v, log warnings read like bob's own: `bob: warning: ...`, no traceback."""
 
-    def format(self, record):
-        return f"bob: {record.levelname.lower()}: {_one_line(record.getMessage())}"
+    def format(self, record):   # with the cause, if the record has one (a sink's failure)
+        cause = record.exc_info and f" ({_one_line(record.exc_info[1])})"
+        return f"bob: {record.levelname.lower()}: {_one_line(record.getMessage())}{cause or ''}"
+
+
+class _Trace(bob.JsonlEventSink):
+    """--trace FILE, as bob's warning names it when a write fails (a full disk, /dev/full)."""
+
+    def __repr__(self):
+        return f"--trace {self.path}"
 
 
 def _sinks(args):
@@ -977,7 +984,7 @@ def _sinks(args):
             _owner_only(args.trace)
         except OSError as e:
             raise bob.ConfigError(f"--trace {args.trace}: cannot write it ({e.strerror})") from None
-        sinks.append(bob.JsonlEventSink(args.trace))
+        sinks.append(_Trace(args.trace))
     return sinks
 
 
@@ -1049,8 +1056,12 @@ def _store(cfg, args):
     the _STICKY flags a resumed session fills in `args` (those not given)."""
     store = bob.JsonFileSessionStore(cfg.store_path or _xdg("XDG_DATA_HOME", ".local/share")
                                      / "bob" / "sessions")
-    with contextlib.suppress(OSError):   # conversations: owner-only (a failing save says why)
+    try:   # conversations: owner-only
         store.directory.mkdir(0o700, parents=True, exist_ok=True)
+    except OSError as e:   # a file there, no permission: said before any turn, not at its save
+        raise bob.ConfigError(f"{cfg.path or 'built-in defaults'}: [store] path: cannot make the "
+                              f"sessions directory {store.directory} ({e.strerror}); set [store] "
+                              "path to a directory bob may create") from None
     session_id = args.session
     if args.resume and not session_id:
         if recent := _by_use(store):
@@ -1151,15 +1162,13 @@ def _run_replay(argv):
                    help="the agent.toml whose tools --live-tools runs (default: ./agent.toml)")
     args = p.parse_args(argv)
     mcp = None
-    try:
-        tools, deny = None, ()
-        if args.live_tools:
-            cfg = load_config(args.config)
-            if cfg.mcp_servers:
-                import bob_mcp
-                mcp = bob_mcp.McpToolPort(cfg.mcp_servers).start()
-            tools, deny = mcp or bob.FunctionTools(), cfg.deny_tools
-        report = bob.replay(args.trace, tools=tools, deny_tools=deny)
+    try:   # recorded tools, or the config's (no MCP server: none)
+        cfg = load_config(args.config) if args.live_tools else Config()
+        if cfg.mcp_servers:
+            import bob_mcp
+            mcp = bob_mcp.McpToolPort(cfg.mcp_servers).start()
+        report = bob.replay(args.trace, tools=(mcp or bob.FunctionTools()) if args.live_tools
+                            else None, deny_tools=cfg.deny_tools)
     except bob.BobError as e:   # TraceError, ConfigError, a server that would not start
         return _fail(e, 2, False)
     except KeyboardInterrupt:
@@ -1167,7 +1176,9 @@ def _run_replay(argv):
     finally:
         if mcp:
             mcp.close()
-    print(report, flush=True)
+    # a trace's text (a field replay does not compare, shown as it is) must not drive the
+    # terminal: its controls go, its line breaks stay
+    print(str(report).translate(_CONTROLS | {10: 10}))
     return 0 if report.ok else 1
 
 

@@ -1,0 +1,110 @@
+"""The seventh round's attack on bob_cli.py and bob_mcp.py as hostile peers: a trace handed to
+`bob replay` (a bug report's attachment), signals while `bob replay --live-tools` runs MCP
+servers, a `--trace` file that cannot be written, an agent.toml whose `[store] path` is no
+directory. Each test failed before its fix (or is a strict xfail saying why it is not fixed);
+every run is a real subprocess against fake_openai or a real MCP server process."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import bob
+from conftest import CLI, final, marked_pids, run_cli, wait_until, write_config, xdg_env
+from fake_openai import FakeOpenAI
+
+# What drives a terminal: an OSC retitling it (ESC ] ... BEL), a CSI clearing it, a bidi override
+DRIVING = "\x1b]0;PWNED\x07\x1b[2J\u202e"
+
+
+def _trace(path: Path, replies) -> list[dict]:
+    """A real trace of one turn (ScriptedLlm, no tools), as its events."""
+    bob.AgentRuntime(bob.ScriptedLlm(replies), events=[bob.JsonlEventSink(path)]).run(
+        bob.AgentRequest("hello", session_id="s"))
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def _write(path: Path, events: list[dict]) -> None:
+    path.write_text("".join(json.dumps(e) + "\n" for e in events))
+
+
+# ---- 1. `bob replay` of a hostile trace: its report cannot drive the terminal ----------------
+
+def test_a_replay_report_of_a_hostile_trace_cannot_drive_the_terminal(tmp_path):
+    # A field replay does not compare (the turn's step count) is shown in the report's line
+    # as the trace has it: "turn 1: same (ESC]0;PWNED BEL ESC[2J LLM calls, ...)" retitled
+    # and cleared the terminal of whoever replayed a trace someone sent them.
+    events = _trace(tmp_path / "t.jsonl", [final("hi")])
+    for e in events:
+        if e["kind"] == "turn_completed":
+            e["data"]["steps"] = DRIVING
+    _write(tmp_path / "hostile.jsonl", events)
+    run = run_cli(tmp_path, "replay", "hostile.jsonl", env=xdg_env(tmp_path))
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.startswith("turn 1: same ("), run.stdout
+    assert not set("\x1b\x07\u202e") & set(run.stdout), repr(run.stdout)
+
+
+# ---- 2. Signals while `bob replay --live-tools` runs MCP servers -------------------------------
+
+def test_sigterm_to_replay_live_tools_leaves_no_mcp_process(tmp_path):
+    # `bob replay --live-tools` starts the config's MCP servers, but SIGTERM (or SIGHUP) killed
+    # it outright: the handlers that stop the servers first were set only for the other modes.
+    # The server here never answers the handshake; its child (in its process group, deaf to
+    # SIGTERM, as a tool's worker may be) outlived bob.
+    marker = f"31.{os.getpid()}"   # sleep's argument: the child found in /proc by it
+    server = f"(trap '' TERM HUP; exec sleep {marker}) & exec cat > /dev/null"
+    (tmp_path / "agent.toml").write_text(
+        f'[[mcp.servers]]\nid = "slow"\ncommand = "sh"\nargs = ["-c", "{server}"]\n')
+    _write(tmp_path / "t.jsonl", _trace(tmp_path / "r.jsonl", [final("hi")]))
+    proc = subprocess.Popen([sys.executable, str(CLI), "replay", "t.jsonl", "--live-tools"],
+                            cwd=tmp_path, env=xdg_env(tmp_path), stdin=subprocess.DEVNULL,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert wait_until(lambda: marked_pids(marker), 10), "the MCP server never started"
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=10)
+        assert proc.returncode == 128 + signal.SIGTERM, (out, err)
+        assert wait_until(lambda: not marked_pids(marker), 3), "an MCP process outlived bob"
+    finally:
+        proc.kill()
+        proc.communicate()
+        for pid in marked_pids(marker):   # this test's own: a break leaves it behind
+            os.kill(pid, signal.SIGKILL)
+
+
+# ---- 3. A --trace file that takes the first line but not the next -----------------------------
+
+def test_a_trace_that_cannot_be_written_says_which_file_and_why(tmp_path):
+    # --trace /dev/full (a full disk, a pipe whose reader stalled): the check before the turn
+    # opens it fine, every write fails. bob said only `bob: warning: event sink
+    # <bob.JsonlEventSink object at 0x7f...> failed on session_loaded; ignored`: not the
+    # file, not why, not that the trace is lost.
+    with FakeOpenAI([final("the answer")]) as srv:
+        write_config(tmp_path, srv)
+        run = run_cli(tmp_path, "-p", "hi", "--trace", "/dev/full", env=xdg_env(tmp_path))
+    assert run.returncode == 0 and run.stdout == "the answer\n", run
+    assert run.stderr.startswith("bob: warning: "), run.stderr
+    assert "--trace /dev/full" in run.stderr and "No space left on device" in run.stderr, (
+        run.stderr)
+    assert "object at 0x" not in run.stderr and run.stderr.count("\n") == 1, run.stderr
+
+
+# ---- 4. agent.toml: a [store] path that is no directory ---------------------------------------
+
+def test_a_store_path_naming_a_file_is_a_config_error_naming_the_key(tmp_path):
+    # `[store] path = "notes.txt"` (a file): the turn failed at its start with exit 1, `could
+    # not save session ID: cannot read session file .../notes.txt/ID.json: Not a directory`:
+    # not the key to fix, nor a config error (exit 2).
+    (tmp_path / "notes.txt").write_text("my notes\n")
+    path = write_config(tmp_path, None, runtime="")
+    path.write_text(path.read_text() + '[store]\npath = "notes.txt"\n')
+    for args in (["-p", "hi"], ["--sessions"]):
+        run = run_cli(tmp_path, *args, env=xdg_env(tmp_path))
+        assert run.returncode == 2, (args, run.stderr)
+        assert run.stderr.startswith("bob: error: ") and run.stderr.count("\n") == 1, run.stderr
+        assert "[store] path" in run.stderr and str(path) in run.stderr, run.stderr
+    assert (tmp_path / "notes.txt").read_text() == "my notes\n"
