@@ -436,9 +436,8 @@ class _TurnView:
 
     def stats(self, r):
         """steps, tool calls, tokens in/out (? when the server said nothing), elapsed."""
-        u = r.usage
-        tokens = (f"{u.prompt_tokens} in / {u.completion_tokens} out" if u.total_tokens
-                  else "? in / ? out")
+        tokens = (f"{r.usage.prompt_tokens} in / {r.usage.completion_tokens} out"
+                  if r.usage.total_tokens else "? in / ? out")
         return (f"LLM calls {r.steps}, tool calls {r.tool_calls}, tokens {tokens}, "
                 f"{time.monotonic() - self.t0:.1f} s")
 
@@ -654,12 +653,6 @@ class Shell:
             if new:
                 _forget(store, self.session_id)
             raise
-        else:   # saved: `bob -c` runs with the flags again (kept before any print: `| head`)
-            if self.flags:
-                with contextlib.suppress(OSError):
-                    path = _flags_file(store, self.session_id)
-                    _owner_only(path)   # as the session's file
-                    path.write_text(json.dumps(self.flags))
         shown, content = self.view.shown, result.content
         if result.finish_reason is bob.FinishReason.CANCELLED:   # one line says it all
             if shown:
@@ -685,7 +678,8 @@ class Shell:
 
     def _run(self, text):
         """runtime.run on a worker thread: SIGINT, which Python handles on the main thread, then
-        only sets the cancel token, and the runtime returns within 100 ms of it."""
+        only sets the cancel token, and the runtime returns within 100 ms of it. A turn saved
+        has the session's _STICKY flags written beside it (ID.flags)."""
         cancel = self.cancel = self.approvals.cancel = bob.CancelToken()
         self.approvals.session = self.session_id
         outcome = queue.SimpleQueue()   # the turn's result, or what it raised
@@ -723,6 +717,14 @@ class Shell:
             self.view.tick(stop=True)
         if isinstance(result := outcome.get(), BaseException):
             raise result
+        if self.flags:   # saved: `bob -c` runs with the flags again (kept before any print)
+            with contextlib.suppress(OSError):
+                path = _flags_file(self.runtime.store, self.session_id)
+                # a symlink planted there is removed, never written through (as the store does
+                # with its files); then a new file, owner-only as the session's
+                path.unlink(missing_ok=True)
+                _owner_only(path)
+                path.write_text(json.dumps(self.flags))
         return result
 
     def command(self, line: str) -> bool:
@@ -792,8 +794,8 @@ class Shell:
         tools, sources = (self.mcp.list_tools(), self.mcp.tool_sources()) if self.mcp else ([], {})
         width = max((len(t.name) for t in tools), default=0)
         for t in tools:
-            denied = bob.is_denied(t.name, self.runtime.deny_tools)
-            mark = "  (denied by [policy])" if denied else ""
+            mark = ("  (denied by [policy])" if bob.is_denied(t.name, self.runtime.deny_tools)
+                    else "")
             print(_cut(f"  {t.name:<{width}}  {sources.get(t.name, '?'):<12} {t.description}",
                        len(mark)) + mark)
         if not tools:
@@ -879,7 +881,7 @@ def _run_repl(shell, banner):
         with contextlib.suppress(OSError):
             readline.read_history_file(path)
         readline.set_history_length(1000)
-        if os.environ.get("TERM", "dumb") != "dumb":   # a paste of many lines: one message
+        if not _plain():   # a paste of many lines: one message (bracketed paste: escapes)
             readline.parse_and_bind("set enable-bracketed-paste on")
         atexit.register(_save_history, readline, path)
     _note(banner)

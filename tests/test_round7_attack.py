@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 
 import bob
-from conftest import CLI, final, marked_pids, run_cli, wait_until, write_config, xdg_env
+from conftest import (CLI, Terminal, final, marked_pids, run_cli, wait_until, write_config,
+                      xdg_env)
 from fake_openai import FakeOpenAI
 
 # What drives a terminal: an OSC retitling it (ESC ] ... BEL), a CSI clearing it, a bidi override
@@ -138,3 +139,42 @@ def test_a_trace_into_a_pipe_keeps_every_line_whole(tmp_path):
     assert run.returncode == 0 and len(run.stdout) == 300_001, run.stderr
     events = [json.loads(line) for line in read[0].decode().splitlines()]   # each line whole
     assert events[-1]["kind"] == "turn_completed" and run.stderr == "", run.stderr
+
+
+# ---- 5. A sessions directory with something planted in it ----------------------------------
+
+def test_a_symlink_planted_as_a_sessions_flags_file_is_not_written_through(tmp_path):
+    # The store never writes through a symlink planted in its directory (README, "Sessions and
+    # stores"), but the CLI's ID.flags beside it was written with open(..., "w"): a `.flags`
+    # symlink (a cloned repository's `.bob/sessions`, as its agent.toml's [store] path says)
+    # had its target, any file of the user's, replaced by {"model": ...}.
+    sessions = tmp_path / "sessions"
+    sessions.mkdir()
+    victim = tmp_path / "notes.txt"
+    victim.write_text("my notes\n")
+    (sessions / "s1.flags").symlink_to("../notes.txt")
+    with FakeOpenAI([final("hi")]) as srv:
+        path = write_config(tmp_path, srv)
+        path.write_text(path.read_text() + '[store]\npath = "sessions"\n')
+        run = run_cli(tmp_path, "--session", "s1", "--model", "openai:other", "-p", "hi",
+                      env=xdg_env(tmp_path))
+    assert run.returncode == 0 and run.stdout == "hi\n", run.stderr
+    assert victim.read_text() == "my notes\n"
+    assert json.loads((sessions / "s1.flags").read_text()) == {"model": "openai:other"}
+
+
+# ---- 6. A real terminal: NO_COLOR means no escape sequence at all -----------------------------
+
+def test_no_color_turns_off_bracketed_paste_too(tmp_path):
+    # README: "With TERM=dumb or NO_COLOR set, bob writes no escape sequences". With NO_COLOR
+    # on an xterm, the REPL still turned readline's bracketed paste on: ESC[?2004h before each
+    # prompt (shown as ^[[?2004h by a terminal log, an editor's shell buffer, `script`).
+    write_config(tmp_path, None)
+    term = Terminal(tmp_path, env=xdg_env(tmp_path, TERM="xterm", NO_COLOR="1"))
+    try:
+        shown = term.expect(b"bob> ")
+        term.send(b"/help\r")
+        shown += term.expect(b"bob> ")
+    finally:
+        term.close()
+    assert b"/save FILE" in shown and b"\x1b" not in shown, shown
