@@ -183,7 +183,7 @@ def _read_toml(path):
     try:
         with open(path, "rb") as f:
             data = _bounded(f.read, f"config file {path}", mib=1)
-        return tomllib.loads(data.decode("utf-8"))   # CRLF lines too: TOML allows them
+        return tomllib.loads(data.decode())   # CRLF lines too: TOML allows them
     except FileNotFoundError:
         raise bob.ConfigError(f"config file {path} not found; fix --config, or leave it out "
                               "to run on ./agent.toml or the built-in defaults") from None
@@ -278,8 +278,7 @@ _DEMO_REPLIES = (
     ('{"type": "tool_call", "name": "word_count", "arguments": {"text": '
      '"the quick brown fox jumps"}}'),
     '{"type": "tool_call", "name": "add", "arguments": {"a": 5, "b": 37}}',
-    lambda req, cancel: json.dumps({"type": "final", "content": "The text has 5 words; "
-                                    f"5 + 37 = {req.messages[-1].content.split()[-1]}."}),
+    '{"type": "final", "content": "The text has 5 words; 5 + 37 = 42."}',   # canned as the rest
 )
 
 # control characters made harmless, and the bidi controls (U+202E drew the rest of a line right
@@ -287,6 +286,7 @@ _DEMO_REPLIES = (
 _CONTROLS = dict.fromkeys([*range(32), *range(127, 160), *map(ord, "\u061c\u200e\u200f"
                            "\u202a\u202b\u202c\u202d\u202e\u2066\u2067\u2068\u2069")], "\ufffd")
 _CONTROLS |= dict.fromkeys(map(ord, "\t\n\r"), " ")
+_LINES = _CONTROLS | {10: 10}   # the same for text of many lines (a report, -v's logs): "\n" stays
 
 
 def _plain():
@@ -465,6 +465,9 @@ class _Above(logging.StreamHandler):  # type: ignore[type-arg]
     goes on a new line, and the prompt and what was typed so far are drawn again."""
     prompt = ""   # _input's, while it waits for a line
 
+    def format(self, record):   # -v's too: a server's text in it (an MCP SDK warning quoting
+        return super().format(record).translate(_LINES)   # an SSE event's name) is shown inert
+
     def emit(self, record):
         if not self.prompt:
             return super().emit(record)
@@ -584,7 +587,7 @@ def _resumed(store, session_id):
 
 def _owner_only(path):
     """Create the file owner-only (0600) if it is not there; an existing one keeps its mode."""
-    os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NONBLOCK, 0o600))
+    os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_NONBLOCK, 0o600))
 
 
 _STICKY = ("model", "base_url", "api_key_env")   # the flags a session remembers
@@ -1179,8 +1182,8 @@ def _run_replay(argv):
         if mcp:
             mcp.close()
     # a trace's text (a field replay does not compare, shown as it is) must not drive the
-    # terminal: its controls go, its line breaks stay
-    print(str(report).translate(_CONTROLS | {10: 10}))
+    # terminal
+    print(str(report).translate(_LINES))
     return 0 if report.ok else 1
 
 

@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -178,3 +179,60 @@ def test_no_color_turns_off_bracketed_paste_too(tmp_path):
     finally:
         term.close()
     assert b"/save FILE" in shown and b"\x1b" not in shown, shown
+
+
+# ---- 7. A Streamable HTTP MCP server whose words reach -v's log lines -------------------------
+
+class _SseHandler(BaseHTTPRequestHandler):
+    """An MCP server answering each request as an SSE stream whose first event has a name that
+    drives a terminal (the MCP SDK logs `Unknown SSE event: NAME` and goes on), then the answer."""
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+    def _send(self, status: int, data: bytes = b"", kind: str = "text/plain") -> None:
+        self.send_response(status)
+        self.send_header("Content-Type", kind)
+        self.send_header("Mcp-Session-Id", "s1")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def do_GET(self) -> None:
+        self._send(405)
+
+    do_DELETE = do_GET
+
+    def do_POST(self) -> None:
+        body = json.loads(self.rfile.read(int(self.headers.get("Content-Length") or 0)))
+        if "id" not in body:
+            return self._send(202)
+        result = {"initialize": {"protocolVersion": body.get("params", {}).get("protocolVersion"),
+                                 "capabilities": {"tools": {}},
+                                 "serverInfo": {"name": "sse", "version": "1"}},
+                  "tools/list": {"tools": [{"name": "echo", "inputSchema": {"type": "object"}}]}
+                  }.get(body["method"], {"content": [{"type": "text", "text": "ok"}]})
+        answer = json.dumps({"jsonrpc": "2.0", "id": body["id"], "result": result})
+        self._send(200, f"event: {DRIVING}\ndata: x\n\nevent: message\ndata: {answer}\n\n"
+                   .encode(), "text/event-stream")
+
+
+def test_verbose_log_lines_quoting_an_http_server_cannot_drive_the_terminal(tmp_path):
+    # Without -v a library's warning reads `bob: warning: ...`, controls shown as U+FFFD; with
+    # -v the log lines went out as the record had them: the SDK's `Unknown SSE event: ESC]0;...`
+    # retitled and cleared the terminal (README: -v's lines cannot drive it).
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _SseHandler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        with FakeOpenAI([final("done")]) as srv:
+            write_config(tmp_path, srv, extra=(
+                f'[[mcp.servers]]\nid = "w"\ntransport = "streamable_http"\n'
+                f'url = "http://127.0.0.1:{server.server_address[1]}/mcp"\n'))
+            run = run_cli(tmp_path, "-v", "-p", "hi", env=xdg_env(tmp_path))
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert run.returncode == 0 and run.stdout == "done\n", run.stderr
+    assert "Unknown SSE event: " in run.stderr, run.stderr
+    assert not set("\x1b\x07\u202e") & set(run.stderr), repr(run.stderr[-600:])
