@@ -599,11 +599,11 @@ def _flags_file(store, session_id):
 
 
 def _forget(store, session_id):
-    """Delete the session's files; whether it was stored."""
-    _flags_file(store, session_id).unlink(missing_ok=True)
+    """Delete the session's files; whether it was stored (an id no store takes never is)."""
     try:
+        _flags_file(store, session_id).unlink(missing_ok=True)
         store.path_for(session_id).unlink()
-    except FileNotFoundError:
+    except (FileNotFoundError, bob.StoreError):
         return False
     return True
 
@@ -981,8 +981,10 @@ def _sinks(args):
     handler = _Above(sys.stderr)
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
                          if args.verbose else _Voice())
-    logging.basicConfig(level=logging.WARNING, handlers=[handler])   # httpx's INFO: URLs, tokens
-    logging.getLogger("bob").setLevel(logging.INFO if args.verbose else logging.WARNING)
+    # the root logger stays at WARNING, its default: httpx's INFO records name URLs (tokens)
+    logging.basicConfig(handlers=[handler])
+    if args.verbose:
+        logging.getLogger("bob").setLevel(logging.INFO)
     sinks = [_EventPrinter(sys.stderr)] if args.verbose and not args.demo else []
     if args.trace:
         try:  # the sink opens it at the first event: find a bad path now, not once per event
@@ -1137,10 +1139,10 @@ def _start(args, opened):
         return _run_demo(_sinks(args))
     found = _find_config(args.config, args.verbose)
     cfg = load_config(found) if found else Config()
-    if args.sessions or args.forget:   # need no key
+    if args.sessions or args.forget is not None:   # need no key ("": an unset $VAR, refused)
         store = _store(cfg, args)[0]
-        if args.forget and not _forget(store, args.forget):
-            raise bob.ConfigError(f"--forget: no session {args.forget} in {store.directory}; "
+        if args.forget is not None and not _forget(store, args.forget):
+            raise bob.ConfigError(f"--forget: no session {args.forget!r} in {store.directory}; "
                                   "--sessions lists them")
         return _list_sessions(store)   # --forget: the sessions left
     _answers()   # now, while descriptors are free: a prompt takes none (and never fails so)
@@ -1187,12 +1189,15 @@ def _run_replay(argv):
     return 0 if report.ok else 1
 
 
+_ENDING = (signal.SIGTERM, signal.SIGHUP)   # what main() turns into an exit (128 + N)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the CLI on `argv` (default sys.argv[1:]); returns the exit code."""
     argv = sys.argv[1:] if argv is None else argv
     # A closed terminal sends SIGHUP; the exit stops MCP servers (`replay --live-tools` too:
     # killed outright, it left them running)
-    for signum in (signal.SIGTERM, signal.SIGHUP):
+    for signum in _ENDING:
         signal.signal(signum, lambda n, frame: sys.exit(128 + n))
     if argv[:1] == ["replay"]:
         return _run_replay(argv[1:])
@@ -1223,8 +1228,7 @@ def main(argv: list[str] | None = None) -> int:
     except (KeyboardInterrupt, EOFError):   # EOFError: Ctrl-D at a question before the REPL
         return 130
     finally:   # stop MCP servers; bounded, so a second Ctrl-C may not cut it short
-        held = {n: signal.signal(n, signal.SIG_IGN)
-                for n in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+        held = {n: signal.signal(n, signal.SIG_IGN) for n in (signal.SIGINT, *_ENDING)}
         for shell in opened:
             shell.close()
         for signum, handler in held.items():

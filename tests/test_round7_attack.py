@@ -5,11 +5,14 @@ directory. Each test failed before its fix (or is a strict xfail saying why it i
 every run is a real subprocess against fake_openai or a real MCP server process."""
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import signal
+import struct
 import subprocess
 import sys
+import termios
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -121,25 +124,30 @@ def test_a_store_path_naming_a_file_is_a_config_error_naming_the_key(tmp_path):
                    "broken for the rest of the turn. The fix (blocking writes once opened) is "
                    "bob.py's, which another engineer is editing")
 def test_a_trace_into_a_pipe_keeps_every_line_whole(tmp_path):
-    # `bob --trace >(gzip > t.gz)`: the trace is a pipe, read as fast as it comes. An answer of
-    # 300 KB (one llm_call_completed line) came out cut at 64 KB, and no event after it.
+    # `bob --trace >(gzip > t.gz)`: the trace is a pipe, and its reader takes a moment. An
+    # answer of 300 KB (one llm_call_completed line) came out cut at the pipe's 64 KB, and no
+    # event after it. The reader here begins once half the pipe is taken (or bob is done): a
+    # blocking write waits for it, a non-blocking one fails at once.
     reader_end, writer_end = os.pipe()
-    read: list[bytes] = []
-    reader = threading.Thread(target=lambda: read.append(os.fdopen(reader_end, "rb").read()))
-    reader.start()
-    try:
-        with FakeOpenAI([final("x" * 300_000)]) as srv:
-            write_config(tmp_path, srv)
-            run = subprocess.run([sys.executable, str(CLI), "-p", "hi", "--trace",
-                                  f"/dev/fd/{writer_end}"], cwd=tmp_path, env=xdg_env(tmp_path),
-                                 stdin=subprocess.DEVNULL, capture_output=True, text=True,
-                                 timeout=15, pass_fds=[writer_end])
-    finally:
+    answer = (tmp_path / "answer.txt").open("w")
+    with FakeOpenAI([final("x" * 300_000)]) as srv:
+        write_config(tmp_path, srv)
+        proc = subprocess.Popen([sys.executable, str(CLI), "-p", "hi", "--trace",
+                                 f"/dev/fd/{writer_end}"], cwd=tmp_path, env=xdg_env(tmp_path),
+                                stdin=subprocess.DEVNULL, stdout=answer, stderr=subprocess.PIPE,
+                                text=True, pass_fds=[writer_end])
         os.close(writer_end)
-        reader.join(10)
-    assert run.returncode == 0 and len(run.stdout) == 300_001, run.stderr
-    events = [json.loads(line) for line in read[0].decode().splitlines()]   # each line whole
-    assert events[-1]["kind"] == "turn_completed" and run.stderr == "", run.stderr
+        with os.fdopen(reader_end, "rb") as trace:
+            def queued() -> int:
+                return struct.unpack("i", fcntl.ioctl(trace, termios.FIONREAD, b"    "))[0]
+            wait_until(lambda: queued() >= 32768 or proc.poll() is not None, 15)
+            lines = trace.read().decode().splitlines()   # to its end: bob's exit closes it
+        err = proc.communicate(timeout=15)[1]
+    answer.close()
+    assert proc.returncode == 0 and err == "", err
+    assert (tmp_path / "answer.txt").stat().st_size == 300_001
+    events = [json.loads(line) for line in lines]   # each line whole
+    assert events[-1]["kind"] == "turn_completed"
 
 
 # ---- 5. A sessions directory with something planted in it ----------------------------------
@@ -236,3 +244,19 @@ def test_verbose_log_lines_quoting_an_http_server_cannot_drive_the_terminal(tmp_
     assert run.returncode == 0 and run.stdout == "done\n", run.stderr
     assert "Unknown SSE event: " in run.stderr, run.stderr
     assert not set("\x1b\x07\u202e") & set(run.stderr), repr(run.stderr[-600:])
+
+
+# ---- 8. Odd flag values --------------------------------------------------------------------
+
+def test_forget_of_an_empty_or_bad_id_is_a_usage_error_and_runs_no_turn(tmp_path):
+    # `bob --forget "$ID"` with ID unset: --forget "" was taken for no --forget at all, and bob
+    # went on to run: here each piped line became a turn sent to the model. `--forget ../x`
+    # was exit 1, a runtime error. Both are usage errors (exit 2), as `--session ""` is.
+    with FakeOpenAI([final("sent")]) as srv:
+        write_config(tmp_path, srv)
+        runs = [run_cli(tmp_path, "--forget", bad, stdin="my secret notes\n",
+                        env=xdg_env(tmp_path)) for bad in ("", "../x")]
+        assert not srv.requests, "a turn ran"
+    for run in runs:
+        assert run.returncode == 2 and run.stdout == "", (run.returncode, run.stderr)
+        assert run.stderr.startswith("bob: error: ") and "--sessions" in run.stderr, run.stderr
