@@ -197,33 +197,32 @@ def _read_toml(path):
 def load_config(path: str | os.PathLike[str], environ: dict[str, str] | None = None) -> Config:
     """Read and check an agent.toml; every problem is a ConfigError naming file, table and key."""
     path = _path(os.fspath(path), "--config", Path()).absolute()
-    where = str(path)
     env = os.environ if environ is None else environ   # only read
-    doc = _checked(_read_toml(path), "the top level", where, _SCHEMA["top level"])
-    t = {name: _checked(doc.get(name, {}), f"[{name}]", where, _SCHEMA[name])
+    doc = _checked(_read_toml(path), "the top level", path, _SCHEMA["top level"])
+    t = {name: _checked(doc.get(name, {}), f"[{name}]", path, _SCHEMA[name])
          for name in _SCHEMA["top level"]}
     llm = t["llm"]
     for key, (low, high) in _RANGES.items():
         if key in llm and not low <= llm[key] <= high:
-            raise bob.ConfigError(f"{where}: [llm] {key} must be between {low} and {high}")
+            raise bob.ConfigError(f"{path}: [llm] {key} must be between {low} and {high}")
     if "base_url" in llm:
-        _check_url(llm["base_url"], f"{where}: [llm] base_url")
+        _check_url(llm["base_url"], f"{path}: [llm] base_url")
     if "headers" in llm:   # a key for a header: api-key = "${AZURE_OPENAI_API_KEY}"
-        llm["headers"] = _expand(llm["headers"], f"{where}: [llm] headers", env)
-    servers = tuple(_mcp_server(s, n, where, path.parent, env)
+        llm["headers"] = _expand(llm["headers"], f"{path}: [llm] headers", env)
+    servers = tuple(_mcp_server(s, n, path, path.parent, env)
                     for n, s in enumerate(t["mcp"].get("servers", []), 1))
     rt = t["runtime"]
     store = t["store"].get("path")
     if rt.get("action_mode", "json") not in ("json", "native"):
-        raise bob.ConfigError(f'{where}: [runtime] action_mode must be "json" or "native"')
+        raise bob.ConfigError(f'{path}: [runtime] action_mode must be "json" or "native"')
     try:  # TurnPolicy checks its own values
         policy = bob.TurnPolicy(**{k: v for k, v in rt.items() if k in _POLICY_KEYS})
     except bob.ConfigError as e:
-        raise bob.ConfigError(f"{where}: [runtime] {e}") from None
+        raise bob.ConfigError(f"{path}: [runtime] {e}") from None
     return Config(path, **{k: v for k, v in rt.items() if k not in _POLICY_KEYS}, policy=policy,
                   llm=llm, **{k: tuple(v) for k, v in t["policy"].items()},  # deny_, ask_tools
                   mcp_servers=servers,
-                  store_path=None if store is None else _path(store, f"{where}: [store] path",
+                  store_path=None if store is None else _path(store, f"{path}: [store] path",
                                                             path.parent))
 
 
@@ -847,11 +846,13 @@ def _by_use(store):
 def _list_sessions(store):
     """--sessions: id, last used, turns, the first user line; newest last."""
     for mtime, path in _by_use(store):
-        with contextlib.suppress(bob.StoreError):
+        try:
             state = store.load(path.stem)
             users = [m.content for m in (state.messages if state else []) if m.role == "user"]
             used = time.strftime("%Y-%m-%d %H:%M", time.localtime(mtime))
             print(_cut(f"{path.stem}  {used}  turns {len(users):>3}  {(users or [''])[0]}"))
+        except bob.StoreError as e:   # a file cut short: named, not left out without a word
+            _note(f"warning: {_one_line(e)}")
     return 0
 
 

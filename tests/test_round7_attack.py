@@ -260,3 +260,18 @@ def test_forget_of_an_empty_or_bad_id_is_a_usage_error_and_runs_no_turn(tmp_path
     for run in runs:
         assert run.returncode == 2 and run.stdout == "", (run.returncode, run.stderr)
         assert run.stderr.startswith("bob: error: ") and "--sessions" in run.stderr, run.stderr
+
+
+def test_sessions_names_a_session_file_it_cannot_read(tmp_path):
+    # A session file cut short (a disk that filled, an edit gone wrong) was left out of
+    # --sessions without a word, while `bob -c` picked it and failed on it: the user could not
+    # see which session it was, nor why.
+    sessions = tmp_path / "xd" / "bob" / "sessions"
+    sessions.mkdir(parents=True)
+    whole = {"messages": [{"role": "user", "content": "hello"}], "usage": {}, "version": 1}
+    (sessions / "good.json").write_text(json.dumps(whole))
+    (sessions / "cut.json").write_text(json.dumps(whole)[:40])
+    run = run_cli(tmp_path, "--sessions", env=xdg_env(tmp_path))
+    assert run.returncode == 0 and run.stdout.startswith("good  "), run
+    assert run.stderr.startswith("bob: warning: ") and "cut.json" in run.stderr, run.stderr
+    assert run.stderr.count("\n") == 1, run.stderr
