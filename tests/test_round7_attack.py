@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 
 import bob
-from conftest import (CLI, Terminal, final, marked_pids, run_cli, wait_until, write_config,
-                      xdg_env)
+from conftest import (CLI, Terminal, begun_early, cli_begun, collected, final, marked_pids,
+                      run_cli, wait_until, write_config, xdg_env)
 from fake_openai import FakeOpenAI
 
 # What drives a terminal: an OSC retitling it (ESC ] ... BEL), a CSI clearing it, a bidi override
@@ -58,29 +58,36 @@ def test_a_replay_report_of_a_hostile_trace_cannot_drive_the_terminal(tmp_path):
 
 # ---- 2. Signals while `bob replay --live-tools` runs MCP servers -------------------------------
 
-def test_sigterm_to_replay_live_tools_leaves_no_mcp_process(tmp_path):
+MARKER = f"31.{os.getpid()}"   # the argument of the MCP server's child: found in /proc by it
+
+
+def begin_replay_live(path: Path, srv: FakeOpenAI) -> subprocess.Popen[str]:
+    """`bob replay --live-tools` on a config of MCP servers that never answer the handshake,
+    each with a child deaf to SIGTERM in its process group (as a tool's worker may be): six,
+    started together, so that a signal as the first appears finds others spawning."""
+    server = f"(trap '' TERM HUP; exec sleep {MARKER}) & exec cat > /dev/null"
+    (path / "agent.toml").write_text("".join(
+        f'[[mcp.servers]]\nid = "slow{n}"\ncommand = "sh"\nargs = ["-c", "{server}"]\n'
+        for n in range(6)))
+    _write(path / "t.jsonl", _trace(path / "r.jsonl", [final("hi")]))
+    return cli_begun(path, "replay", "t.jsonl", "--live-tools", env=xdg_env(path))
+
+
+def test_sigterm_to_replay_live_tools_leaves_no_mcp_process(early):
     # `bob replay --live-tools` starts the config's MCP servers, but SIGTERM (or SIGHUP) killed
-    # it outright: the handlers that stop the servers first were set only for the other modes.
-    # The server here never answers the handshake; its child (in its process group, deaf to
-    # SIGTERM, as a tool's worker may be) outlived bob.
-    marker = f"31.{os.getpid()}"   # sleep's argument: the child found in /proc by it
-    server = f"(trap '' TERM HUP; exec sleep {marker}) & exec cat > /dev/null"
-    (tmp_path / "agent.toml").write_text(
-        f'[[mcp.servers]]\nid = "slow"\ncommand = "sh"\nargs = ["-c", "{server}"]\n')
-    _write(tmp_path / "t.jsonl", _trace(tmp_path / "r.jsonl", [final("hi")]))
-    proc = subprocess.Popen([sys.executable, str(CLI), "replay", "t.jsonl", "--live-tools"],
-                            cwd=tmp_path, env=xdg_env(tmp_path), stdin=subprocess.DEVNULL,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # it outright: the handlers that stop the servers first were set only for the other modes,
+    # and the servers' children outlived bob. Then (bob_mcp.py) a stop that landed while a
+    # server was spawning killed its pid alone (asyncio's doing), never its group: its child
+    # outlived bob (1 run in 4 or so here before the fix; 2 in 15 with one server).
+    proc = early["replay_live"].run
     try:
-        assert wait_until(lambda: marked_pids(marker), 10), "the MCP server never started"
+        assert wait_until(lambda: marked_pids(MARKER), 10), "the MCP server never started"
         proc.send_signal(signal.SIGTERM)
-        out, err = proc.communicate(timeout=10)
-        assert proc.returncode == 128 + signal.SIGTERM, (out, err)
-        assert wait_until(lambda: not marked_pids(marker), 3), "an MCP process outlived bob"
+        run = collected(proc)
+        assert run.returncode == 128 + signal.SIGTERM, run
+        assert wait_until(lambda: not marked_pids(MARKER), 3), "an MCP process outlived bob"
     finally:
-        proc.kill()
-        proc.communicate()
-        for pid in marked_pids(marker):   # this test's own: a break leaves it behind
+        for pid in marked_pids(MARKER):   # this test's own: a break leaves it behind
             os.kill(pid, signal.SIGKILL)
 
 
@@ -226,24 +233,36 @@ class _SseHandler(BaseHTTPRequestHandler):
                    .encode(), "text/event-stream")
 
 
-def test_verbose_log_lines_quoting_an_http_server_cannot_drive_the_terminal(tmp_path):
+SSE_SERVERS: dict[Path, ThreadingHTTPServer] = {}   # begin_sse's, by the run's directory
+
+
+def begin_sse(path: Path, srv: FakeOpenAI) -> subprocess.Popen[str]:
+    """`bob -v -p hi` with a Streamable HTTP MCP server answering in SSE (_SseHandler)."""
+    server = SSE_SERVERS[path] = ThreadingHTTPServer(("127.0.0.1", 0), _SseHandler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    srv.push(final("done"))
+    write_config(path, srv, extra=(f'[[mcp.servers]]\nid = "w"\ntransport = "streamable_http"\n'
+                                   f'url = "http://127.0.0.1:{server.server_address[1]}/mcp"\n'))
+    return cli_begun(path, "-v", "-p", "hi", env=xdg_env(path))
+
+
+def test_verbose_log_lines_quoting_an_http_server_cannot_drive_the_terminal(early):
     # Without -v a library's warning reads `bob: warning: ...`, controls shown as U+FFFD; with
     # -v the log lines went out as the record had them: the SDK's `Unknown SSE event: ESC]0;...`
     # retitled and cleared the terminal (README: -v's lines cannot drive it).
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _SseHandler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
-        with FakeOpenAI([final("done")]) as srv:
-            write_config(tmp_path, srv, extra=(
-                f'[[mcp.servers]]\nid = "w"\ntransport = "streamable_http"\n'
-                f'url = "http://127.0.0.1:{server.server_address[1]}/mcp"\n'))
-            run = run_cli(tmp_path, "-v", "-p", "hi", env=xdg_env(tmp_path))
+        run = collected(early["sse"].run)
     finally:
+        server = SSE_SERVERS.pop(early["sse"].path)
         server.shutdown()
         server.server_close()
     assert run.returncode == 0 and run.stdout == "done\n", run.stderr
     assert "Unknown SSE event: " in run.stderr, run.stderr
     assert not set("\x1b\x07\u202e") & set(run.stderr), repr(run.stderr[-600:])
+
+
+# The two runs that start an MCP server (each imports the MCP SDK: a second of CPU), side by side
+early = begun_early({"replay_live": begin_replay_live, "sse": begin_sse})
 
 
 # ---- 8. Odd flag values --------------------------------------------------------------------
