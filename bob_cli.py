@@ -95,7 +95,7 @@ def _checked(values, label, where, kinds):
     tables"), and TOML's top level is one."""
     for key, value in values.items():
         if key not in kinds:
-            near = difflib.get_close_matches(key, list(kinds), n=1)
+            near = difflib.get_close_matches(key, kinds, n=1)
             raise bob.ConfigError(f"{where}: unknown key {key!r} in {label}; "
                                   + (f"did you mean {near[0]!r}? " if near else "")
                                   + f"valid keys: {', '.join(kinds)}")
@@ -1050,7 +1050,7 @@ def _llm_or_ask(cfg, args, interactive):
         except bob.ConfigError as e:
             if "no API key" not in str(e) or not interactive:
                 raise
-            _note(str(e))
+            _note(e)
             url, _, name = _input("bob: or type a local server's URL and its model's name, e.g. "
                                  "http://127.0.0.1:8080/v1 qwen2.5 (Enter quits)> "
                                  ).strip().partition(" ")
@@ -1179,14 +1179,12 @@ def _run_replay(argv):
                             else None, deny_tools=cfg.deny_tools)
     except bob.BobError as e:   # TraceError, ConfigError, a server that would not start
         return _fail(e, 2, False)
-    except KeyboardInterrupt:
-        return 130
-    finally:
+    finally:   # (main: Ctrl-C is 130, a reader that left 141)
         if mcp:
             mcp.close()
     # a trace's text (a field replay does not compare, shown as it is) must not drive the
     # terminal
-    print(str(report).translate(_LINES))
+    print(str(report).translate(_LINES), flush=True)   # a reader that left: main says 141
     return 0 if report.ok else 1
 
 
@@ -1200,10 +1198,9 @@ def main(argv: list[str] | None = None) -> int:
     # killed outright, it left them running)
     for signum in _ENDING:
         signal.signal(signum, lambda n, frame: sys.exit(128 + n))
-    if argv[:1] == ["replay"]:
-        return _run_replay(argv[1:])
+    replay = argv[:1] == ["replay"]   # `bob replay TRACE`, with flags of its own
     parser = _parser()
-    args = parser.parse_args(argv)
+    args = parser.parse_args([] if replay else argv)
     if args.prompt is not None and not args.prompt.strip():
         parser.error("-p needs a prompt (or '-' to read it from stdin)")
     sys.stdin = sys.stdin or open(os.devnull)   # closed (bob <&-): read as empty
@@ -1214,8 +1211,8 @@ def main(argv: list[str] | None = None) -> int:
         if isinstance(stream, io.TextIOWrapper):
             stream.reconfigure(errors=errors)
     opened: list[Shell] = []
-    try:
-        code = _start(args, opened)
+    try:   # replay: the same exits, a reader that left (`| head`) and Ctrl-C
+        code = _run_replay(argv[1:]) if replay else _start(args, opened)
         sys.stderr.flush()   # raises if -v's reader left (`2>&1 | head`): Python's exit says 120
         return code
     except bob.ConfigError as e:

@@ -56,6 +56,18 @@ def test_a_replay_report_of_a_hostile_trace_cannot_drive_the_terminal(tmp_path):
     assert not set("\x1b\x07\u202e") & set(run.stdout), repr(run.stdout)
 
 
+def test_a_replay_whose_reader_left_ends_quietly_with_141(tmp_path):
+    # `bob replay run.jsonl | head -1` on a long trace: the report's print met the closed pipe
+    # and Python's traceback came out (exit 1); `-p` in the same place ends quietly with 141.
+    _trace(tmp_path / "t.jsonl", [final("hi")])
+    proc = subprocess.Popen([sys.executable, str(CLI), "replay", "t.jsonl"], cwd=tmp_path,
+                            env=xdg_env(tmp_path), stdin=subprocess.DEVNULL,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc.stdout.close()   # the reader left before the report came
+    err = proc.stderr.read()
+    assert proc.wait(15) == 141 and err == "", (proc.returncode, err)
+
+
 # ---- 2. Signals while `bob replay --live-tools` runs MCP servers -------------------------------
 
 MARKER = f"31.{os.getpid()}"   # the argument of the MCP server's child: found in /proc by it
