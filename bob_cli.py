@@ -965,9 +965,9 @@ def _parser():
 class _Voice(logging.Formatter):
     """Without -v, log warnings read like bob's own: `bob: warning: ...`, no traceback."""
 
-    def format(self, record):   # with the cause, if the record has one (a sink's failure)
-        cause = record.exc_info and f" ({_one_line(record.exc_info[1])})"
-        return f"bob: {record.levelname.lower()}: {_one_line(record.getMessage())}{cause or ''}"
+    def format(self, record):   # no cause: an MCP SDK error quotes a server's answer, which
+        # may echo a secret header (bob_mcp masks only its own messages' secrets)
+        return f"bob: {record.levelname.lower()}: {_one_line(record.getMessage())}"
 
 
 class _Trace(bob.JsonlEventSink):

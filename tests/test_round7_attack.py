@@ -105,18 +105,18 @@ def test_sigterm_to_replay_live_tools_leaves_no_mcp_process(early):
 
 # ---- 3. A --trace file that takes the first line but not the next -----------------------------
 
-def test_a_trace_that_cannot_be_written_says_which_file_and_why(tmp_path):
+def test_a_trace_that_cannot_be_written_says_which_file(tmp_path):
     # --trace /dev/full (a full disk, a pipe whose reader stalled): the check before the turn
     # opens it fine, every write fails. bob said only `bob: warning: event sink
-    # <bob.JsonlEventSink object at 0x7f...> failed on session_loaded; ignored`: not the
-    # file, not why, not that the trace is lost.
+    # <bob.JsonlEventSink object at 0x7f...> failed on session_loaded; ignored`: not which
+    # file. (Its cause is not added: a library record's cause may quote a server's answer,
+    # a secret in it unmasked; see the echo test below.)
     with FakeOpenAI([final("the answer")]) as srv:
         write_config(tmp_path, srv)
         run = run_cli(tmp_path, "-p", "hi", "--trace", "/dev/full", env=xdg_env(tmp_path))
     assert run.returncode == 0 and run.stdout == "the answer\n", run
     assert run.stderr.startswith("bob: warning: "), run.stderr
-    assert "--trace /dev/full" in run.stderr and "No space left on device" in run.stderr, (
-        run.stderr)
+    assert "--trace /dev/full" in run.stderr, run.stderr   # (why: -v's traceback says)
     assert "object at 0x" not in run.stderr and run.stderr.count("\n") == 1, run.stderr
 
 
@@ -245,7 +245,7 @@ class _SseHandler(BaseHTTPRequestHandler):
                    .encode(), "text/event-stream")
 
 
-SSE_SERVERS: dict[Path, ThreadingHTTPServer] = {}   # begin_sse's, by the run's directory
+SSE_SERVERS: dict[Path, ThreadingHTTPServer] = {}   # begin_sse's, begin_echo's, by directory
 
 
 def begin_sse(path: Path, srv: FakeOpenAI) -> subprocess.Popen[str]:
@@ -273,8 +273,54 @@ def test_verbose_log_lines_quoting_an_http_server_cannot_drive_the_terminal(earl
     assert not set("\x1b\x07\u202e") & set(run.stderr), repr(run.stderr[-600:])
 
 
-# The two runs that start an MCP server (each imports the MCP SDK: a second of CPU), side by side
-early = begun_early({"replay_live": begin_replay_live, "sse": begin_sse})
+class _EchoHandler(BaseHTTPRequestHandler):
+    """An MCP server whose answer is no JSON-RPC message, and echoes the request's
+    Authorization header in it (a debugging proxy, a server's error page)."""
+    protocol_version = "HTTP/1.1"
+    log_message = _SseHandler.log_message
+    _send = _SseHandler._send
+    do_GET = do_DELETE = _SseHandler.do_GET
+
+    def do_POST(self) -> None:
+        body = json.loads(self.rfile.read(int(self.headers.get("Content-Length") or 0)))
+        if "id" not in body:
+            return self._send(202)
+        self._send(200, json.dumps({"jsonrpc": "2.0", "id": body["id"],
+                                    "echo": self.headers.get("Authorization"), "result": 5}
+                                   ).encode(), "application/json")
+
+
+SECRET = "sk-SECRETVALUE123"   # begin_echo's MCP token
+
+
+def begin_echo(path: Path, srv: FakeOpenAI) -> subprocess.Popen[str]:
+    """`bob -p hi` with a Streamable HTTP MCP server that echoes its token (_EchoHandler)."""
+    server = SSE_SERVERS[path] = ThreadingHTTPServer(("127.0.0.1", 0), _EchoHandler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    write_config(path, srv, extra=(f'[[mcp.servers]]\nid = "w"\ntransport = "streamable_http"\n'
+                                   f'url = "http://127.0.0.1:{server.server_address[1]}/mcp"\n'
+                                   'headers = { Authorization = "Bearer ${MCP_TOKEN}" }\n'))
+    return cli_begun(path, "-p", "hi", env=xdg_env(path, MCP_TOKEN=SECRET))
+
+
+@pytest.mark.xfail(strict=True, reason="bob_mcp.py masks a secret's whole forms only: the MCP "
+                   "SDK's error for an answer that is no JSON-RPC message quotes the answer "
+                   "cut short by pydantic ('...TVALUE123'), and the cut form shows in bob's "
+                   "error. Masking every part of a secret costs more than bob_mcp.py's budget")
+def test_a_secret_an_http_server_echoes_in_a_bad_answer_is_not_shown(early):
+    try:
+        run = collected(early["echo"].run)
+    finally:
+        server = SSE_SERVERS.pop(early["echo"].path)
+        server.shutdown()
+        server.server_close()
+    assert run.returncode == 1 and "failed to start" in run.stderr, run.stderr
+    shown = [SECRET[i:i + 6] for i in range(len(SECRET) - 5) if SECRET[i:i + 6] in run.stderr]
+    assert not shown, run.stderr
+
+
+# The runs that start an MCP server (each imports the MCP SDK: a second of CPU), side by side
+early = begun_early({"replay_live": begin_replay_live, "sse": begin_sse, "echo": begin_echo})
 
 
 # ---- 8. Odd flag values --------------------------------------------------------------------
