@@ -3005,13 +3005,24 @@ def read_trace(trace: _Trace) -> list[_Event]:
         trace = "event list"   # how errors name it
     for n, e in enumerate(events, 1):
         if not (isinstance(e, dict) and isinstance(e.get("kind"), str)
-                and isinstance(e.get("data"), dict)):
+                and isinstance(e.get("data"), dict)
+                and isinstance(e.get("session_id"), _OPTIONAL_STR)):   # (a key: turns by session)
             raise TraceError(f"{trace} line {n} is not a trace event (cut short?)")
         # a file's line number; a listed event read from a file before keeps that file's
         e["line"] = e.get("line", n) if events is lines else n
     if len(events) != len(lines):   # more events than lines: a line holds two
         raise TraceError(f"{trace} holds more events than lines: not a trace")
     return events
+
+
+def _recorded_reply(d):
+    """A recorded llm_call_completed's data as the LlmResponse: its content, calls and reasoning
+    checked as a saved message's are; a message may leave its calls out, a recorded reply never
+    does (deleted: replayed without them)."""
+    _field(d, "tool_calls", list)
+    m = Message.from_dict({**d, "role": "assistant"})
+    return LlmResponse(m.content, m.tool_calls, Usage(**d["usage"]),
+                       _field(d, "finish_reason", _OPTIONAL_STR), m.reasoning)
 
 
 class _Replay:
@@ -3067,13 +3078,7 @@ class _Replay:
             if not asked:   # a reply twice, or one added: the mirror of a reply deleted
                 raise TraceError(f"line {e['line']}: this llm_call_completed answers no "
                                  "llm_call_started: the trace was edited")
-            # its content, calls and reasoning checked as a saved message's are; a message may
-            # leave its calls out, a recorded reply never does (deleted: replayed without them)
-            _field(d, "tool_calls", list)
-            m = Message.from_dict({**d, "role": "assistant"})
-            self._script[-1][1] = LlmResponse(m.content, m.tool_calls, Usage(**d["usage"]),
-                                              _field(d, "finish_reason", _OPTIONAL_STR),
-                                              m.reasoning)
+            self._script[-1][1] = _recorded_reply(d)
             asked = None
         elif asked and kind == "guard_tripped":   # the only guard that trips while waiting
             self._script[-1][1] = _TIMED_OUT

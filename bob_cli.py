@@ -90,12 +90,12 @@ class Config:
 
 
 def _checked(values, label, where, kinds):
-    """The table, unknown keys refused (naming the nearest) and wrong kinds (None: unchecked)."""
-    if not isinstance(values, dict):
-        raise bob.ConfigError(f"{where}: {label} must be a table")
+    """The table, unknown keys refused (naming the nearest) and wrong kinds (None: unchecked).
+    `values` is a table: the kinds of the table holding it said so ("a table", "an array of
+    tables"), and TOML's top level is one."""
     for key, value in values.items():
         if key not in kinds:
-            near = difflib.get_close_matches(key, list(kinds), n=1)
+            near = difflib.get_close_matches(key, kinds, n=1)
             raise bob.ConfigError(f"{where}: unknown key {key!r} in {label}; "
                                   + (f"did you mean {near[0]!r}? " if near else "")
                                   + f"valid keys: {', '.join(kinds)}")
@@ -142,7 +142,7 @@ def _mcp_server(raw, n, where, base, environ):
     import bob_mcp   # cheap: the mcp SDK itself loads only when a server starts
     label = f"[[mcp.servers]] #{n}"
     keys = dict.fromkeys(f.name for f in fields(bob_mcp.McpServerConfig))   # kinds: its own
-    server = dict(_checked(raw, label, where, keys))
+    server = _checked(raw, label, where, keys)   # this parse's own: expanded in place
     if "id" not in server:
         raise bob.ConfigError(f"{where}: {label} needs the required key 'id'")
     for key in ("args", "env", "headers", "url"):
@@ -183,7 +183,7 @@ def _read_toml(path):
     try:
         with open(path, "rb") as f:
             data = _bounded(f.read, f"config file {path}", mib=1)
-        return tomllib.loads(data.decode("utf-8").replace("\r\n", "\n"))
+        return tomllib.loads(data.decode())   # CRLF lines too: TOML allows them
     except FileNotFoundError:
         raise bob.ConfigError(f"config file {path} not found; fix --config, or leave it out "
                               "to run on ./agent.toml or the built-in defaults") from None
@@ -197,33 +197,32 @@ def _read_toml(path):
 def load_config(path: str | os.PathLike[str], environ: dict[str, str] | None = None) -> Config:
     """Read and check an agent.toml; every problem is a ConfigError naming file, table and key."""
     path = _path(os.fspath(path), "--config", Path()).absolute()
-    where = str(path)
     env = os.environ if environ is None else environ   # only read
-    doc = _checked(_read_toml(path), "the top level", where, _SCHEMA["top level"])
-    t = {name: _checked(doc.get(name, {}), f"[{name}]", where, _SCHEMA[name])
+    doc = _checked(_read_toml(path), "the top level", path, _SCHEMA["top level"])
+    t = {name: _checked(doc.get(name, {}), f"[{name}]", path, _SCHEMA[name])
          for name in _SCHEMA["top level"]}
     llm = t["llm"]
     for key, (low, high) in _RANGES.items():
         if key in llm and not low <= llm[key] <= high:
-            raise bob.ConfigError(f"{where}: [llm] {key} must be between {low} and {high}")
+            raise bob.ConfigError(f"{path}: [llm] {key} must be between {low} and {high}")
     if "base_url" in llm:
-        _check_url(llm["base_url"], f"{where}: [llm] base_url")
+        _check_url(llm["base_url"], f"{path}: [llm] base_url")
     if "headers" in llm:   # a key for a header: api-key = "${AZURE_OPENAI_API_KEY}"
-        llm["headers"] = _expand(llm["headers"], f"{where}: [llm] headers", env)
-    servers = tuple(_mcp_server(s, n, where, path.parent, env)
+        llm["headers"] = _expand(llm["headers"], f"{path}: [llm] headers", env)
+    servers = tuple(_mcp_server(s, n, path, path.parent, env)
                     for n, s in enumerate(t["mcp"].get("servers", []), 1))
     rt = t["runtime"]
     store = t["store"].get("path")
     if rt.get("action_mode", "json") not in ("json", "native"):
-        raise bob.ConfigError(f'{where}: [runtime] action_mode must be "json" or "native"')
+        raise bob.ConfigError(f'{path}: [runtime] action_mode must be "json" or "native"')
     try:  # TurnPolicy checks its own values
         policy = bob.TurnPolicy(**{k: v for k, v in rt.items() if k in _POLICY_KEYS})
     except bob.ConfigError as e:
-        raise bob.ConfigError(f"{where}: [runtime] {e}") from None
+        raise bob.ConfigError(f"{path}: [runtime] {e}") from None
     return Config(path, **{k: v for k, v in rt.items() if k not in _POLICY_KEYS}, policy=policy,
                   llm=llm, **{k: tuple(v) for k, v in t["policy"].items()},  # deny_, ask_tools
                   mcp_servers=servers,
-                  store_path=None if store is None else _path(store, f"{where}: [store] path",
+                  store_path=None if store is None else _path(store, f"{path}: [store] path",
                                                             path.parent))
 
 
@@ -278,8 +277,7 @@ _DEMO_REPLIES = (
     ('{"type": "tool_call", "name": "word_count", "arguments": {"text": '
      '"the quick brown fox jumps"}}'),
     '{"type": "tool_call", "name": "add", "arguments": {"a": 5, "b": 37}}',
-    lambda req, cancel: json.dumps({"type": "final", "content": "The text has 5 words; "
-                                    f"5 + 37 = {req.messages[-1].content.split()[-1]}."}),
+    '{"type": "final", "content": "The text has 5 words; 5 + 37 = 42."}',   # canned as the rest
 )
 
 # control characters made harmless, and the bidi controls (U+202E drew the rest of a line right
@@ -287,6 +285,7 @@ _DEMO_REPLIES = (
 _CONTROLS = dict.fromkeys([*range(32), *range(127, 160), *map(ord, "\u061c\u200e\u200f"
                            "\u202a\u202b\u202c\u202d\u202e\u2066\u2067\u2068\u2069")], "\ufffd")
 _CONTROLS |= dict.fromkeys(map(ord, "\t\n\r"), " ")
+_LINES = _CONTROLS | {10: 10}   # the same for text of many lines (a report, -v's logs): "\n" stays
 
 
 def _plain():
@@ -326,9 +325,8 @@ class _EventPrinter:
 
     def emit(self, event):
         """State transitions as `from -> to`, other data as JSON, cut to the terminal's width."""
-        d = event.data
-        text = (f"{d['from']} -> {d['to']}" if event.kind == "state"
-                else json.dumps(d, default=str, ensure_ascii=False))
+        text = (f"{event.data['from']} -> {event.data['to']}" if event.kind == "state"
+                else json.dumps(event.data, default=str, ensure_ascii=False))
         print(_cut(f"  [{event.step}] {event.kind:<20} {text}"), file=self.out, flush=True)
 
 
@@ -437,9 +435,8 @@ class _TurnView:
 
     def stats(self, r):
         """steps, tool calls, tokens in/out (? when the server said nothing), elapsed."""
-        u = r.usage
-        tokens = (f"{u.prompt_tokens} in / {u.completion_tokens} out" if u.total_tokens
-                  else "? in / ? out")
+        tokens = (f"{r.usage.prompt_tokens} in / {r.usage.completion_tokens} out"
+                  if r.usage.total_tokens else "? in / ? out")
         return (f"LLM calls {r.steps}, tool calls {r.tool_calls}, tokens {tokens}, "
                 f"{time.monotonic() - self.t0:.1f} s")
 
@@ -466,6 +463,9 @@ class _Above(logging.StreamHandler):  # type: ignore[type-arg]
     """Log records on stderr. While bob waits at a prompt (an MCP server dies then), a record
     goes on a new line, and the prompt and what was typed so far are drawn again."""
     prompt = ""   # _input's, while it waits for a line
+
+    def format(self, record):   # -v's too: a server's text in it (an MCP SDK warning quoting
+        return super().format(record).translate(_LINES)   # an SSE event's name) is shown inert
 
     def emit(self, record):
         if not self.prompt:
@@ -511,7 +511,7 @@ def _input(prompt):
 
 def _note(text):
     """A line for the human on stderr (stdout carries only answers)."""
-    print(f"bob: {text}", file=sys.stderr, flush=True)
+    print(f"bob: {text}", file=sys.stderr)   # line-buffered: no flush needed
 
 
 class _Approvals:
@@ -586,7 +586,7 @@ def _resumed(store, session_id):
 
 def _owner_only(path):
     """Create the file owner-only (0600) if it is not there; an existing one keeps its mode."""
-    os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NONBLOCK, 0o600))
+    os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_NONBLOCK, 0o600))
 
 
 _STICKY = ("model", "base_url", "api_key_env")   # the flags a session remembers
@@ -598,11 +598,11 @@ def _flags_file(store, session_id):
 
 
 def _forget(store, session_id):
-    """Delete the session's files; whether it was stored."""
-    _flags_file(store, session_id).unlink(missing_ok=True)
+    """Delete the session's files; whether it was stored (an id no store takes never is)."""
     try:
+        _flags_file(store, session_id).unlink(missing_ok=True)
         store.path_for(session_id).unlink()
-    except FileNotFoundError:
+    except (FileNotFoundError, bob.StoreError):
         return False
     return True
 
@@ -655,12 +655,6 @@ class Shell:
             if new:
                 _forget(store, self.session_id)
             raise
-        else:   # saved: `bob -c` runs with the flags again (kept before any print: `| head`)
-            if self.flags:
-                with contextlib.suppress(OSError):
-                    path = _flags_file(store, self.session_id)
-                    _owner_only(path)   # as the session's file
-                    path.write_text(json.dumps(self.flags))
         shown, content = self.view.shown, result.content
         if result.finish_reason is bob.FinishReason.CANCELLED:   # one line says it all
             if shown:
@@ -676,7 +670,7 @@ class Shell:
                   f"in {self.config_name}")
         if self.view.out and result.finish_reason is not bob.FinishReason.CANCELLED:
             stats = f"  {self.view.stats(result)}"
-            print(stats if _plain() else f"\x1b[2m{stats}\x1b[0m", file=sys.stderr, flush=True)
+            print(stats if _plain() else f"\x1b[2m{stats}\x1b[0m", file=sys.stderr)
         if self.view.error is not None:
             raise self._unsaved()
         return result
@@ -686,7 +680,8 @@ class Shell:
 
     def _run(self, text):
         """runtime.run on a worker thread: SIGINT, which Python handles on the main thread, then
-        only sets the cancel token, and the runtime returns within 100 ms of it."""
+        only sets the cancel token, and the runtime returns within 100 ms of it. A turn saved
+        has the session's _STICKY flags written beside it (ID.flags)."""
         cancel = self.cancel = self.approvals.cancel = bob.CancelToken()
         self.approvals.session = self.session_id
         outcome = queue.SimpleQueue()   # the turn's result, or what it raised
@@ -724,6 +719,14 @@ class Shell:
             self.view.tick(stop=True)
         if isinstance(result := outcome.get(), BaseException):
             raise result
+        if self.flags:   # saved: `bob -c` runs with the flags again (kept before any print)
+            with contextlib.suppress(OSError):
+                path = _flags_file(self.runtime.store, self.session_id)
+                # a symlink planted there is removed, never written through (as the store does
+                # with its files); then a new file, owner-only as the session's
+                path.unlink(missing_ok=True)
+                _owner_only(path)
+                path.write_text(json.dumps(self.flags))
         return result
 
     def command(self, line: str) -> bool:
@@ -792,9 +795,9 @@ class Shell:
     def _print_tools(self):
         tools, sources = (self.mcp.list_tools(), self.mcp.tool_sources()) if self.mcp else ([], {})
         width = max((len(t.name) for t in tools), default=0)
-        deny = self.runtime.deny_tools
         for t in tools:
-            mark = "  (denied by [policy])" if bob.is_denied(t.name, deny) else ""
+            mark = ("  (denied by [policy])" if bob.is_denied(t.name, self.runtime.deny_tools)
+                    else "")
             print(_cut(f"  {t.name:<{width}}  {sources.get(t.name, '?'):<12} {t.description}",
                        len(mark)) + mark)
         if not tools:
@@ -843,11 +846,13 @@ def _by_use(store):
 def _list_sessions(store):
     """--sessions: id, last used, turns, the first user line; newest last."""
     for mtime, path in _by_use(store):
-        with contextlib.suppress(bob.StoreError):
+        try:
             state = store.load(path.stem)
             users = [m.content for m in (state.messages if state else []) if m.role == "user"]
             used = time.strftime("%Y-%m-%d %H:%M", time.localtime(mtime))
             print(_cut(f"{path.stem}  {used}  turns {len(users):>3}  {(users or [''])[0]}"))
+        except bob.StoreError as e:   # a file cut short: named, not left out without a word
+            _note(f"warning: {_one_line(e)}")
     return 0
 
 
@@ -880,7 +885,7 @@ def _run_repl(shell, banner):
         with contextlib.suppress(OSError):
             readline.read_history_file(path)
         readline.set_history_length(1000)
-        if os.environ.get("TERM", "dumb") != "dumb":   # a paste of many lines: one message
+        if not _plain():   # a paste of many lines: one message (bracketed paste: escapes)
             readline.parse_and_bind("set enable-bracketed-paste on")
         atexit.register(_save_history, readline, path)
     _note(banner)
@@ -960,8 +965,16 @@ def _parser():
 class _Voice(logging.Formatter):
     """Without -v, log warnings read like bob's own: `bob: warning: ...`, no traceback."""
 
-    def format(self, record):
+    def format(self, record):   # no cause: an MCP SDK error quotes a server's answer, which
+        # may echo a secret header (bob_mcp masks only its own messages' secrets)
         return f"bob: {record.levelname.lower()}: {_one_line(record.getMessage())}"
+
+
+class _Trace(bob.JsonlEventSink):
+    """--trace FILE, as bob's warning names it when a write fails (a full disk, /dev/full)."""
+
+    def __repr__(self):
+        return f"--trace {self.path}"
 
 
 def _sinks(args):
@@ -969,15 +982,17 @@ def _sinks(args):
     handler = _Above(sys.stderr)
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
                          if args.verbose else _Voice())
-    logging.basicConfig(level=logging.WARNING, handlers=[handler])   # httpx's INFO: URLs, tokens
-    logging.getLogger("bob").setLevel(logging.INFO if args.verbose else logging.WARNING)
+    # the root logger stays at WARNING, its default: httpx's INFO records name URLs (tokens)
+    logging.basicConfig(handlers=[handler])
+    if args.verbose:
+        logging.getLogger("bob").setLevel(logging.INFO)
     sinks = [_EventPrinter(sys.stderr)] if args.verbose and not args.demo else []
     if args.trace:
         try:  # the sink opens it at the first event: find a bad path now, not once per event
             _owner_only(args.trace)
         except OSError as e:
             raise bob.ConfigError(f"--trace {args.trace}: cannot write it ({e.strerror})") from None
-        sinks.append(bob.JsonlEventSink(args.trace))
+        sinks.append(_Trace(args.trace))
     return sinks
 
 
@@ -1035,7 +1050,7 @@ def _llm_or_ask(cfg, args, interactive):
         except bob.ConfigError as e:
             if "no API key" not in str(e) or not interactive:
                 raise
-            _note(str(e))
+            _note(e)
             url, _, name = _input("bob: or type a local server's URL and its model's name, e.g. "
                                  "http://127.0.0.1:8080/v1 qwen2.5 (Enter quits)> "
                                  ).strip().partition(" ")
@@ -1049,8 +1064,12 @@ def _store(cfg, args):
     the _STICKY flags a resumed session fills in `args` (those not given)."""
     store = bob.JsonFileSessionStore(cfg.store_path or _xdg("XDG_DATA_HOME", ".local/share")
                                      / "bob" / "sessions")
-    with contextlib.suppress(OSError):   # conversations: owner-only (a failing save says why)
+    try:   # conversations: owner-only
         store.directory.mkdir(0o700, parents=True, exist_ok=True)
+    except OSError as e:   # a file there, no permission: said before any turn, not at its save
+        raise bob.ConfigError(f"{cfg.path or 'built-in defaults'}: [store] path: cannot make the "
+                              f"sessions directory {store.directory} ({e.strerror}); set [store] "
+                              "path to a directory bob may create") from None
     session_id = args.session
     if args.resume and not session_id:
         if recent := _by_use(store):
@@ -1121,10 +1140,10 @@ def _start(args, opened):
         return _run_demo(_sinks(args))
     found = _find_config(args.config, args.verbose)
     cfg = load_config(found) if found else Config()
-    if args.sessions or args.forget:   # need no key
+    if args.sessions or args.forget is not None:   # need no key ("": an unset $VAR, refused)
         store = _store(cfg, args)[0]
-        if args.forget and not _forget(store, args.forget):
-            raise bob.ConfigError(f"--forget: no session {args.forget} in {store.directory}; "
+        if args.forget is not None and not _forget(store, args.forget):
+            raise bob.ConfigError(f"--forget: no session {args.forget!r} in {store.directory}; "
                                   "--sessions lists them")
         return _list_sessions(store)   # --forget: the sessions left
     _answers()   # now, while descriptors are free: a prompt takes none (and never fails so)
@@ -1151,33 +1170,37 @@ def _run_replay(argv):
                    help="the agent.toml whose tools --live-tools runs (default: ./agent.toml)")
     args = p.parse_args(argv)
     mcp = None
-    try:
-        tools, deny = None, ()
-        if args.live_tools:
-            cfg = load_config(args.config)
-            if cfg.mcp_servers:
-                import bob_mcp
-                mcp = bob_mcp.McpToolPort(cfg.mcp_servers).start()
-            tools, deny = mcp or bob.FunctionTools(), cfg.deny_tools
-        report = bob.replay(args.trace, tools=tools, deny_tools=deny)
+    try:   # recorded tools, or the config's (no MCP server: none)
+        cfg = load_config(args.config) if args.live_tools else Config()
+        if cfg.mcp_servers:
+            import bob_mcp
+            mcp = bob_mcp.McpToolPort(cfg.mcp_servers).start()
+        report = bob.replay(args.trace, tools=(mcp or bob.FunctionTools()) if args.live_tools
+                            else None, deny_tools=cfg.deny_tools)
     except bob.BobError as e:   # TraceError, ConfigError, a server that would not start
         return _fail(e, 2, False)
-    except KeyboardInterrupt:
-        return 130
-    finally:
+    finally:   # (main: Ctrl-C is 130, a reader that left 141)
         if mcp:
             mcp.close()
-    print(report, flush=True)
+    # a trace's text (a field replay does not compare, shown as it is) must not drive the
+    # terminal
+    print(str(report).translate(_LINES), flush=True)   # a reader that left: main says 141
     return 0 if report.ok else 1
+
+
+_ENDING = (signal.SIGTERM, signal.SIGHUP)   # what main() turns into an exit (128 + N)
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run the CLI on `argv` (default sys.argv[1:]); returns the exit code."""
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["replay"]:
-        return _run_replay(argv[1:])
+    # A closed terminal sends SIGHUP; the exit stops MCP servers (`replay --live-tools` too:
+    # killed outright, it left them running)
+    for signum in _ENDING:
+        signal.signal(signum, lambda n, frame: sys.exit(128 + n))
+    replay = argv[:1] == ["replay"]   # `bob replay TRACE`, with flags of its own
     parser = _parser()
-    args = parser.parse_args(argv)
+    args = parser.parse_args([] if replay else argv)
     if args.prompt is not None and not args.prompt.strip():
         parser.error("-p needs a prompt (or '-' to read it from stdin)")
     sys.stdin = sys.stdin or open(os.devnull)   # closed (bob <&-): read as empty
@@ -1187,11 +1210,9 @@ def main(argv: list[str] | None = None) -> int:
     for stream, errors in ((sys.stdin, "replace"), (sys.stdout, "bob"), (sys.stderr, "bob")):
         if isinstance(stream, io.TextIOWrapper):
             stream.reconfigure(errors=errors)
-    for signum in (signal.SIGTERM, signal.SIGHUP):   # a closed terminal sends SIGHUP; the
-        signal.signal(signum, lambda n, frame: sys.exit(128 + n))  # exit stops MCP servers
     opened: list[Shell] = []
-    try:
-        code = _start(args, opened)
+    try:   # replay: the same exits, a reader that left (`| head`) and Ctrl-C
+        code = _run_replay(argv[1:]) if replay else _start(args, opened)
         sys.stderr.flush()   # raises if -v's reader left (`2>&1 | head`): Python's exit says 120
         return code
     except bob.ConfigError as e:
@@ -1205,8 +1226,7 @@ def main(argv: list[str] | None = None) -> int:
     except (KeyboardInterrupt, EOFError):   # EOFError: Ctrl-D at a question before the REPL
         return 130
     finally:   # stop MCP servers; bounded, so a second Ctrl-C may not cut it short
-        held = {n: signal.signal(n, signal.SIG_IGN)
-                for n in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+        held = {n: signal.signal(n, signal.SIG_IGN) for n in (signal.SIGINT, *_ENDING)}
         for shell in opened:
             shell.close()
         for signum, handler in held.items():

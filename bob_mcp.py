@@ -164,7 +164,7 @@ def exposed_name(server_id: str, tool: str) -> str:
 
 def _block_text(block) -> tuple[str, bool]:
     """(text, is_text) of one content block: text as it is, anything else summarised."""
-    kind = getattr(block, "type", "unknown")
+    kind = block.type   # the SDK's content models all have one
     res = getattr(block, "resource", None)   # resource blocks only
     if kind == "text" or hasattr(res, "text"):
         return (block.text if kind == "text" else res.text), True
@@ -235,7 +235,7 @@ def _kill(pgid: int | None, pids: Sequence[int] = ()) -> None:
             kill(target, signal.SIGKILL)
 
 
-def _descendants(pid: int | None) -> list[int]:
+def _descendants(pid: int | None) -> set[int]:
     """Every descendant of pid, from /proc (Linux): a setsid child is tied to it by nothing else."""
     parent = {}   # pid -> its parent's pid
     for entry in os.listdir("/proc") if os.path.isdir("/proc") else ():
@@ -246,7 +246,7 @@ def _descendants(pid: int | None) -> list[int]:
     while new:
         found |= new
         new = {p for p, pp in parent.items() if pp in new} - found
-    return sorted(found - {pid})
+    return found - {pid}
 
 
 def _stdio_process(cm, server_id):
@@ -323,7 +323,6 @@ class _Server:
         _serving.set(self)   # the SDK's reader tasks inherit it: _sdk_note names us
         try:
             async with contextlib.AsyncExitStack() as stack:
-                stack.enter_context(self._scope)
                 read, write = await self._connect(stack)
                 # Sampling, elicitation, unconfigured roots: SDK defaults decline (unadvertised)
                 session = await stack.enter_async_context(mcp.ClientSession(
@@ -356,6 +355,7 @@ class _Server:
         """Open the transport, its context managers entered on `stack`: its (read, write)."""
         cfg = self.cfg
         if cfg.transport == "streamable_http":
+            stack.enter_context(self._scope)   # (the startup timeout, stop(); see below)
             http = mcp.client.streamable_http
             client = await stack.enter_async_context(http.create_mcp_http_client(cfg.headers))
             client.event_hooks["response"].append(self._on_response)   # the SDK hides statuses
@@ -372,6 +372,11 @@ class _Server:
             streams = await stack.enter_async_context(cm)
         self._process = _stdio_process(cm, cfg.id)
         self.pgid = getattr(self._process, "pid", None)   # its own process group
+        # The startup timeout and stop() from here on, once its group is known: a stop() that
+        # landed while it spawned (Ctrl-C or SIGTERM as bob starts) killed its pid alone
+        # (asyncio's doing: bob never learnt it), and a child in its group outlived bob.
+        # Spawning is bounded; a stop() meanwhile lands at the next await.
+        stack.enter_context(self._scope)
         return streams
 
     def _finish(self) -> None:
