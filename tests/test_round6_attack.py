@@ -3,8 +3,8 @@ turn whose own token fires is out of time, the tools offered compared at turn_st
 adapter learning refused message fields), tried where its promises are weakest.
 
 The five breaks it found were strict xfails until round 7 fixed them; they are plain tests now,
-beside the promises that held under attack. Real parts throughout: real runtimes, tools and stores, the
-fake OpenAI server on 127.0.0.1 (tests/fake_openai.py), the CLI as a subprocess.
+beside the promises that held under attack. Real parts throughout: real runtimes, tools and
+stores, the fake OpenAI server on 127.0.0.1 (tests/fake_openai.py), the CLI as a subprocess.
 Sections: 1. Helpers  2. Replay: where the time ran out  3. Replay: edited traces, reused ids
 4. The turn's own token  5. The tools offered  6. The adapter's refused fields
 """
