@@ -187,9 +187,10 @@ def _read_toml(path):
     except FileNotFoundError:
         raise bob.ConfigError(f"config file {path} not found; fix --config, or leave it out "
                               "to run on ./agent.toml or the built-in defaults") from None
-    except (tomllib.TOMLDecodeError, RecursionError) as e:
-        raise bob.ConfigError(f"{path}: invalid TOML: " + (
-            str(e) if isinstance(e, tomllib.TOMLDecodeError) else "nested too deeply")) from None
+    except tomllib.TOMLDecodeError as e:
+        raise bob.ConfigError(f"{path}: invalid TOML: {e}") from None
+    except RecursionError:
+        raise bob.ConfigError(f"{path}: invalid TOML: nested too deeply") from None
     except (OSError, UnicodeDecodeError) as e:
         raise bob.ConfigError(f"cannot read config file {path}: {e}") from None
 
