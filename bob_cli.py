@@ -46,8 +46,9 @@ __all__ = ["Config", "Shell", "load_config", "main"]
 _KINDS = {   # a kind's name -> its check
     "a string": lambda v: isinstance(v, str),
     "a boolean": lambda v: isinstance(v, bool),
-    "an integer": lambda v: isinstance(v, int) and not isinstance(v, bool),
-    "a number": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+    # TOML's values are of exactly these types: bool, a subclass of int, is neither
+    "an integer": lambda v: type(v) is int,
+    "a number": lambda v: type(v) in (int, float),
     "a list of strings": lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v),
     "an array of tables": lambda v: isinstance(v, list) and all(isinstance(x, dict) for x in v),
     "a table": lambda v: isinstance(v, dict),
