@@ -1126,8 +1126,10 @@ def _fail(e, code, verbose):
     """Report an error on stderr in one line (and its traceback with -v); return `code`."""
     if verbose:
         logging.getLogger("bob").error("the traceback:", exc_info=e)
-    internal = "" if isinstance(e, bob.BobError) else f"internal error: {type(e).__name__}: "
-    _note(f"error: {internal}{_one_line(e)}")
+    # an OSError is the system's (a full disk, a sessions directory without permission), not
+    # a bug: its message (errno, reason, file) says what happened
+    label = "" if isinstance(e, bob.BobError | OSError) else f"internal error: {type(e).__name__}: "
+    _note(f"error: {label}{_one_line(e)}")
     return code
 
 
@@ -1181,7 +1183,7 @@ def _run_replay(argv):
                             else None, deny_tools=cfg.deny_tools)
     except bob.BobError as e:   # TraceError, ConfigError, a server that would not start
         return _fail(e, 2, False)
-    finally:   # (main: Ctrl-C is 130, a reader that left 141)
+    finally:   # (main: Ctrl-C is 130, a reader that left 141, a full disk 1)
         if mcp:
             mcp.close()
     # a trace's text (a field replay does not compare, shown as it is) must not drive the
@@ -1219,10 +1221,14 @@ def main(argv: list[str] | None = None) -> int:
         return code
     except bob.ConfigError as e:
         return _fail(e, 2, args.verbose)
-    except BrokenPipeError:  # e.g. `bob -p ... | head -1`: the reader left; say nothing more
-        for fd in (1, 2):   # stdout, stderr: what is still buffered for them goes nowhere
+    except OSError as e:   # BrokenPipeError: the reader left (`bob -p ... | head -1`), say nothing
+        # more; else a file that cannot take the answer (`> out.txt` on a full disk): say so
+        code = 141 if isinstance(e, BrokenPipeError) else _fail(e, 1, args.verbose)
+        # stdout, stderr: what is still buffered for them goes nowhere (else Python's exit
+        # writes it again: `Exception ignored in: <stdout>`, exit 120); nothing more is said
+        for fd in (1, 2):
             os.dup2(os.open(os.devnull, os.O_WRONLY), fd)
-        return 141
+        return code
     except Exception as e:  # BobError (LlmError, AgentError, StoreError...) or a bug
         return _fail(e, 1, args.verbose)
     except (KeyboardInterrupt, EOFError):   # EOFError: Ctrl-D at a question before the REPL

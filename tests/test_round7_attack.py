@@ -361,21 +361,30 @@ def test_a_trace_whose_session_id_is_no_string_is_a_trace_error(tmp_path):
     assert "line 3" in run.stderr, run.stderr
 
 
-@pytest.mark.xfail(strict=True, reason="bob_cli.py at its budget: an OSError from the answer's "
-                   "print is reported as an internal error, and what stdout still buffers "
-                   "fails again at Python's exit ('Exception ignored ...', exit 120); naming the "
-                   "disk and discarding that buffer (as the BrokenPipeError branch does) costs "
-                   "more tokens than are left")
+def _into_full_disk(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    """bob ARGS with stdout /dev/full (a file on a full disk)."""
+    with open("/dev/full", "w") as full:
+        return subprocess.run([sys.executable, str(CLI), *args], cwd=tmp_path,
+                              env=xdg_env(tmp_path), stdin=subprocess.DEVNULL, stdout=full,
+                              stderr=subprocess.PIPE, text=True, timeout=15)
+
+
 def test_an_answer_a_full_disk_cannot_take_is_no_internal_error(tmp_path):
     # `bob -p ... > out.txt` on a full disk: `bob: error: internal error: OSError: [Errno 28] No
     # space left on device`, as if bob had a bug, then Python's `Exception ignored in: <stdout>`
     # and exit 120. It is the disk: a runtime error (exit 1) that says so; the session is kept.
     with FakeOpenAI([final("the answer")]) as srv:
         write_config(tmp_path, srv)
-        with open("/dev/full", "w") as full:
-            run = subprocess.run([sys.executable, str(CLI), "-p", "hi", "--session", "s1"],
-                                 cwd=tmp_path, env=xdg_env(tmp_path), stdin=subprocess.DEVNULL,
-                                 stdout=full, stderr=subprocess.PIPE, text=True, timeout=15)
+        run = _into_full_disk(tmp_path, "-p", "hi", "--session", "s1")
     assert run.returncode == 1 and "internal error" not in run.stderr, run.stderr
     assert run.stderr == "bob: error: [Errno 28] No space left on device\n", run.stderr
     assert (tmp_path / "xd" / "bob" / "sessions" / "s1.json").is_file()
+
+
+def test_a_replay_report_a_full_disk_cannot_take_is_no_internal_error(tmp_path):
+    # `bob replay TRACE > report.txt` on a full disk: the same internal error and exit 120 as
+    # `-p`. A runtime error (exit 1, as a divergence, but with the one line saying why).
+    _trace(tmp_path / "t.jsonl", [final("hi")])
+    run = _into_full_disk(tmp_path, "replay", "t.jsonl")
+    assert (run.returncode, run.stderr) == (1, "bob: error: [Errno 28] No space left on "
+                                                "device\n"), run.stderr
