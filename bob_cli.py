@@ -852,7 +852,9 @@ def _list_sessions(store):
             state = store.load(path.stem)
             users = [m.content for m in (state.messages if state else []) if m.role == "user"]
             used = time.strftime("%Y-%m-%d %H:%M", time.localtime(mtime))
-            print(_cut(f"{path.stem}  {used}  turns {len(users):>3}  {(users or [''])[0]}"))
+            # flushed: a file that cannot take it (a full disk) is said by main, not at exit
+            print(_cut(f"{path.stem}  {used}  turns {len(users):>3}  {(users or [''])[0]}"),
+                  flush=True)
         except bob.StoreError as e:   # a file cut short: named, not left out without a word
             _note(f"warning: {_one_line(e)}")
     return 0

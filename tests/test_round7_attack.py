@@ -388,3 +388,16 @@ def test_a_replay_report_a_full_disk_cannot_take_is_no_internal_error(tmp_path):
     run = _into_full_disk(tmp_path, "replay", "t.jsonl")
     assert (run.returncode, run.stderr) == (1, "bob: error: [Errno 28] No space left on "
                                                 "device\n"), run.stderr
+
+
+def test_a_session_list_a_full_disk_cannot_take_is_said(tmp_path):
+    # `bob --sessions > list.txt` on a full disk: nothing said by bob, Python's `Exception ignored
+    # in: <stdout>` at exit, and exit 120 (the list was printed unflushed: the error came only
+    # when Python's exit wrote it). The same one line and exit 1 as an answer's.
+    with FakeOpenAI([final("the answer")]) as srv:
+        write_config(tmp_path, srv)
+        assert run_cli(tmp_path, "-p", "hi", "--session", "s1", env=xdg_env(tmp_path)
+                       ).returncode == 0
+    run = _into_full_disk(tmp_path, "--sessions")
+    assert (run.returncode, run.stderr) == (1, "bob: error: [Errno 28] No space left on "
+                                                "device\n"), run.stderr
