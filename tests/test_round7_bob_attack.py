@@ -158,7 +158,7 @@ def test_a_reader_taking_a_little_at_a_time_holds_an_event_at_most_the_wait(monk
     sink = JsonlEventSink(f"/dev/fd/{w}")
     t0 = time.monotonic()
     try:
-        with pytest.raises(OSError):
+        with contextlib.suppress(OSError):   # fails once the wait is over; now: written whole
             sink.emit(note("a" * 60_000))
     finally:
         took = time.monotonic() - t0
@@ -310,24 +310,47 @@ def timed_out_approval_trace() -> list[dict]:
     return sink.events
 
 
+def paused_then_resumed_trace() -> list[dict]:
+    """Two recorded turns without an approver: paused on an approval, then resumed."""
+    sink = JsonSink()
+    rt = AgentRuntime(ScriptedLlm([tc("add", a=1, b=2), final("3")]), FunctionTools([add]),
+                      events=sink, ask_tools=["add"])
+    paused = rt.run(AgentRequest("1+2?", "s1"))
+    rt.run(AgentRequest(None, "s1", approvals={c.id: Approval(True) for c in paused.pending}))
+    return sink.events
+
+
+def trip_deleted(events):
+    return [e for e in events if e["kind"] != "guard_tripped"]
+
+
+def approver_said_present(events):
+    """The paused turn's turn_started edited to say an approver was there (one field)."""
+    return edit(events[:next(i for i, e in enumerate(events) if e["kind"] == "turn_completed")
+                       + 1], "turn_started", approver=True)
+
+
 @pytest.mark.xfail(strict=True, reason=(
-    "a trace whose approver was asked and never answered, its turn_timeout trip deleted "
-    "(edited: no _expiry_point), replays by waiting for the recorded turn_timeout_ms: "
-    "_Replay.__call__ raises _NoAnswer and nothing ends the turn's time; a trace saying 10 "
-    "minutes holds `bob replay` 10 minutes. bob.py _Replay.__call__: on _TIMED_OUT fire the "
-    "turn's own token itself (as list_tools does, self.runtime._turn.cancel), or _read: "
-    "an approval never decided with no turn_timeout trip after it is a TraceError"))
-def test_an_undecided_approval_with_its_trip_deleted_is_reported_at_once():
-    events = [e for e in timed_out_approval_trace() if e["kind"] != "guard_tripped"]
+    "a trace whose approver was asked and never answered, with no turn_timeout trip after it "
+    "(the trip deleted; or a paused turn's turn_started edited to 'approver': true, one "
+    "field), replays by waiting for the recorded turn_timeout_ms: _Replay.__call__ raises "
+    "_NoAnswer and nothing ends the turn's time (no _expiry_point); a trace saying 10 minutes "
+    "holds `bob replay` 10 minutes. bob.py _Replay.__call__: on _TIMED_OUT fire the turn's own "
+    "token itself (as list_tools does, self.runtime._turn.cancel), or in _read: an approval "
+    "never decided with no turn_timeout trip after it is a TraceError"))
+@pytest.mark.parametrize("edited", [
+    lambda: trip_deleted(timed_out_approval_trace()),
+    lambda: approver_said_present(paused_then_resumed_trace())],
+    ids=["trip deleted", "approver said present"])
+def test_an_undecided_approval_without_its_trip_is_reported_at_once(edited):
+    events = edited()
     for e in events:
         if e["kind"] == "turn_started":
-            e["data"]["policy"]["turn_timeout_ms"] = 1500
+            e["data"]["policy"]["turn_timeout_ms"] = 1000
     t0 = time.monotonic()
-    try:
+    with contextlib.suppress(TraceError):
         bob.replay(events)
-    except TraceError:
-        pass
-    assert time.monotonic() - t0 < 0.75
+    assert time.monotonic() - t0 < 0.5
 
 
 def test_a_timed_out_approval_as_recorded_replays_the_same_at_once():
@@ -392,10 +415,10 @@ def cancelled_while_the_model_answered() -> list[dict]:
 def test_replay_llm_alone_answers_a_request_recorded_as_cancelled_at_once():
     events = cancelled_while_the_model_answered()
     assert bob.replay(events).ok   # replay() itself: at once
-    rt = AgentRuntime(ReplayLlm(events), None, policy=TurnPolicy(turn_timeout_ms=1500))
+    rt = AgentRuntime(ReplayLlm(events), None, policy=TurnPolicy(turn_timeout_ms=1000))
     t0 = time.monotonic()
     rt.run(AgentRequest("hi", "s1"))
-    assert time.monotonic() - t0 < 0.75
+    assert time.monotonic() - t0 < 0.5
 
 
 def recorded(replies, tools=None, **kw) -> list[dict]:
@@ -453,6 +476,22 @@ def test_a_hostile_edit_ends_in_a_trace_error_or_a_report_at_once(attack):
     except TraceError:
         pass
     assert time.monotonic() - t0 < 5   # never the recorded minute
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "a trace whose session_id is not text (a list: an edited or hand-made trace) crashes "
+    "`bob replay` with a TypeError traceback ('unhashable type') and exit 1, the code of a "
+    "divergence, not 2 with a TraceError naming the line. bob.py _turns (open_turns."
+    "setdefault(sid)) or read_trace: a session_id that is not a str or null is a TraceError "
+    "naming its line"))
+def test_a_session_id_that_is_a_list_is_a_trace_error_naming_the_line(tmp_path):
+    path = tmp_path / "t.jsonl"
+    events = recorded([final("3")])
+    events[0]["session_id"] = ["s1"]
+    path.write_text("".join(json.dumps(e) + "\n" for e in events))
+    done = run_cli(tmp_path, "replay", str(path))
+    assert done.returncode == 2 and "line 1" in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr
 
 
 def test_two_sessions_interleaved_in_one_trace_replay_each_from_its_own_state():
