@@ -29,7 +29,7 @@ from bob import (AgentEvent, AgentRequest, AgentRuntime, Approval, CancelToken,
                  FinishReason, FunctionTools, GuardReason, JsonlEventSink, LlmError, LlmRequest,
                  LlmResponse, Message, ReplayLlm, ScriptedLlm, ToolCall, ToolResult, TraceError,
                  TurnPolicy)
-from conftest import final, make_llm, run_cli, tc
+from conftest import final, make_llm, run_cli, tc, write_config
 
 F_SETPIPE_SZ = 1031   # Linux: a pipe's buffer, here one page (4096 bytes)
 
@@ -74,8 +74,8 @@ def alarm_raises():
     "a line cut mid-way (its reader stalled past _SINK_WAIT_S, or Ctrl-C's KeyboardInterrupt "
     "in poll) leaves the descriptor mid-line: the next event is written onto the cut line, so "
     "it is lost too and the trace holds a line of two halves (read_trace: 'line N is not a "
-    "trace event'). bob.py JsonlEventSink.emit: after a partial line that failed, begin the "
-    "next with a newline (or drop the descriptor)"))
+    "trace event'; README says only 'that line is cut'). bob.py JsonlEventSink.emit: after "
+    "a partial line that failed, begin the next with a newline (or drop the descriptor)"))
 @pytest.mark.parametrize("how", ["stalled reader", "ctrl-c"])
 def test_the_event_after_a_cut_line_arrives_whole_on_its_own_line(monkeypatch, how):
     r, w = small_pipe()
@@ -120,9 +120,10 @@ def stalled_fifo(tmp_path):
 @pytest.mark.xfail(strict=True, reason=(
     "a reader that stalled makes EVERY later event of the turn wait _SINK_WAIT_S again (the "
     "pipe stays full): a one-step turn emits ~9 events, so with the default 5 s it takes ~45 s, "
-    "and a cancel waits as long, though README says a stalled reader never holds a turn for "
-    "long. bob.py JsonlEventSink.emit: once a wait failed, later events fail at once until the "
-    "pipe has room again (or the sink is reopened)"))
+    "and a cancel waits as long, though JsonlEventSink's docstring says a stalled reader never "
+    "holds a turn for long (README: it 'fails that event' and 'the turn goes on'). bob.py "
+    "JsonlEventSink.emit: once a wait failed, later events fail at once until the pipe has "
+    "room again (or the sink is reopened)"))
 def test_a_stalled_reader_costs_a_turn_one_wait_not_one_per_event(monkeypatch, tmp_path):
     monkeypatch.setattr(bob, "_SINK_WAIT_S", 0.1)
     path, r = stalled_fifo(tmp_path)
@@ -379,8 +380,8 @@ def test_a_timed_out_approval_as_recorded_replays_the_same_at_once():
 def test_a_model_error_ending_in_deny_it_replays_the_same(tmp_path):
     path = tmp_path / "t.jsonl"
     sink = JsonlEventSink(path)
-    rt = AgentRuntime(ScriptedLlm([LlmError("this key may not use that model: ask for access; deny it")]), None,
-                      events=sink)
+    refused = LlmError("this key may not use that model: ask for access; deny it")
+    rt = AgentRuntime(ScriptedLlm([refused]), None, events=sink)
     with pytest.raises(LlmError):
         rt.run(AgentRequest("hi", "s1"))
     sink.close()
@@ -636,3 +637,45 @@ def test_falsy_values_from_ports_are_taken_as_they_are():
     assert result.finish_reason is FinishReason.FINAL and result.content == "three"
     assert [m.content for m in result.history if m.role == "tool"] == ["3"]
     assert result.usage == bob.Usage() and bob.Usage() == bob.Usage(0, 0)
+
+
+def test_a_resumed_turn_whose_model_reuses_the_given_ids_replays_the_approvers_decisions():
+    """Paused without an approver; resumed by a runtime with one, the given decision allowing
+    call_1; the model reuses call_1 in the next batch and the approver declines it. The given
+    decision (asked in no request) is not replayed as the approver's answer."""
+    sink = JsonSink()
+    store = bob.InMemorySessionStore()
+    again = LlmResponse("", (ToolCall("call_1", "add", {"a": 5, "b": 5}),))
+    llm = ScriptedLlm([LlmResponse("", (ToolCall("call_1", "add", {"a": 1, "b": 2}),)),
+                       again, LlmResponse("done")])
+    paused = AgentRuntime(llm, FunctionTools([add]), events=sink, store=store,
+                          ask_tools=["add"], action_mode="native").run(AgentRequest("1+2?", "s1"))
+    asked = []
+    rt = AgentRuntime(llm, FunctionTools([add]), events=sink, store=store, ask_tools=["add"],
+                      action_mode="native",
+                      approver=lambda call: asked.append(call) or Approval(False, "not twice"))
+    result = rt.run(AgentRequest(None, "s1", approvals={
+        c.id: Approval(True) for c in paused.pending}))
+    assert result.content == "done" and len(asked) == 1
+    tools = [m.content for m in result.history if m.role == "tool"]
+    assert tools[0] == "3" and "not twice" in tools[1]
+    report = bob.replay(sink.events)
+    assert report.ok, str(report)
+    assert len(report.turns) == 2
+
+
+def test_the_cli_traced_into_its_own_stdout_pipe_writes_each_line_whole(tmp_path, srv):
+    """`bob -p ... --trace /dev/stdout | ...`: the sink opens the pipe anew (its own
+    non-blocking description, the CLI's stdout stays blocking); a 200 KB answer, over the
+    pipe's 64 KB, comes whole in its trace line and then as the answer."""
+    answer = "z" * 200_000
+    srv.push(final(answer))
+    write_config(tmp_path, srv)
+    r = run_cli(tmp_path, "-p", "hi", "--trace", "/dev/stdout")
+    assert r.returncode == 0, r.stderr
+    *trace, printed = r.stdout.splitlines()
+    assert printed == answer
+    events = [json.loads(line) for line in trace]
+    assert events[-1]["kind"] == "turn_completed"
+    assert any(answer in e["data"]["content"] for e in events
+               if e["kind"] == "llm_call_completed")
