@@ -679,3 +679,39 @@ def test_the_cli_traced_into_its_own_stdout_pipe_writes_each_line_whole(tmp_path
     assert events[-1]["kind"] == "turn_completed"
     assert any(answer in e["data"]["content"] for e in events
                if e["kind"] == "llm_call_completed")
+
+
+class SchemaGoesBad:
+    """A tool port whose second listing has a schema that is not JSON (NaN): a server changed
+    between two turns."""
+
+    def __init__(self):
+        self.listed = 0
+        self.tools = FunctionTools([add])
+
+    def list_tools(self):
+        self.listed += 1
+        if self.listed == 2:
+            return [bob.ToolDescriptor("add", "Add.", {"type": "object", "default": float("nan")})]
+        return self.tools.list_tools()
+
+    def call_tool(self, call, timeout_s, cancel=None):
+        return self.tools.call_tool(call, timeout_s, cancel)
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "ReplayTools(trace) alone (README: 'ordinary ports') on a trace whose SECOND turn failed "
+    "'... deny it' lists only the NaN 'unfit' tool for every turn, not the first turn's tools "
+    "(its docstring): a user's runtime replaying turn 1, which succeeded, fails at Start with "
+    "\"tool 'unfit': its input schema holds NaN\". bob.py _Replay._read: take the unfit "
+    "listing only from the first turn's error (or keep tools per turn, as replay() does)"))
+def test_replay_tools_alone_lists_the_first_turns_tools_when_a_later_turn_failed_unfit():
+    sink = JsonSink()
+    rt = AgentRuntime(ScriptedLlm([tc("add", a=1, b=2), final("3")]), SchemaGoesBad(),
+                      events=sink)
+    assert rt.run(AgentRequest("1+2?", "s1")).content == "3"
+    with pytest.raises(bob.AgentError, match="deny it"):
+        rt.run(AgentRequest("again", "s1"))
+    assert bob.replay(sink.events).ok   # replay() reads each turn alone: both the same
+    again = AgentRuntime(ReplayLlm(sink.events), bob.ReplayTools(sink.events))
+    assert again.run(AgentRequest("1+2?", "s1")).content == "3"
