@@ -125,7 +125,7 @@ def stalled_fifo(tmp_path):
     "JsonlEventSink.emit: once a wait failed, later events fail at once until the pipe has "
     "room again (or the sink is reopened)"))
 def test_a_stalled_reader_costs_a_turn_one_wait_not_one_per_event(monkeypatch, tmp_path):
-    monkeypatch.setattr(bob, "_SINK_WAIT_S", 0.1)
+    monkeypatch.setattr(bob, "_SINK_WAIT_S", 0.05)
     path, r = stalled_fifo(tmp_path)
     sink = JsonlEventSink(path)
     rt = AgentRuntime(ScriptedLlm([final("y" * 10_000)]), None, events=sink)
@@ -147,12 +147,12 @@ def test_a_stalled_reader_costs_a_turn_one_wait_not_one_per_event(monkeypatch, t
     "JsonlEventSink.emit: one deadline for the whole line (time.monotonic() + _SINK_WAIT_S), "
     "poll with what is left of it"))
 def test_a_reader_taking_a_little_at_a_time_holds_an_event_at_most_the_wait(monkeypatch):
-    monkeypatch.setattr(bob, "_SINK_WAIT_S", 0.1)
+    monkeypatch.setattr(bob, "_SINK_WAIT_S", 0.05)
     r, w = small_pipe()
     stop = threading.Event()
 
     def trickle():
-        while not stop.wait(0.06):   # the reader's pace, not a wait for something
+        while not stop.wait(0.03):   # the reader's pace, not a wait for something
             drain_page(r)
     reader = threading.Thread(target=trickle)
     reader.start()
@@ -347,11 +347,11 @@ def test_an_undecided_approval_without_its_trip_is_reported_at_once(edited):
     events = edited()
     for e in events:
         if e["kind"] == "turn_started":
-            e["data"]["policy"]["turn_timeout_ms"] = 1000
+            e["data"]["policy"]["turn_timeout_ms"] = 600
     t0 = time.monotonic()
     with contextlib.suppress(TraceError):
         bob.replay(events)
-    assert time.monotonic() - t0 < 0.5
+    assert time.monotonic() - t0 < 0.3
 
 
 def test_a_timed_out_approval_as_recorded_replays_the_same_at_once():
@@ -416,10 +416,10 @@ def cancelled_while_the_model_answered() -> list[dict]:
 def test_replay_llm_alone_answers_a_request_recorded_as_cancelled_at_once():
     events = cancelled_while_the_model_answered()
     assert bob.replay(events).ok   # replay() itself: at once
-    rt = AgentRuntime(ReplayLlm(events), None, policy=TurnPolicy(turn_timeout_ms=1000))
+    rt = AgentRuntime(ReplayLlm(events), None, policy=TurnPolicy(turn_timeout_ms=600))
     t0 = time.monotonic()
     rt.run(AgentRequest("hi", "s1"))
-    assert time.monotonic() - t0 < 0.5
+    assert time.monotonic() - t0 < 0.3
 
 
 def recorded(replies, tools=None, **kw) -> list[dict]:
@@ -715,3 +715,23 @@ def test_replay_tools_alone_lists_the_first_turns_tools_when_a_later_turn_failed
     assert bob.replay(sink.events).ok   # replay() reads each turn alone: both the same
     again = AgentRuntime(ReplayLlm(sink.events), bob.ReplayTools(sink.events))
     assert again.run(AgentRequest("1+2?", "s1")).content == "3"
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "a hostile server's error body naming reasoning_content every KB (spaces between), to a "
+    "request that carried it, costs _http_failure's regex ~0.8 s of CPU per MB (the six-word "
+    "window backtracks over each run of non-word characters; 15 MB, under the default "
+    "max_response_bytes: ~12 s, bench/sink_pipe.py), in re, which holds the GIL: the turn's "
+    "deadline (and a cancel) wait for it. bob.py OpenAICompatLlm._http_failure: search a "
+    "bounded text (the excerpt _error shows, or the error's message), or bound the runs "
+    "(\\W{1,8}); before 7944102 the words were one linear search"))
+def test_a_huge_hostile_error_body_does_not_hold_the_turn_past_its_deadline():
+    body = ("reasoning_content" + " " * 1007) * 2048   # 2 MB
+    with FakeOpenAI([{"status": 400, "body": body}]) as srv:
+        rt = AgentRuntime(make_llm(srv, retry_max=0), FunctionTools([add]), action_mode="native",
+                          policy=TurnPolicy(turn_timeout_ms=500))
+        t0 = time.monotonic()
+        result = rt.run(AgentRequest("and 4+4?", history=HISTORY[:3]))
+        took = time.monotonic() - t0
+    assert result.guard_reason is GuardReason.TURN_TIMEOUT
+    assert took < 0.5 + 0.4, f"{took:.2f} s"
