@@ -735,3 +735,35 @@ def test_a_huge_hostile_error_body_does_not_hold_the_turn_past_its_deadline():
         took = time.monotonic() - t0
     assert result.guard_reason is GuardReason.TURN_TIMEOUT
     assert took < 0.5 + 0.4, f"{took:.2f} s"
+
+
+def test_signals_while_a_long_line_waits_for_its_reader_neither_cut_nor_repeat_it():
+    """A signal whose handler returns (the CLI's Ctrl-C handler cancels, it raises nothing)
+    every 2 ms while a 300 KB line goes through a one-page pipe: poll and write are interrupted
+    (EINTR) and resumed; the line arrives once, whole, and the next one after it."""
+    r, w = os.pipe()
+    fcntl.fcntl(r, F_SETPIPE_SZ, 4096)
+    got = []
+    hits = []
+
+    def reader():
+        with os.fdopen(r, "rb") as f:
+            while piece := f.read1(1024):
+                got.append(piece)
+    t = threading.Thread(target=reader)
+    t.start()
+    old = signal.signal(signal.SIGALRM, lambda *a: hits.append(1))
+    signal.setitimer(signal.ITIMER_REAL, 0.002, 0.002)
+    sink = JsonlEventSink(f"/dev/fd/{w}")
+    try:
+        sink.emit(note("c" * 300_000))
+        sink.emit(note("next", step=1))
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+        sink.close()
+        os.close(w)
+        t.join(10)
+    lines = [json.loads(line) for line in b"".join(got).splitlines()]
+    assert [e["data"]["text"] for e in lines] == ["c" * 300_000, "next"]
+    assert hits   # the signals came while it wrote
