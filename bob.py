@@ -1379,13 +1379,17 @@ class LoggingEventSink:
 class JsonlEventSink:
     """Events appended to a file, one JSON object per line, each written whole as it comes. Into
     a pipe or FIFO too (`--trace >(gzip > t.gz)`): a line longer than the pipe's buffer waits
-    for its reader, but a reader that takes nothing for _SINK_WAIT_S fails the event (a sink's
-    failure is logged, and the turn goes on): a stalled reader never holds a turn for long."""
+    for its reader, but a line not taken within _SINK_WAIT_S fails the event (a sink's failure
+    is logged, and the turn goes on), and while the reader stays stalled later events fail at
+    once: a stalled reader never holds a turn for long. A line cut so (or by Ctrl-C) is lost
+    alone: the next event begins a line of its own."""
 
     def __init__(self, path: str | os.PathLike[str]):
         self.path = Path(path)
         self._lock = threading.Lock()
         self._fd = None   # opened on the first event
+        self._cut = False   # the last line was written in part
+        self._stalled = False   # the last wait for the reader ran out
 
     def emit(self, event: AgentEvent) -> None:
         """Append the event as one JSON line."""
@@ -1400,10 +1404,15 @@ class JsonlEventSink:
                 self._fd = os.open(self.path, flags, 0o600)
             room = select.poll()   # (not select(): it takes no descriptor past 1023)
             room.register(self._fd, select.POLLOUT)
+            line = memoryview(b"\n" + line if self._cut else line)   # (no copy per write)
+            end = time.monotonic() + (0 if self._stalled else _SINK_WAIT_S)   # the line's time
             while line:   # a pipe takes what its buffer holds: the rest when its reader has read
-                if not room.poll(_SINK_WAIT_S * 1000):
-                    raise OSError(f"its reader took nothing for {_SINK_WAIT_S} s: a line is cut")
+                self._stalled = not room.poll(max(0, end - time.monotonic()) * 1000)
+                if self._stalled:
+                    raise OSError(f"its reader did not take the line within {_SINK_WAIT_S} s "
+                                  "(or stalled before): the line is cut")
                 line = line[os.write(self._fd, line):]
+                self._cut = bool(line)
 
     def close(self) -> None:
         """Close the file (a later event reopens it)."""
@@ -1840,7 +1849,7 @@ class _Turn:
         # may have raised Cancelled, seeing it: _Turn.woken). A failure once the time is up is
         # the turn's timeout too: the adapter's own clock ends a request at the same deadline,
         # and whichever sees it first, the turn ran out of time
-        if not worker.done or worker.error and self.guard.out_of_time():
+        if not worker.done or worker.error is not None and self.guard.out_of_time():
             return self._end_on_trip(self._no_answer(what))
         e = worker.error
         if e is None:
@@ -2847,12 +2856,13 @@ class OpenAICompatLlm:
         # names reasoning_content when a message from another server lacks it: "Missing
         # `reasoning_content` field", "The `reasoning_content` in the thinking mode must be
         # passed back"): words next to the name, not a quoted text's (a refusal may echo the
-        # reasoning it refused). A field no message carried is no refusal, named (an error
-        # quoting the user's text) or left out already (else: retried for ever)
+        # reasoning it refused), in the error's head (a huge body's words cost seconds of
+        # regex). A field no message carried is no refusal, named (an error quoting the
+        # user's text) or left out already (else: retried for ever)
         sent = {k for m in body["messages"] for part in (m, *m.get("tool_calls", ())) for k in part}
         refused += [f for f in ("reasoning_content", "extra_content") if f in text and f in sent
                     and not re.search(rf"(?i)(missing|required)\W+{f}|{f}\W+(\w+\W+){{,6}}?"
-                                      "(missing|required|must be passed)", text)]
+                                      "(missing|required|must be passed)", text[:4096])]
         if refused and status in (400, 422, 500):  # 422: Mistral; 500: llama-cpp-python
             field_ = refused[0]
             if field_ == "response_format":
@@ -3084,10 +3094,11 @@ class _Replay:
             self._script[-1][1] = _TIMED_OUT
         elif kind == "guard_tripped":   # the one before any LLM call: listing the tools
             self.unlisted |= d["detail"].startswith("listing the tools")
-        elif kind == "error" and d["error"].endswith("; deny it"):   # a schema not JSON: listed
-            self.tools = [ToolDescriptor("unfit", "", {"default": math.nan})]   # so again, offline
         elif asked and d.get("where") == "turn":   # the model failed: the turn raised
             self._script[-1][1] = LlmError(d["error"].partition(": ")[2])
+        # the first turn failed at Start on a tool schema that is not JSON: listed so again
+        elif kind == "error" and not self._script and d["error"].endswith("; deny it"):
+            self.tools = [ToolDescriptor("unfit", "", {"default": math.nan})]
         elif kind == "approval_requested":   # unanswered, unless a decision comes
             self.decided.setdefault(d["call_id"], []).append(_TIMED_OUT)
         # (a decision on no request: a resume's, given in the AgentRequest, is not asked again)
@@ -3127,10 +3138,10 @@ class _Replay:
             raise answer
         # unanswered: the runtime waits for the recorded cancel, or (timed out) for the turn's
         # token, fired here, and sees no answer
-        if answer is _TIMED_OUT:
+        if answer is None and self.on_interrupt:   # cancelled while the model answered: the
+            self.on_interrupt()                     # cancel comes now
+        else:   # timed out (or alone, in a user's runtime, with no one to cancel)
             cancel.cancel()
-        elif self.on_interrupt:   # cancelled while the model answered: the cancel comes now
-            self.on_interrupt()
         raise _NoAnswer("the recorded request was never answered")
 
     # -- the ToolPort --
@@ -3139,8 +3150,7 @@ class _Replay:
         """The tools the (first) recorded turn offered. In replay(), a listing that outlived
         the recorded turn ends the turn's time (_Turn.woken) and has no answer: it trips again."""
         if self.unlisted and self.runtime:
-            self.runtime._turn.cancel.cancel()
-            raise _NoAnswer("the recorded listing never answered")
+            self._gave_up("listing")
         return list(self.tools)
 
     def call_tool(self, call: ToolCall, timeout_s: float,
@@ -3168,9 +3178,16 @@ class _Replay:
         before (_expiry_point), so the turn stops as recorded."""
         decision = (self.decided.get(call.id) or [Approval(False, "replay: no recorded decision")]
                     ).pop(0)
-        if decision is _TIMED_OUT:   # the turn's token was fired before (_expiry_point)
-            raise _NoAnswer("the recorded approver never answered")
+        if decision is _TIMED_OUT:   # (a trip after it, deleted: replay() still waits for none)
+            self._gave_up("approver")
         return decision
+
+    def _gave_up(self, what):
+        """In replay() (its runtime here), a port call the recorded turn ran out of time on:
+        the turn's time ends now (_Turn.woken) and the call has no answer."""
+        if self.runtime:
+            self.runtime._turn.cancel.cancel()
+        raise _NoAnswer(f"the recorded {what} never answered")
 
 
 class ReplayLlm(_Replay):

@@ -81,7 +81,7 @@ def test_a_stalled_readers_pipe_fails_the_event_not_the_turn(monkeypatch, caplog
     assert result.content == BIG
     [warning] = [rec for rec in caplog.records if "failed on" in rec.getMessage()]
     assert "llm_call_completed" in warning.getMessage()
-    assert "its reader took nothing for 0.2 s" in str(warning.exc_info[1])
+    assert "its reader did not take the line within 0.2 s" in str(warning.exc_info[1])
 
 
 @pytest.mark.parametrize("size", [10, 100_000])
