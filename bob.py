@@ -2855,14 +2855,15 @@ class OpenAICompatLlm:
         # /model) may refuse it as an unknown field, unless its words ask for it (DeepSeek
         # names reasoning_content when a message from another server lacks it: "Missing
         # `reasoning_content` field", "The `reasoning_content` in the thinking mode must be
-        # passed back"): words next to the name, not a quoted text's (a refusal may echo the
-        # reasoning it refused), in the error's head (a huge body's words cost seconds of
-        # regex). A field no message carried is no refusal, named (an error quoting the
-        # user's text) or left out already (else: retried for ever)
+        # passed back"; "\n" in the JSON body is a space): words next to the name, not a
+        # quoted text's (a refusal may echo the reasoning it refused), in the error's head (a
+        # huge body's words cost seconds of regex). A field no message carried is no refusal,
+        # named (an error quoting the user's text) or left out already (else: retried for ever)
         sent = {k for m in body["messages"] for part in (m, *m.get("tool_calls", ())) for k in part}
         refused += [f for f in ("reasoning_content", "extra_content") if f in text and f in sent
-                    and not re.search(rf"(?i)(missing|required)\W+{f}|{f}\W+(\w+\W+){{,6}}?"
-                                      "(missing|required|must be passed)", text[:4096])]
+                    and not re.search(rf"(?i)(missing|required)(\W|\\[nrt])+{f}|{f}(\W|\\[nrt])+"
+                                      r"(\w+(\W|\\[nrt])+){,6}?(missing|required|must be passed)",
+                                      text[:4096])]
         if refused and status in (400, 422, 500):  # 422: Mistral; 500: llama-cpp-python
             field_ = refused[0]
             if field_ == "response_format":

@@ -518,13 +518,6 @@ def test_a_streamed_request_learns_a_pydantic_refusal_beside_a_missing_field_err
     assert sent == [True, False]
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "DeepSeek's ask broken across lines ('... in the thinking mode\\nmust be passed back') is "
-    "taken for a refusal: the regex runs on the raw JSON body, where the newline is the two "
-    "characters '\\n', and its 'n' glues onto 'must' ('nmust'): the adapter drops the "
-    "reasoning the server asks for, and every later turn fails. bob.py OpenAICompatLlm."
-    "_http_failure: search the error's decoded text (json.loads of the body's strings), or "
-    "read an escape '\\\\[nrt]' as a space"))
 def test_deepseeks_ask_across_a_line_break_still_asks_for_the_field():
     wants = "The `reasoning_content` in the thinking mode\nmust be passed back to the API."
     with FakeOpenAI([{"status": 400, "body": {"error": {"message": wants}}}, "ok"]) as srv:
