@@ -166,8 +166,8 @@ def _block_text(block) -> tuple[str, bool]:
     """(text, is_text) of one content block: text as it is, anything else summarised."""
     kind = block.type   # the SDK's content models all have one
     res = getattr(block, "resource", None)   # resource blocks only
-    if kind == "text" or hasattr(res, "text"):
-        return (block.text if kind == "text" else res.text), True
+    if (text := getattr(res or block, "text", None)) is not None:   # a text block or resource
+        return text, True
     if kind in ("image", "audio"):
         size = len(block.data) * 3 // 4 - block.data[-2:].count("=")
         return f"[{kind}: {block.mime_type}, {size} bytes]", False
