@@ -312,7 +312,8 @@ class _Server:
         self._error = None                  # why the run failed (an Exception): its owner's
                                             # error, else the transport's under a call
         self._stderr = -1                   # our end of the stderr pipe (stdio), once open
-        self._partial = b""                 # the start of a stderr line still being written
+        self._partial = b""                 # stderr read and not yet logged: the start of a
+                                            # line still being written
         self.status = 0                     # HTTP: 401, 403 or 404 once seen (_on_response)
         # the startup timeout's scope (cancelled by stop() too); then the wait's, in _own()
         self._scope = anyio.move_on_after(self.cfg.startup_timeout_ms / 1000)
@@ -426,16 +427,15 @@ class _Server:
 
     def _read_stderr(self, final: bool = False) -> None:
         """Log stderr lines (INFO), keep the last; when readable, and once more (final) at exit."""
-        data = b""
         last = final                              # no more to read: at exit, or at EOF
         with contextlib.suppress(BlockingIOError):
             while chunk := os.read(self._stderr, 65536):
-                data += chunk
+                self._partial += chunk
                 if not final:                     # one read per call, the loop calls again
                     break
             else:
                 last = True                       # every holder of the write end closed it
-        lines = (self._partial + data).split(b"\n")
+        lines = self._partial.split(b"\n")
         self._partial = b"" if last else lines.pop()[-65536:]  # a line without end
         if last:
             asyncio.get_running_loop().remove_reader(self._stderr)
