@@ -367,7 +367,7 @@ class _Server:
         asyncio.get_running_loop().add_reader(self._stderr, self._read_stderr)
         with os.fdopen(write_fd, "w") as errlog:     # closed here once the child holds a copy
             cm = mcp.stdio_client(mcp.StdioServerParameters(
-                command=cfg.command, args=list(cfg.args), env=cfg.env, cwd=cfg.cwd,
+                command=cfg.command, args=cfg.args, env=cfg.env, cwd=cfg.cwd,
                 encoding_error_handler="replace"),   # bad bytes: U+FFFD, the line goes on
                 errlog)
             streams = await stack.enter_async_context(cm)
