@@ -217,8 +217,9 @@ def _sdk_note(record: logging.LogRecord) -> bool:
     if record.funcName not in ("_parse_line", "_on_notify") or server is None:
         return True
     exc = record.exc_info[1] if record.exc_info else None
-    errors = exc.errors() if hasattr(exc, "errors") else [{}]
-    bad = errors[0].get("input", exc) if errors else exc   # what the server sent
+    # what the server sent: a pydantic ValidationError (its errors are never [], each has the
+    # input), or the record's exception itself, if any
+    bad = exc.errors()[0]["input"] if hasattr(exc, "errors") else exc
     log.info("[%s] skipped output that is not JSON-RPC or not valid MCP: %s", server.cfg.id,
              server._show(f"{record.getMessage()}: {bad}"))
     if isinstance(bad, dict) and "result" in bad and server.session:   # as the content, which
