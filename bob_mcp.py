@@ -31,6 +31,7 @@ import json
 import logging
 import math
 import os
+import re
 import signal
 import threading
 import time
@@ -57,6 +58,7 @@ _POLL_S = 0.2           # how often a stdio server's owner checks that its proce
 _GRACE_S = 7.0          # beyond configured timeouts: the SDK's own bounded shutdown steps
 _CLOSE_S = 8.0          # close(): total budget before process groups are killed outright
 _SHOWN = 500            # characters of one line a server wrote that bob shows (logs, errors)
+_INPUT_QUOTE = re.compile(r"input_value=.*?(?=, input_type=)", re.S)   # pydantic's, in an error
 _MAX_PAGES = 100        # tools/list pages followed; a nextCursor that never ends is an error
 # Tools one server may list. Large real servers list tens to about a hundred (GitHub's official
 # one ~100 with every toolset on); each tool costs the model ~100-200 prompt tokens in every
@@ -416,7 +418,11 @@ class _Server:
                         "lost session (404), else on the next turn", self.dead)
 
     def _scrub(self, text: str) -> str:
-        """The text with the server's secrets masked (its output, SDK or HTTP errors quote them)."""
+        """The text with the server's secrets masked (its output, SDK or HTTP errors quote them).
+        A validation error's quote of what the server sent is left out: pydantic cuts it short
+        ("{'a': 'x', ... ...ALUE123'}"), and the head or tail of a secret cut so is no secret's
+        whole form to mask (a server echoing a request's Authorization header)."""
+        text = _INPUT_QUOTE.sub("input_value=(left out)", text)
         for secret in self._secrets:
             text = text.replace(secret, "***")
         return text
