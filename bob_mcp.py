@@ -146,7 +146,8 @@ def _secrets(cfg: McpServerConfig) -> list[str]:
     """What to mask: values of env/header keys named secret (or in secret_env), any length, as
     JSON and URL text too, and their long words ("Bearer <token>"); others are configuration."""
     found = set()   # str
-    for key, value in {**(cfg.env or {}), **(cfg.headers or {})}.items():
+    # (a key in both env and headers, as a stdio config copied from an HTTP one may have: both)
+    for key, value in [*(cfg.env or {}).items(), *(cfg.headers or {}).items()]:
         if secret_name(key) or key in cfg.secret_env:
             for v in {value.strip(), *[w for w in value.split() if len(w) >= 8]} - {""}:
                 found |= {v, json.dumps(v)[1:-1], json.dumps(v, ensure_ascii=False)[1:-1],

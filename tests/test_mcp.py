@@ -375,3 +375,14 @@ def test_a_failed_start_raises_at_once_and_leaves_nothing():
         port.start()
     port.close()           # waits for the close that the failure started in the background
     assert wait_until(lambda: marked_pids(marker) == [])
+
+
+def test_an_env_secret_stays_masked_when_a_header_has_the_same_name():
+    """Headers mean nothing to a stdio server, and a config may still give one (copied from an
+    HTTP server's): the env value of the same name was left out of what is masked (the two
+    dicts were merged, the header's value won), and the server's output showed it."""
+    cfg = stdio("b", env={"BOB_TEST_TOKEN": "from config"},
+                headers={"BOB_TEST_TOKEN": "another value"})
+    with McpToolPort([cfg]) as p:
+        r = call(p, "b__fail", message="upstream refused token from config")
+    assert r.is_error and "from config" not in r.content and "***" in r.content
