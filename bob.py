@@ -2304,10 +2304,11 @@ class AgentRuntime:
             failed = e if isinstance(e, StoreError) else StoreError(
                 f"cannot save session {sid!r}: {type(e).__name__}: {e}")
             failed.result = result
-        # Report: the turn's own error first (it is what the caller sees), then the end
-        if t.error is not None:
+        # Report: the turn's own error first (it is what the caller sees, raised in place of a
+        # failed save's), then the end
+        if t.error is not None:   # (an exception may test false: is not None, always)
             t._emit("error", {"error": f"{type(t.error).__name__}: {t.error}", "where": "turn"})
-        failed = failed if t.error is None else t.error   # (an exception may test false)
+            failed = t.error
         t._emit("turn_completed", {  # a turn that raises has no finish reason
             "finish_reason": None if failed is not None else t.finish.value, "usage": vars(t.usage),
             "guard_reason": t.guard_reason.value if t.guard_reason else None,
