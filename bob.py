@@ -1785,7 +1785,8 @@ class _Turn:
         decided = self._approved_batch(results)
         if isinstance(decided, State):
             return decided
-        if trip := self.guard.check_budget(sum(r is None for r in results)):
+        # the calls to run: the Nones (a ToolResult, a frozen dataclass, equals no None)
+        if trip := self.guard.check_budget(results.count(None)):
             return self._stop_batch_on_guard(trip)
         # Claim a resumed pause before its calls run: another process resuming it too gets a
         # StoreError and runs nothing
