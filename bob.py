@@ -1630,7 +1630,8 @@ class _Turn:
     cancel: CancelToken
     guard: LoopGuard
     session: SessionState = None            # loaded by start, before anything reads it
-    tools: list = field(default_factory=list)   # ToolDescriptors, masked as the model sees them
+    tools: list = ()   # ToolDescriptors, masked as the model sees them: the list start makes
+    #                    (until then none; only read, never changed in place)
     input_index: int = 0                    # where this turn's user message sits in history
     system: Message = None                  # made by the first build_prompt
     wire: dict = field(default_factory=dict)   # index -> its Message rendered for the wire
