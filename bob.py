@@ -1775,9 +1775,16 @@ class _Turn:
         if self.caller_cancel.cancelled:
             return self._stop_batch_on_cancel()
         if not resumed:
-            # The size first: it costs O(1) per call, check_loop's hashing does not
-            if len(calls) > self.policy.max_parallel_tools:
-                return self._refuse_oversize_batch(calls)
+            # The size first: it costs O(1) per call, check_loop's hashing does not. A batch
+            # over max_parallel_tools runs not at all; it counts as one error (not one per
+            # call) and the loop goes on
+            n = self.policy.max_parallel_tools
+            if len(calls) > n:
+                self._answer_unrun(calls, f"not run: this batch has {len(calls)} calls and at "
+                                          f"most max_parallel_tools={n} may run at once; call at "
+                                          f"most {n} tools at a time")
+                self.guard.consecutive_errors += 1
+                return State.BUILD_PROMPT
             if trip := self.guard.check_loop(calls):
                 return self._stop_batch_on_guard(trip)
         # Each call: refused, declined, waiting for a decision, or to run (None: the batch's
@@ -2068,16 +2075,6 @@ class _Turn:
             return _error(call, f"executor unavailable: {_MAX_ABANDONED} earlier port calls "
                                 "are still hung; restart the program")
         return None
-
-    def _refuse_oversize_batch(self, calls):
-        """A batch over max_parallel_tools runs not at all; it counts as one error and
-        the loop goes on."""
-        n = self.policy.max_parallel_tools
-        self._answer_unrun(calls, f"not run: this batch has {len(calls)} calls and at most "
-                                  f"max_parallel_tools={n} may run at once; call at most {n} "
-                                  "tools at a time")
-        self.guard.consecutive_errors += 1   # the batch counts as one error, not one per call
-        return State.BUILD_PROMPT
 
     def _stop_batch_on_guard(self, trip):
         """A guard stopped the batch: each call gets a "not run" result; the turn ends."""
