@@ -822,8 +822,9 @@ class LoopGuard:
 
     def check_loop(self, calls):
         """Before a batch runs: the same batch (names, canonical arguments) seen too often."""
-        sig = "|".join(sorted(c.name + json.dumps(redact(c.arguments), sort_keys=True,
-                                                  default=str)   # masked, as a replay sees it
+        # masked, as a replay sees it; JSON always: the model's calls are checked as they come
+        # (parse_action, or _fit in llm_infer), and a resumed batch is not checked again
+        sig = "|".join(sorted(c.name + json.dumps(redact(c.arguments), sort_keys=True)
                               for c in calls))
         self._batches[sig] = seen = self._batches.get(sig, 0) + 1
         # (twice at least: with max_repeated_batches=1 every batch would be "at the limit")
