@@ -901,7 +901,7 @@ def _matches(value, schema):
         return False
     want = {"string": str, "boolean": bool, "array": list, "object": dict, "integer": int,
             "number": (int, float)}.get(kind)
-    return want is None or isinstance(value, want)
+    return not want or isinstance(value, want)
 
 
 def _expected(schema):
@@ -991,10 +991,10 @@ class FunctionTools:
         t0 = time.perf_counter()
         f = self._functions.get(call.name)
         try:
-            if f is None:
+            if not f:
                 raise LookupError(f"unknown tool {call.name!r}")
             problem = _check_args(f, call.arguments)
-            if problem is None:
+            if not problem:   # (a problem is never "")
                 value = f.fn(**call.arguments)
                 text = value if isinstance(value, str) else _model_json(value, default=str)
         except Exception as e:
@@ -1485,7 +1485,7 @@ def _serve(inbox):
 def _submit(job):
     with _lock:
         inbox = _idle.pop() if _idle else None
-    if inbox is None:
+    if not inbox:   # (a SimpleQueue is never false)
         inbox = queue.SimpleQueue()
         threading.Thread(target=_serve, args=(inbox,), name="bob-worker", daemon=True).start()
     inbox.put(job)
@@ -1692,7 +1692,7 @@ class _Turn:
 
     def build_prompt(self):
         """System message + history cut to max_history_messages, in the mode's wire shape."""
-        if self.system is None:
+        if not self.system:
             self.system = Message("system", build_system_prompt(
                 self._instructions(), self.tools, self.rt.action_mode))
         self.prompt = self._prompt(self.policy.max_history_messages)
@@ -2008,7 +2008,7 @@ class _Turn:
         calls = list(self.action.calls)
         waiting = []
         for i, call in enumerate(calls):
-            if refusals[i] is not None or not is_denied(call.name, self.rt.ask_tools):
+            if refusals[i] or not is_denied(call.name, self.rt.ask_tools):
                 continue
             if call.id not in self.approvals:
                 self._emit("approval_requested", {"call_id": call.id, "name": call.name,
@@ -2100,7 +2100,7 @@ class _Turn:
         order. Returns how many calls ran."""
         running = []
         for i, call in enumerate(calls):
-            runs = results[i] is None   # not refused
+            runs = not results[i]   # not refused (a ToolResult is never false)
             self._trace_call(call, runs)
             if runs:
                 # tool_timeout_ms, never past the turn deadline (nor below 0 s)
@@ -2270,7 +2270,7 @@ class AgentRuntime:
         if self.tools is None:
             return report
         # one at a time: no thread leak if it hangs
-        if self._probe is None or self._probe.done:
+        if not self._probe or self._probe.done:
             self._probe = _Worker(self.tools.list_tools, queue.SimpleQueue())
         worker = self._probe
         _wait_all([worker], [time.monotonic() + timeout_s], worker.wake, CancelToken())
@@ -2489,7 +2489,7 @@ class _Stream:
                 if type(index) is not int:
                     raise ValueError(f"a tool call's index is {index!r}, not an integer")
                 slot = self.slots.get(call_id) or self.slots.get(index)
-                if slot is None or (call_id and slot[0] and call_id != slot[0]):
+                if not slot or (call_id and slot[0] and call_id != slot[0]):
                     slot = ["", "", "", {}]  # Gemini and Ollama stream parallel calls at one
                     self.calls.append(slot)  # index, each with its own id
                 self.slots[index] = slot
