@@ -2497,8 +2497,8 @@ class _Stream:
                     self.slots[call_id] = slot
                     slot[0] = call_id
                 slot[3].update(_call_extra(tc))
-                if fn.get("name") and fn["name"] != slot[1]:  # names may repeat: keep one
-                    slot[1] += fn["name"]
+                if (name := fn.get("name")) and name != slot[1]:  # names may repeat: keep one
+                    slot[1] += name
                 args = fn.get("arguments") or ""   # an object, whole, from some servers
                 slot[2] += args if isinstance(args, str) else json.dumps(args)
             self.finish_reason = choice.get("finish_reason") or self.finish_reason
