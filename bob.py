@@ -301,6 +301,10 @@ class TurnPolicy:
                                   f"got {value}")
 
 
+# the kinds of a policy that may be None (AgentRequest's, AgentRuntime's), as _OPTIONAL_STR
+_OPTIONAL_POLICY = (TurnPolicy, types.NoneType)
+
+
 @dataclass(frozen=True)
 class Usage:
     """Token counts; add them with `+` (a new Usage: one is never changed, so one zero Usage()
@@ -368,8 +372,7 @@ class AgentRequest:
     approvals: dict[str, Approval] | None = None
 
     def __post_init__(self) -> None:   # a bad value saved would make the session unloadable
-        _given(self, input=_OPTIONAL_STR, session_id=str,
-               policy=(TurnPolicy, types.NoneType))
+        _given(self, input=_OPTIONAL_STR, session_id=str, policy=_OPTIONAL_POLICY)
 
 
 @dataclass
@@ -2214,7 +2217,7 @@ class AgentRuntime:
                  approver: Callable[[ToolCall], Approval] | None = None):
         if action_mode not in ("json", "native"):
             raise ConfigError(f"action_mode must be 'json' or 'native', got {action_mode!r}")
-        if not isinstance(policy, (TurnPolicy, types.NoneType)):
+        if not isinstance(policy, _OPTIONAL_POLICY):
             raise ConfigError(f"policy must be a TurnPolicy, got {type(policy).__name__}")
         # The ports and settings every turn reads
         self.llm = llm
