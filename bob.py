@@ -646,19 +646,16 @@ def parse_action(text: str, call_id: str = "call_1") -> AgentAction:
     raise ActionParseError(f'"type" must be "final", "tool_call" or "ask_user", got {kind!r}')
 
 
-def _portable(schema):
-    """A tool's schema as a part of another: one with a "$ref" (pydantic's "#/$defs/X") would
-    point at nothing there, so such a tool's arguments are only asked to be an object (the
-    tool still checks them)."""
-    return {"type": "object"} if '"$ref"' in json.dumps(schema) else schema
-
-
 def action_schema(tools: Sequence[ToolDescriptor]) -> dict[str, Any]:
     """The JSON Schema of one action, for servers that constrain decoding to it: final,
     ask_user, and a tool_call per tool, its name as an enum and its input schema."""
     text = {"type": "string"}
+    # A tool's schema as a part of this one: one with a "$ref" (pydantic's "#/$defs/X") would
+    # point at nothing here, so such a tool's arguments are only asked to be an object (the
+    # tool still checks them)
     forms = [("final", {"content": text}), ("ask_user", {"question": text})] + [
-        ("tool_call", {"name": {"enum": [t.name]}, "arguments": _portable(t.input_schema)})
+        ("tool_call", {"name": {"enum": [t.name]}, "arguments": {"type": "object"}
+                       if '"$ref"' in json.dumps(t.input_schema) else t.input_schema})
         for t in tools]
     return {"anyOf": [{"type": "object", "properties": {"type": {"const": kind}, **fields},
                        "required": ["type", *fields], "additionalProperties": False}
