@@ -301,6 +301,10 @@ class TurnPolicy:
                                   f"got {value}")
 
 
+# the kinds of a policy that may be None (AgentRequest's, AgentRuntime's), as _OPTIONAL_STR
+_OPTIONAL_POLICY = (TurnPolicy, types.NoneType)
+
+
 @dataclass(frozen=True)
 class Usage:
     """Token counts; add them with `+` (a new Usage: one is never changed, so one zero Usage()
@@ -368,8 +372,7 @@ class AgentRequest:
     approvals: dict[str, Approval] | None = None
 
     def __post_init__(self) -> None:   # a bad value saved would make the session unloadable
-        _given(self, input=_OPTIONAL_STR, session_id=str,
-               policy=(TurnPolicy, types.NoneType))
+        _given(self, input=_OPTIONAL_STR, session_id=str, policy=_OPTIONAL_POLICY)
 
 
 @dataclass
@@ -643,19 +646,16 @@ def parse_action(text: str, call_id: str = "call_1") -> AgentAction:
     raise ActionParseError(f'"type" must be "final", "tool_call" or "ask_user", got {kind!r}')
 
 
-def _portable(schema):
-    """A tool's schema as a part of another: one with a "$ref" (pydantic's "#/$defs/X") would
-    point at nothing there, so such a tool's arguments are only asked to be an object (the
-    tool still checks them)."""
-    return {"type": "object"} if '"$ref"' in json.dumps(schema) else schema
-
-
 def action_schema(tools: Sequence[ToolDescriptor]) -> dict[str, Any]:
     """The JSON Schema of one action, for servers that constrain decoding to it: final,
     ask_user, and a tool_call per tool, its name as an enum and its input schema."""
     text = {"type": "string"}
+    # A tool's schema as a part of this one: one with a "$ref" (pydantic's "#/$defs/X") would
+    # point at nothing here, so such a tool's arguments are only asked to be an object (the
+    # tool still checks them)
     forms = [("final", {"content": text}), ("ask_user", {"question": text})] + [
-        ("tool_call", {"name": {"enum": [t.name]}, "arguments": _portable(t.input_schema)})
+        ("tool_call", {"name": {"enum": [t.name]}, "arguments": {"type": "object"}
+                       if '"$ref"' in json.dumps(t.input_schema) else t.input_schema})
         for t in tools]
     return {"anyOf": [{"type": "object", "properties": {"type": {"const": kind}, **fields},
                        "required": ["type", *fields], "additionalProperties": False}
@@ -822,8 +822,9 @@ class LoopGuard:
 
     def check_loop(self, calls):
         """Before a batch runs: the same batch (names, canonical arguments) seen too often."""
-        sig = "|".join(sorted(c.name + json.dumps(redact(c.arguments), sort_keys=True,
-                                                  default=str)   # masked, as a replay sees it
+        # masked, as a replay sees it; JSON always: the model's calls are checked as they come
+        # (parse_action, or _fit in llm_infer), and a resumed batch is not checked again
+        sig = "|".join(sorted(c.name + json.dumps(redact(c.arguments), sort_keys=True)
                               for c in calls))
         self._batches[sig] = seen = self._batches.get(sig, 0) + 1
         # (twice at least: with max_repeated_batches=1 every batch would be "at the limit")
@@ -900,7 +901,7 @@ def _matches(value, schema):
         return False
     want = {"string": str, "boolean": bool, "array": list, "object": dict, "integer": int,
             "number": (int, float)}.get(kind)
-    return want is None or isinstance(value, want)
+    return not want or isinstance(value, want)
 
 
 def _expected(schema):
@@ -990,10 +991,10 @@ class FunctionTools:
         t0 = time.perf_counter()
         f = self._functions.get(call.name)
         try:
-            if f is None:
+            if not f:
                 raise LookupError(f"unknown tool {call.name!r}")
             problem = _check_args(f, call.arguments)
-            if problem is None:
+            if not problem:   # (a problem is never "")
                 value = f.fn(**call.arguments)
                 text = value if isinstance(value, str) else _model_json(value, default=str)
         except Exception as e:
@@ -1484,7 +1485,7 @@ def _serve(inbox):
 def _submit(job):
     with _lock:
         inbox = _idle.pop() if _idle else None
-    if inbox is None:
+    if not inbox:   # (a SimpleQueue is never false)
         inbox = queue.SimpleQueue()
         threading.Thread(target=_serve, args=(inbox,), name="bob-worker", daemon=True).start()
     inbox.put(job)
@@ -1630,7 +1631,8 @@ class _Turn:
     cancel: CancelToken
     guard: LoopGuard
     session: SessionState = None            # loaded by start, before anything reads it
-    tools: list = field(default_factory=list)   # ToolDescriptors, masked as the model sees them
+    tools: list = ()   # ToolDescriptors, masked as the model sees them: the list start makes
+    #                    (until then none; only read, never changed in place)
     input_index: int = 0                    # where this turn's user message sits in history
     system: Message = None                  # made by the first build_prompt
     wire: dict = field(default_factory=dict)   # index -> its Message rendered for the wire
@@ -1690,7 +1692,7 @@ class _Turn:
 
     def build_prompt(self):
         """System message + history cut to max_history_messages, in the mode's wire shape."""
-        if self.system is None:
+        if not self.system:
             self.system = Message("system", build_system_prompt(
                 self._instructions(), self.tools, self.rt.action_mode))
         self.prompt = self._prompt(self.policy.max_history_messages)
@@ -1774,9 +1776,16 @@ class _Turn:
         if self.caller_cancel.cancelled:
             return self._stop_batch_on_cancel()
         if not resumed:
-            # The size first: it costs O(1) per call, check_loop's hashing does not
-            if len(calls) > self.policy.max_parallel_tools:
-                return self._refuse_oversize_batch(calls)
+            # The size first: it costs O(1) per call, check_loop's hashing does not. A batch
+            # over max_parallel_tools runs not at all; it counts as one error (not one per
+            # call) and the loop goes on
+            n = self.policy.max_parallel_tools
+            if len(calls) > n:
+                self._answer_unrun(calls, f"not run: this batch has {len(calls)} calls and at "
+                                          f"most max_parallel_tools={n} may run at once; call at "
+                                          f"most {n} tools at a time")
+                self.guard.consecutive_errors += 1
+                return State.BUILD_PROMPT
             if trip := self.guard.check_loop(calls):
                 return self._stop_batch_on_guard(trip)
         # Each call: refused, declined, waiting for a decision, or to run (None: the batch's
@@ -1785,7 +1794,8 @@ class _Turn:
         decided = self._approved_batch(results)
         if isinstance(decided, State):
             return decided
-        if trip := self.guard.check_budget(sum(r is None for r in results)):
+        # the calls to run: the Nones (a ToolResult, a frozen dataclass, equals no None)
+        if trip := self.guard.check_budget(results.count(None)):
             return self._stop_batch_on_guard(trip)
         # Claim a resumed pause before its calls run: another process resuming it too gets a
         # StoreError and runs nothing
@@ -1998,7 +2008,7 @@ class _Turn:
         calls = list(self.action.calls)
         waiting = []
         for i, call in enumerate(calls):
-            if refusals[i] is not None or not is_denied(call.name, self.rt.ask_tools):
+            if refusals[i] or not is_denied(call.name, self.rt.ask_tools):
                 continue
             if call.id not in self.approvals:
                 self._emit("approval_requested", {"call_id": call.id, "name": call.name,
@@ -2067,16 +2077,6 @@ class _Turn:
                                 "are still hung; restart the program")
         return None
 
-    def _refuse_oversize_batch(self, calls):
-        """A batch over max_parallel_tools runs not at all; it counts as one error and
-        the loop goes on."""
-        n = self.policy.max_parallel_tools
-        self._answer_unrun(calls, f"not run: this batch has {len(calls)} calls and at most "
-                                  f"max_parallel_tools={n} may run at once; call at most {n} "
-                                  "tools at a time")
-        self.guard.consecutive_errors += 1   # the batch counts as one error, not one per call
-        return State.BUILD_PROMPT
-
     def _stop_batch_on_guard(self, trip):
         """A guard stopped the batch: each call gets a "not run" result; the turn ends."""
         self._answer_unrun(self.action.calls, f"not run: {trip.detail}")
@@ -2100,7 +2100,7 @@ class _Turn:
         order. Returns how many calls ran."""
         running = []
         for i, call in enumerate(calls):
-            runs = results[i] is None   # not refused
+            runs = not results[i]   # not refused (a ToolResult is never false)
             self._trace_call(call, runs)
             if runs:
                 # tool_timeout_ms, never past the turn deadline (nor below 0 s)
@@ -2214,7 +2214,7 @@ class AgentRuntime:
                  approver: Callable[[ToolCall], Approval] | None = None):
         if action_mode not in ("json", "native"):
             raise ConfigError(f"action_mode must be 'json' or 'native', got {action_mode!r}")
-        if not isinstance(policy, (TurnPolicy, types.NoneType)):
+        if not isinstance(policy, _OPTIONAL_POLICY):
             raise ConfigError(f"policy must be a TurnPolicy, got {type(policy).__name__}")
         # The ports and settings every turn reads
         self.llm = llm
@@ -2270,7 +2270,7 @@ class AgentRuntime:
         if self.tools is None:
             return report
         # one at a time: no thread leak if it hangs
-        if self._probe is None or self._probe.done:
+        if not self._probe or self._probe.done:
             self._probe = _Worker(self.tools.list_tools, queue.SimpleQueue())
         worker = self._probe
         _wait_all([worker], [time.monotonic() + timeout_s], worker.wake, CancelToken())
@@ -2304,10 +2304,11 @@ class AgentRuntime:
             failed = e if isinstance(e, StoreError) else StoreError(
                 f"cannot save session {sid!r}: {type(e).__name__}: {e}")
             failed.result = result
-        # Report: the turn's own error first (it is what the caller sees), then the end
-        if t.error is not None:
+        # Report: the turn's own error first (it is what the caller sees, raised in place of a
+        # failed save's), then the end
+        if t.error is not None:   # (an exception may test false: is not None, always)
             t._emit("error", {"error": f"{type(t.error).__name__}: {t.error}", "where": "turn"})
-        failed = failed if t.error is None else t.error   # (an exception may test false)
+            failed = t.error
         t._emit("turn_completed", {  # a turn that raises has no finish reason
             "finish_reason": None if failed is not None else t.finish.value, "usage": vars(t.usage),
             "guard_reason": t.guard_reason.value if t.guard_reason else None,
@@ -2488,7 +2489,7 @@ class _Stream:
                 if type(index) is not int:
                     raise ValueError(f"a tool call's index is {index!r}, not an integer")
                 slot = self.slots.get(call_id) or self.slots.get(index)
-                if slot is None or (call_id and slot[0] and call_id != slot[0]):
+                if not slot or (call_id and slot[0] and call_id != slot[0]):
                     slot = ["", "", "", {}]  # Gemini and Ollama stream parallel calls at one
                     self.calls.append(slot)  # index, each with its own id
                 self.slots[index] = slot
@@ -2496,8 +2497,8 @@ class _Stream:
                     self.slots[call_id] = slot
                     slot[0] = call_id
                 slot[3].update(_call_extra(tc))
-                if fn.get("name") and fn["name"] != slot[1]:  # names may repeat: keep one
-                    slot[1] += fn["name"]
+                if (name := fn.get("name")) and name != slot[1]:  # names may repeat: keep one
+                    slot[1] += name
                 args = fn.get("arguments") or ""   # an object, whole, from some servers
                 slot[2] += args if isinstance(args, str) else json.dumps(args)
             self.finish_reason = choice.get("finish_reason") or self.finish_reason
