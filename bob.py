@@ -3347,8 +3347,7 @@ class _FailedSave:
         raise StoreError("replay: the recorded save failed")
 
 
-def _replay_turn(events, state, given
-                 ):
+def _replay_turn(events, state, given):
     """Run a recorded turn again from `state` with replay()'s settings: its events (recorded and
     new), its ports and the session after it."""
     start = _turn_start(events)

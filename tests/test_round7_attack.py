@@ -17,8 +17,6 @@ import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
-import pytest
-
 import bob
 from conftest import (CLI, Terminal, begun_early, cli_begun, collected, final, marked_pids,
                       run_cli, wait_until, write_config, xdg_env)

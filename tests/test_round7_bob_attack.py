@@ -672,14 +672,16 @@ def test_signals_while_a_long_line_waits_for_its_reader_neither_cut_nor_repeat_i
     fcntl.fcntl(r, F_SETPIPE_SZ, 4096)
     got = []
     hits = []
+    first = threading.Event()
 
     def reader():
+        first.wait(5)   # the pipe full, the writer waiting, when the first signal comes
         with os.fdopen(r, "rb") as f:
             while piece := f.read1(1024):
                 got.append(piece)
     t = threading.Thread(target=reader)
     t.start()
-    old = signal.signal(signal.SIGALRM, lambda *a: hits.append(1))
+    old = signal.signal(signal.SIGALRM, lambda *a: hits.append(1) or first.set())
     signal.setitimer(signal.ITIMER_REAL, 0.002, 0.002)
     sink = JsonlEventSink(f"/dev/fd/{w}")
     try:
