@@ -2601,8 +2601,7 @@ def _tracked(pool_cls, inflight, cancels):
     return Pool
 
 
-def _tracking_session(inflight, cancels
-                      ):
+def _tracking_session(inflight, cancels):
     """A requests.Session whose pools are _tracked, and the exceptions of a failed transport."""
     try:
         import requests
