@@ -251,16 +251,22 @@ def begin_sse(path: Path, srv: FakeOpenAI) -> subprocess.Popen[str]:
     return cli_begun(path, "-v", "-p", "hi", env=xdg_env(path))
 
 
+def served(begun) -> subprocess.CompletedProcess[str]:
+    """The CLI run begun beside its HTTP MCP server (SSE_SERVERS), collected; the server then
+    stopped."""
+    try:
+        return collected(begun.run)
+    finally:
+        server = SSE_SERVERS.pop(begun.path)
+        server.shutdown()
+        server.server_close()
+
+
 def test_verbose_log_lines_quoting_an_http_server_cannot_drive_the_terminal(early):
     # Without -v a library's warning reads `bob: warning: ...`, controls shown as U+FFFD; with
     # -v the log lines went out as the record had them: the SDK's `Unknown SSE event: ESC]0;...`
     # retitled and cleared the terminal (README: -v's lines cannot drive it).
-    try:
-        run = collected(early["sse"].run)
-    finally:
-        server = SSE_SERVERS.pop(early["sse"].path)
-        server.shutdown()
-        server.server_close()
+    run = served(early["sse"])
     assert run.returncode == 0 and run.stdout == "done\n", run.stderr
     assert "Unknown SSE event: " in run.stderr, run.stderr
     assert not set("\x1b\x07\u202e") & set(run.stderr), repr(run.stderr[-600:])
@@ -297,12 +303,7 @@ def begin_echo(path: Path, srv: FakeOpenAI) -> subprocess.Popen[str]:
 
 
 def test_a_secret_an_http_server_echoes_in_a_bad_answer_is_not_shown(early):
-    try:
-        run = collected(early["echo"].run)
-    finally:
-        server = SSE_SERVERS.pop(early["echo"].path)
-        server.shutdown()
-        server.server_close()
+    run = served(early["echo"])
     assert run.returncode == 1 and "failed to start" in run.stderr, run.stderr
     shown = [SECRET[i:i + 6] for i in range(len(SECRET) - 5) if SECRET[i:i + 6] in run.stderr]
     assert not shown, run.stderr
