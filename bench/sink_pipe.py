@@ -8,12 +8,15 @@ through the adapter's refusal check.
    emitted into a pipe; printed: CPU and wall seconds of emit(). The pipe takes 64 KB a write,
    and emit slices the rest of the line's bytes after each write (line = line[n:]), a copy of
    what is left: quadratic (measured on 2 shared cores: 20 MB 0.32 s, 40 MB 4.2 s, 100 MB 55 s
-   of CPU, the turn's thread held all along; a regular file takes one write).
+   of CPU, the turn's thread held all along; a regular file takes one write). Fixed the same
+   day (a memoryview, no copy): 5 MB 0.03 s, 10 MB 0.06, 20 MB 0.12, 40 MB 0.27 s of CPU.
 2. The adapter: a 400 whose body names reasoning_content every KB (spaces between), to a
    request whose message carried it; printed: seconds in complete() for 1, 4 and 15 MB (under
    the 16 MB max_response_bytes). OpenAICompatLlm._http_failure's regex backtracks over each
    name's next six words and the runs of non-word characters between them: about 0.8 s per MB
    (15 MB: ~12 s), in re, which holds the GIL: the turn's deadline and cancel wait for it.
+   Fixed the same day (the words are searched in the error's first 4,096 characters): the
+   whole complete(), the body's transfer included, 1 MB 0.09 s, 4 MB 0.31 s, 15 MB 1.12 s.
 """
 from __future__ import annotations
 
