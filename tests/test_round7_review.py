@@ -1,0 +1,101 @@
+"""Round 7, a hostile review of the day's changes (git diff 274d643 HEAD -- bob.py bob_mcp.py
+bob_cli.py). Each strict xfail is a break found: its reason says what breaks, what the user
+sees, where, and the fix suggested. Real parts only: the fake OpenAI server, a real stdio MCP
+server (tests/mcp_raw_server.py, which starts in milliseconds).
+"""
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from fake_openai import FakeOpenAI
+
+from bob import (AgentRequest, AgentRuntime, FunctionTools, Message, ToolCall, TurnPolicy)
+from bob_mcp import McpServerConfig, McpToolPort
+from conftest import make_llm
+
+RAW = str(Path(__file__).with_name("mcp_raw_server.py"))
+
+
+def add(a: int, b: int) -> int:
+    """Add two integers."""
+    return a + b
+
+
+HISTORY = [Message("user", "2+3?"),
+           Message("assistant", "", (ToolCall("call_1", "add", {"a": 2, "b": 3}),),
+                   reasoning="The user wants 2+3; use add."),
+           Message("tool", "5", tool_call_id="call_1", name="add"),
+           Message("user", "and 4+4?")]
+
+
+# ---- bob.py: the adapter's words regex -----------------------------------------------------------
+
+@pytest.mark.xfail(strict=True, reason=(
+    "catastrophic backtracking in OpenAICompatLlm._http_failure's words regex (0c5e8c9 made an "
+    "escaped line break a separator): '(\\W|\\\\[nrt])+' lets '\\' be \\W and 'n' start the "
+    "next '\\w+' group, and '(\\w+(\\W|\\\\[nrt])+){,6}?' tries every split: a 4xx body of "
+    "'reasoning_content' and 40 escaped '\\n' (100 bytes) costs 5.6 s, 50 far more, holding the "
+    "GIL: the turn outlives turn_timeout_ms and Ctrl-C, the 4096-character cut does not help. "
+    "Fix (bob.py, the re.search in _http_failure): make the separator unambiguous, "
+    "'(?:[^\\w\\\\]|\\\\[nrt])+' in all three places (a backslash is a separator only as "
+    "\\n, \\r or \\t), or first text = text[:4096].replace('\\\\n', ' ') etc. and keep \\W+"))
+def test_escaped_line_breaks_after_the_field_name_do_not_hold_the_turn():
+    body = '{"error": {"message": "reasoning_content' + "\\n" * 30 + '"}}'
+    with FakeOpenAI([{"status": 400, "body": body}, "8"]) as srv:
+        rt = AgentRuntime(make_llm(srv, retry_max=0), FunctionTools([add]), action_mode="native",
+                          policy=TurnPolicy(turn_timeout_ms=300))
+        t0 = time.monotonic()
+        rt.run(AgentRequest("and 4+4?", history=HISTORY[:3]))
+        took = time.monotonic() - t0
+    assert took < 0.3 + 0.4, f"{took:.2f} s"
+
+
+# ---- bob_mcp.py: _scrub's _INPUT_QUOTE over every text ---------------------------------------
+
+FILE = """class Model(BaseModel):
+    def check(self, input_value=None):   # a line of code the tool read
+        return input_value
+# ... the rest of the file the model asked for ...
+raise ValueError(f"bad {x}, input_type={type(x)}")
+"""
+
+
+@pytest.fixture(scope="module")
+def raw_port():
+    with McpToolPort([McpServerConfig("r", command=sys.executable, args=(RAW,))]) as port:
+        yield port
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "bob_mcp._scrub (9c07a30) cuts 'input_value=... , input_type=' out of every text it masks, "
+    "and call_tool scrubs every tool result: a file a filesystem tool read, or a test run's "
+    "output, that says 'input_value=' and later ', input_type=' reaches the model with "
+    "everything between replaced by 'input_value=(left out)' (re.S, unbounded .*?), lines of "
+    "code silently gone; no secret was there. Fix (bob_mcp.py): apply _INPUT_QUOTE only where "
+    "an SDK validation error is shown (_finish's two self.dead lines, _sdk_note's _show, the "
+    "re-listing warning), not in _scrub itself (call_tool line 'text = server._scrub(text)', "
+    "_publish's names, descriptions, schemas), and bound it to pydantic's cut quote on one "
+    "line: re.compile(r'input_value=[^\\n]{0,200}?(?=, input_type=)')"))
+def test_a_tool_result_quoting_input_value_reaches_the_model_whole(raw_port):
+    r = raw_port.call_tool(ToolCall("c1", "r__echo", {"text": FILE}), 5.0)
+    assert r.content == FILE
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "bob_mcp._INPUT_QUOTE ('input_value=.*?(?=, input_type=)', re.S) scans from every "
+    "'input_value=' to the end of the text when no ', input_type=' follows: quadratic, holding "
+    "the GIL, on every tool result call_tool scrubs (and every stderr line, name, description): "
+    "a tool result of 50 KB of 'input_value=' costs ~1.5 s, 100 KB ~7 s, 1 MB minutes, past "
+    "the call's timeout_s, turn_timeout_ms and Ctrl-C. Fix: as the test above, a bounded "
+    "quote on one line, 'input_value=[^\\n]{0,200}?(?=, input_type=)' (linear), applied to "
+    "errors only"))
+def test_a_tool_result_full_of_input_value_does_not_hold_the_call(raw_port):
+    text = "input_value=" * 4_000   # 48 KB
+    t0 = time.monotonic()
+    r = raw_port.call_tool(ToolCall("c2", "r__echo", {"text": text}), 0.3)
+    took = time.monotonic() - t0
+    assert r.content.startswith("input_value=")
+    assert took < 0.3 + 0.5, f"{took:.2f} s"
