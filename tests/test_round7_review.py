@@ -5,8 +5,11 @@ server (tests/mcp_raw_server.py, which starts in milliseconds).
 """
 from __future__ import annotations
 
+import subprocess
 import sys
+import threading
 import time
+from http.server import ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -14,7 +17,8 @@ from fake_openai import FakeOpenAI
 
 from bob import (AgentRequest, AgentRuntime, FunctionTools, Message, ToolCall, TurnPolicy)
 from bob_mcp import McpServerConfig, McpToolPort
-from conftest import make_llm
+from conftest import CLI, final, make_llm, write_config, xdg_env
+from test_round7_attack import SECRET, _EchoHandler   # an HTTP MCP server echoing its token
 
 RAW = str(Path(__file__).with_name("mcp_raw_server.py"))
 
@@ -43,14 +47,14 @@ HISTORY = [Message("user", "2+3?"),
     "'(?:[^\\w\\\\]|\\\\[nrt])+' in all three places (a backslash is a separator only as "
     "\\n, \\r or \\t), or first text = text[:4096].replace('\\\\n', ' ') etc. and keep \\W+"))
 def test_escaped_line_breaks_after_the_field_name_do_not_hold_the_turn():
-    body = '{"error": {"message": "reasoning_content' + "\\n" * 30 + '"}}'
+    body = '{"error": {"message": "reasoning_content' + "\\n" * 29 + '"}}'
     with FakeOpenAI([{"status": 400, "body": body}, "8"]) as srv:
         rt = AgentRuntime(make_llm(srv, retry_max=0), FunctionTools([add]), action_mode="native",
-                          policy=TurnPolicy(turn_timeout_ms=300))
+                          policy=TurnPolicy(turn_timeout_ms=200))
         t0 = time.monotonic()
         rt.run(AgentRequest("and 4+4?", history=HISTORY[:3]))
         took = time.monotonic() - t0
-    assert took < 0.3 + 0.4, f"{took:.2f} s"
+    assert took < 0.2 + 0.4, f"{took:.2f} s"
 
 
 # ---- bob_mcp.py: _scrub's _INPUT_QUOTE over every text ---------------------------------------
@@ -93,9 +97,44 @@ def test_a_tool_result_quoting_input_value_reaches_the_model_whole(raw_port):
     "quote on one line, 'input_value=[^\\n]{0,200}?(?=, input_type=)' (linear), applied to "
     "errors only"))
 def test_a_tool_result_full_of_input_value_does_not_hold_the_call(raw_port):
-    text = "input_value=" * 4_000   # 48 KB
+    text = "input_value=" * 3_400   # 41 KB
     t0 = time.monotonic()
-    r = raw_port.call_tool(ToolCall("c2", "r__echo", {"text": text}), 0.3)
+    r = raw_port.call_tool(ToolCall("c2", "r__echo", {"text": text}), 0.2)
     took = time.monotonic() - t0
     assert r.content.startswith("input_value=")
-    assert took < 0.3 + 0.5, f"{took:.2f} s"
+    assert took < 0.2 + 0.4, f"{took:.2f} s"
+
+
+# ---- bob_mcp.py: a secret through -v -------------------------------------------------------------
+
+@pytest.mark.xfail(strict=True, reason=(
+    "README's Secrets promise ('never appears in logs, events, error messages'): with -v, an "
+    "HTTP MCP server (or proxy) echoing its Authorization header in an answer that is no "
+    "JSON-RPC message shows the token's tail ('...TVALUE123') on stderr three times: the SDK's "
+    "own record 'ERROR mcp.client.streamable_http: Error parsing JSON response' and its "
+    "traceback (pydantic's cut input_value) go out unscrubbed; 9c07a30's _INPUT_QUOTE covers "
+    "bob's own texts only, and _sdk_note lets every record but _parse_line's and _on_notify's "
+    "through, and it filters 'mcp.client.stdio' and 'client' only (McpToolPort.start), not "
+    "'mcp.client.streamable_http'. Fix: add that logger to start's list, and in _sdk_note, "
+    "for any record logged inside a server's task "
+    "(_serving.get() is a _Server), not only those two funcNames, render it masked: "
+    "record.msg = server._show(record.getMessage() + (formatted exc_info)), record.args = (), "
+    "record.exc_info = None (the streamable_http one at INFO, as the stdio ones)"))
+def test_a_secret_an_http_server_echoes_stays_hidden_with_v(tmp_path):
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _EchoHandler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        with FakeOpenAI([final("x")]) as srv:
+            write_config(tmp_path, srv, extra=(
+                '[[mcp.servers]]\nid = "w"\ntransport = "streamable_http"\n'
+                f'url = "http://127.0.0.1:{server.server_address[1]}/mcp"\n'
+                'headers = { Authorization = "Bearer ${MCP_TOKEN}" }\n'))
+            run = subprocess.run([sys.executable, str(CLI), "-v", "-p", "hi"], cwd=tmp_path,
+                                 text=True, capture_output=True, timeout=60,
+                                 env=xdg_env(tmp_path, MCP_TOKEN=SECRET))
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert run.returncode == 1 and "failed to start" in run.stderr, run.stderr
+    shown = [SECRET[i:i + 6] for i in range(len(SECRET) - 5) if SECRET[i:i + 6] in run.stderr]
+    assert not shown, run.stderr
