@@ -1,0 +1,190 @@
+"""Round 7, a hostile review of the day's changes (git diff 274d643 HEAD -- bob.py bob_mcp.py
+bob_cli.py). Each strict xfail is a break found: its reason says what breaks, what the user
+sees, where, and the fix suggested. Real parts only: the fake OpenAI server, a real stdio MCP
+server (tests/mcp_raw_server.py, which starts in milliseconds).
+"""
+from __future__ import annotations
+
+import fcntl
+import os
+import subprocess
+import sys
+import threading
+import time
+from http.server import ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+from fake_openai import FakeOpenAI
+
+import bob
+from bob import (AgentEvent, AgentRequest, AgentRuntime, FunctionTools, JsonlEventSink, Message,
+                 ToolCall, TurnPolicy)
+from bob_mcp import McpServerConfig, McpToolPort
+from conftest import CLI, final, make_llm, write_config, xdg_env
+from test_round7_attack import SECRET, _EchoHandler   # an HTTP MCP server echoing its token
+
+RAW = str(Path(__file__).with_name("mcp_raw_server.py"))
+
+
+def add(a: int, b: int) -> int:
+    """Add two integers."""
+    return a + b
+
+
+HISTORY = [Message("user", "2+3?"),
+           Message("assistant", "", (ToolCall("call_1", "add", {"a": 2, "b": 3}),),
+                   reasoning="The user wants 2+3; use add."),
+           Message("tool", "5", tool_call_id="call_1", name="add"),
+           Message("user", "and 4+4?")]
+
+
+# ---- bob.py: the adapter's words regex -----------------------------------------------------------
+
+@pytest.mark.xfail(strict=True, reason=(
+    "catastrophic backtracking in OpenAICompatLlm._http_failure's words regex (0c5e8c9 made an "
+    "escaped line break a separator): '(\\W|\\\\[nrt])+' lets '\\' be \\W and 'n' start the "
+    "next '\\w+' group, and '(\\w+(\\W|\\\\[nrt])+){,6}?' tries every split: a 4xx body of "
+    "'reasoning_content' and 40 escaped '\\n' (100 bytes) costs 5.6 s, 50 far more, holding the "
+    "GIL: the turn outlives turn_timeout_ms and Ctrl-C, the 4096-character cut does not help. "
+    "Fix (bob.py, the re.search in _http_failure): make the separator unambiguous, "
+    "'(?:[^\\w\\\\]|\\\\[nrt])+' in all three places (a backslash is a separator only as "
+    "\\n, \\r or \\t), or first text = text[:4096].replace('\\\\n', ' ') etc. and keep \\W+"))
+def test_escaped_line_breaks_after_the_field_name_do_not_hold_the_turn():
+    body = '{"error": {"message": "reasoning_content' + "\\n" * 29 + '"}}'
+    with FakeOpenAI([{"status": 400, "body": body}, "8"]) as srv:
+        rt = AgentRuntime(make_llm(srv, retry_max=0), FunctionTools([add]), action_mode="native",
+                          policy=TurnPolicy(turn_timeout_ms=200))
+        t0 = time.monotonic()
+        rt.run(AgentRequest("and 4+4?", history=HISTORY[:3]))
+        took = time.monotonic() - t0
+    assert took < 0.2 + 0.4, f"{took:.2f} s"
+
+
+# ---- bob_mcp.py: _scrub's _INPUT_QUOTE over every text ---------------------------------------
+
+FILE = """class Model(BaseModel):
+    def check(self, input_value=None):   # a line of code the tool read
+        return input_value
+# ... the rest of the file the model asked for ...
+raise ValueError(f"bad {x}, input_type={type(x)}")
+"""
+
+
+@pytest.fixture(scope="module")
+def raw_port():
+    with McpToolPort([McpServerConfig("r", command=sys.executable, args=(RAW,))]) as port:
+        yield port
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "bob_mcp._scrub (9c07a30) cuts 'input_value=... , input_type=' out of every text it masks, "
+    "and call_tool scrubs every tool result: a file a filesystem tool read, or a test run's "
+    "output, that says 'input_value=' and later ', input_type=' reaches the model with "
+    "everything between replaced by 'input_value=(left out)' (re.S, unbounded .*?), lines of "
+    "code silently gone; no secret was there. Fix (bob_mcp.py): apply _INPUT_QUOTE only where "
+    "an SDK validation error is shown (_finish's two self.dead lines, _sdk_note's _show, the "
+    "re-listing warning), not in _scrub itself (call_tool line 'text = server._scrub(text)', "
+    "_publish's names, descriptions, schemas), and bound it to pydantic's cut quote on one "
+    "line: re.compile(r'input_value=[^\\n]{0,200}?(?=, input_type=)')"))
+def test_a_tool_result_quoting_input_value_reaches_the_model_whole(raw_port):
+    r = raw_port.call_tool(ToolCall("c1", "r__echo", {"text": FILE}), 5.0)
+    assert r.content == FILE
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "bob_mcp._INPUT_QUOTE ('input_value=.*?(?=, input_type=)', re.S) scans from every "
+    "'input_value=' to the end of the text when no ', input_type=' follows: quadratic, holding "
+    "the GIL, on every tool result call_tool scrubs (and every stderr line, name, description): "
+    "a tool result of 50 KB of 'input_value=' costs ~1.5 s, 100 KB ~7 s, 1 MB minutes, past "
+    "the call's timeout_s, turn_timeout_ms and Ctrl-C. Fix: as the test above, a bounded "
+    "quote on one line, 'input_value=[^\\n]{0,200}?(?=, input_type=)' (linear), applied to "
+    "errors only"))
+def test_a_tool_result_full_of_input_value_does_not_hold_the_call(raw_port):
+    text = "input_value=" * 3_400   # 41 KB
+    t0 = time.monotonic()
+    r = raw_port.call_tool(ToolCall("c2", "r__echo", {"text": text}), 0.2)
+    took = time.monotonic() - t0
+    assert r.content.startswith("input_value=")
+    assert took < 0.2 + 0.4, f"{took:.2f} s"
+
+
+# ---- bob_mcp.py: a secret through -v -------------------------------------------------------------
+
+@pytest.mark.xfail(strict=True, reason=(
+    "README's Secrets promise ('never appears in logs, events, error messages'): with -v, an "
+    "HTTP MCP server (or proxy) echoing its Authorization header in an answer that is no "
+    "JSON-RPC message shows the token's tail ('...TVALUE123') on stderr three times: the SDK's "
+    "own record 'ERROR mcp.client.streamable_http: Error parsing JSON response' and its "
+    "traceback (pydantic's cut input_value) go out unscrubbed; 9c07a30's _INPUT_QUOTE covers "
+    "bob's own texts only, and _sdk_note lets every record but _parse_line's and _on_notify's "
+    "through, and it filters 'mcp.client.stdio' and 'client' only (McpToolPort.start), not "
+    "'mcp.client.streamable_http'. Fix: add that logger to start's list, and in _sdk_note, "
+    "for any record logged inside a server's task "
+    "(_serving.get() is a _Server), not only those two funcNames, render it masked: "
+    "record.msg = server._show(record.getMessage() + (formatted exc_info)), record.args = (), "
+    "record.exc_info = None (the streamable_http one at INFO, as the stdio ones)"))
+def test_a_secret_an_http_server_echoes_stays_hidden_with_v(tmp_path):
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _EchoHandler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        with FakeOpenAI([final("x")]) as srv:
+            write_config(tmp_path, srv, extra=(
+                '[[mcp.servers]]\nid = "w"\ntransport = "streamable_http"\n'
+                f'url = "http://127.0.0.1:{server.server_address[1]}/mcp"\n'
+                'headers = { Authorization = "Bearer ${MCP_TOKEN}" }\n'))
+            run = subprocess.run([sys.executable, str(CLI), "-v", "-p", "hi"], cwd=tmp_path,
+                                 text=True, capture_output=True, timeout=60,
+                                 env=xdg_env(tmp_path, MCP_TOKEN=SECRET))
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert run.returncode == 1 and "failed to start" in run.stderr, run.stderr
+    shown = [SECRET[i:i + 6] for i in range(len(SECRET) - 5) if SECRET[i:i + 6] in run.stderr]
+    assert not shown, run.stderr
+
+
+# ---- bob.py: JsonlEventSink after a stall ------------------------------------------------------
+
+@pytest.mark.xfail(strict=True, reason=(
+    "JsonlEventSink.emit: once a wait ran out (_stalled), the next line gets no time at all "
+    "(end = now + 0 for the whole line), not only its first poll: a reader that came back and "
+    "keeps up takes the first 4-64 KB, the writer's next poll(0) finds the pipe full before "
+    "the reader's next read, and the line is cut; _stalled is set again, so every later line "
+    "longer than the pipe's room is lost too, until a short one fits in one write (a resumed "
+    "`gzip` loses each long answer's llm_call_completed after one stall; README: 'while the "
+    "reader stays stalled, later events fail at once'). Fix (bob.py, emit): the zero wait for "
+    "the first poll only: once a write went through the reader is back: 'stalled = "
+    "self._stalled' before the loop, and after 'line = line[os.write(self._fd, line):]': "
+    "'if stalled: end, stalled = time.monotonic() + _SINK_WAIT_S, False' (checked: passes, "
+    "test_round7_trace and test_round7_bob_attack still pass)"))
+def test_a_reader_back_after_a_stall_gets_the_next_long_lines_whole(monkeypatch):
+    monkeypatch.setattr(bob, "_SINK_WAIT_S", 0.05)
+    r, w = os.pipe()
+    fcntl.fcntl(r, 1031, 4096)   # F_SETPIPE_SZ: one page
+    sink = JsonlEventSink(f"/dev/fd/{w}")
+    with pytest.raises(OSError, match="did not take the line"):   # nobody reads yet: a stall
+        sink.emit(AgentEvent("note", "s", 0, {"text": "a" * 10_000}, 0.0))
+    got = []
+    back = threading.Event()
+
+    def reader():   # back, and reading all the time
+        while piece := os.read(r, 65536):
+            got.append(piece)
+            back.set()
+    t = threading.Thread(target=reader)
+    t.start()
+    assert back.wait(5)   # it took what the pipe held: the pipe is empty, the reader reading
+    failed = []
+    for step in range(1, 6):
+        try:
+            sink.emit(AgentEvent("note", "s", step, {"text": "b" * 10_000}, 0.0))
+        except OSError as e:
+            failed.append(f"step {step}: {e}")
+    sink.close()
+    os.close(w)
+    t.join(5)
+    os.close(r)
+    assert not failed, failed
+    lines = b"".join(got).splitlines()
+    assert sum(b'"text": "' + b"b" * 10_000 + b'"' in line for line in lines) == 5
