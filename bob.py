@@ -1406,9 +1406,11 @@ class JsonlEventSink:
             room = select.poll()   # (not select(): it takes no descriptor past 1023)
             room.register(self._fd, select.POLLOUT)
             line = memoryview(b"\n" + line if self._cut else line)   # (no copy per write)
-            end = time.monotonic() + (0 if self._stalled else _SINK_WAIT_S)   # the line's time
+            end = time.monotonic() + _SINK_WAIT_S   # the line's time
             while line:   # a pipe takes what its buffer holds: the rest when its reader has read
-                self._stalled = not room.poll(max(0, end - time.monotonic()) * 1000)
+                # (no wait for a reader stalled before, till it takes some: then the line's time)
+                wait = 0 if self._stalled else max(0, end - time.monotonic())
+                self._stalled = not room.poll(wait * 1000)
                 if self._stalled:
                     raise OSError(f"its reader did not take the line within {_SINK_WAIT_S} s "
                                   "(or stalled before): the line is cut")
@@ -2861,9 +2863,9 @@ class OpenAICompatLlm:
         # named (an error quoting the user's text) or left out already (else: retried for ever)
         sent = {k for m in body["messages"] for part in (m, *m.get("tool_calls", ())) for k in part}
         refused += [f for f in ("reasoning_content", "extra_content") if f in text and f in sent
-                    and not re.search(rf"(?i)(missing|required)(\W|\\[nrt])+{f}|{f}(\W|\\[nrt])+"
-                                      r"(\w+(\W|\\[nrt])+){,6}?(missing|required|must be passed)",
-                                      text[:4096])]
+                    and not re.search(rf"(?i)(missing|required)([^\w\\]|\\[nrt])+{f}|{f}"
+                                      r"([^\w\\]|\\[nrt])+(\w+([^\w\\]|\\[nrt])+){,6}?"
+                                      "(missing|required|must be passed)", text[:4096])]
         if refused and status in (400, 422, 500):  # 422: Mistral; 500: llama-cpp-python
             field_ = refused[0]
             if field_ == "response_format":

@@ -58,7 +58,7 @@ _POLL_S = 0.2           # how often a stdio server's owner checks that its proce
 _GRACE_S = 7.0          # beyond configured timeouts: the SDK's own bounded shutdown steps
 _CLOSE_S = 8.0          # close(): total budget before process groups are killed outright
 _SHOWN = 500            # characters of one line a server wrote that bob shows (logs, errors)
-_INPUT_QUOTE = re.compile(r"input_value=.*?(?=, input_type=)", re.S)   # pydantic's, in an error
+_INPUT_QUOTE = re.compile(r"input_value=[^\n]{0,300}(?=, input_type=)")   # pydantic's, cut short
 _MAX_PAGES = 100        # tools/list pages followed; a nextCursor that never ends is an error
 # Tools one server may list. Large real servers list tens to about a hundred (GitHub's official
 # one ~100 with every toolset on); each tool costs the model ~100-200 prompt tokens in every
@@ -404,9 +404,12 @@ class _Server:
             cause = "HTTP 404: it does not know bob's session (it restarted?) or this URL"
         elif leaf is None:   # not what bob did to it after an error: the SDK's error says why
             cause = "closed the connection" if code is None else f"exited (code {code})"
-        else:
+        else:   # (a validation error's quote of what the server sent is left out: pydantic
+            # cuts it short, "{'a': 'x', ... ...ALUE123'}", and the head or tail of a secret cut
+            # so is no secret's whole form to mask: a server echoing the Authorization header)
+            said = _INPUT_QUOTE.sub("input_value=(left out)", str(leaf))
             hint = " (is it installed and on PATH?)" if isinstance(leaf, FileNotFoundError) else ""
-            cause = ("failed: " if ready else "") + f"{type(leaf).__name__}: {leaf}{hint}"
+            cause = ("failed: " if ready else "") + f"{type(leaf).__name__}: {said}{hint}"
         tail = "; stderr:\n  " + "\n  ".join(self.tail) if self.tail else ""
         if not ready:   # dead too: a restart a call began is tried once more at the next turn
             self.dead = self._scrub(f"MCP server {self.cfg.id!r} failed to start: {cause}{tail}")
@@ -419,11 +422,7 @@ class _Server:
                         "lost session (404), else on the next turn", self.dead)
 
     def _scrub(self, text: str) -> str:
-        """The text with the server's secrets masked (its output, SDK or HTTP errors quote them).
-        A validation error's quote of what the server sent is left out: pydantic cuts it short
-        ("{'a': 'x', ... ...ALUE123'}"), and the head or tail of a secret cut so is no secret's
-        whole form to mask (a server echoing a request's Authorization header)."""
-        text = _INPUT_QUOTE.sub("input_value=(left out)", text)
+        """The text with the server's secrets masked (its output, SDK or HTTP errors quote them)."""
         for secret in self._secrets:
             text = text.replace(secret, "***")
         return text
