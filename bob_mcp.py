@@ -212,12 +212,15 @@ _serving = contextvars.ContextVar("bob_mcp_serving")   # the _Server whose task 
 
 
 def _sdk_note(record: logging.LogRecord) -> bool:
-    """The SDK logs a stdout line that is not JSON-RPC, or a notification it could not validate,
-    with a traceback quoting it, at ERROR or WARNING: for our servers, one line, masked, at
-    INFO. An answer it cannot read ("result": null, an array) it drops, and the request would
-    wait for its timeout: that request fails now (the SDK has no API for this)."""
+    """The SDK logs a stdout line that is not JSON-RPC, an HTTP answer it could not validate
+    (it answers the request with an error itself), or a notification it could not validate,
+    with a traceback quoting it (cut short: a secret's tail shows), at ERROR or WARNING: for
+    our servers, one line, masked, at INFO. An answer it cannot read ("result": null, an
+    array) it drops, and the request would wait for its timeout: that request fails now (the
+    SDK has no API for this)."""
     server = _serving.get(None)
-    if record.funcName not in ("_parse_line", "_on_notify") or server is None:
+    if record.funcName not in ("_parse_line", "_on_notify",
+                               "_handle_json_response") or server is None:
         return True
     exc = record.exc_info[1] if record.exc_info else None
     # what the server sent: a pydantic ValidationError (its errors are never [], each has the
@@ -404,12 +407,9 @@ class _Server:
             cause = "HTTP 404: it does not know bob's session (it restarted?) or this URL"
         elif leaf is None:   # not what bob did to it after an error: the SDK's error says why
             cause = "closed the connection" if code is None else f"exited (code {code})"
-        else:   # (a validation error's quote of what the server sent is left out: pydantic
-            # cuts it short, "{'a': 'x', ... ...ALUE123'}", and the head or tail of a secret cut
-            # so is no secret's whole form to mask: a server echoing the Authorization header)
-            said = _INPUT_QUOTE.sub("input_value=(left out)", str(leaf))
+        else:
             hint = " (is it installed and on PATH?)" if isinstance(leaf, FileNotFoundError) else ""
-            cause = ("failed: " if ready else "") + f"{type(leaf).__name__}: {said}{hint}"
+            cause = ("failed: " if ready else "") + f"{type(leaf).__name__}: {leaf}{hint}"
         tail = "; stderr:\n  " + "\n  ".join(self.tail) if self.tail else ""
         if not ready:   # dead too: a restart a call began is tried once more at the next turn
             self.dead = self._scrub(f"MCP server {self.cfg.id!r} failed to start: {cause}{tail}")
@@ -422,7 +422,12 @@ class _Server:
                         "lost session (404), else on the next turn", self.dead)
 
     def _scrub(self, text: str) -> str:
-        """The text with the server's secrets masked (its output, SDK or HTTP errors quote them)."""
+        """The text with the server's secrets masked (its output, SDK or HTTP errors quote them).
+        A validation error's quote of what a server sent is left out, wherever it comes (a start
+        or a call failing, a tool result): pydantic cuts it short ("{'a': 'x', ... ...ALUE123'}"),
+        and the head or tail of a secret cut so is no whole form to mask (a server echoing the
+        Authorization header). One line of 300 characters at most: linear, and the rest stays."""
+        text = _INPUT_QUOTE.sub("input_value=(left out)", text)
         for secret in self._secrets:
             text = text.replace(secret, "***")
         return text
@@ -597,7 +602,8 @@ class McpToolPort:
                 self._thread = threading.Thread(target=self._run_loop, daemon=True)
                 self._thread.start()
                 atexit.register(self.close)       # no server outlives bob, whatever happens
-                for name in ("mcp.client.stdio", "client"):   # inert elsewhere
+                # (the filter is inert for records of other servers' or no server's tasks)
+                for name in ("mcp.client.stdio", "mcp.client.streamable_http", "client"):
                     logging.getLogger(name).addFilter(_sdk_note)
                 self._started = asyncio.run_coroutine_threadsafe(self._start_all(), self._loop)
         if wait:

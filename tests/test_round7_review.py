@@ -6,6 +6,7 @@ server (tests/mcp_raw_server.py, which starts in milliseconds).
 from __future__ import annotations
 
 import fcntl
+import json
 import os
 import subprocess
 import sys
@@ -82,21 +83,47 @@ def test_a_tool_result_full_of_input_value_does_not_hold_the_call(raw_port):
     assert took < 0.2 + 0.4, f"{took:.2f} s"
 
 
+class _EchoOnCallHandler(_EchoHandler):
+    """An MCP server that starts and lists its tool as it should, then answers a call with no
+    JSON-RPC message, echoing the request's Authorization header in it."""
+
+    def do_POST(self) -> None:
+        body = json.loads(self.rfile.read(int(self.headers.get("Content-Length") or 0)))
+        method = body.get("method")
+        if "id" not in body:
+            return self._send(202)
+        if method == "tools/call":
+            return super()._send(200, json.dumps({"jsonrpc": "2.0", "id": body["id"], "result": 5,
+                                                  "echo": self.headers.get("Authorization")}
+                                                 ).encode(), "application/json")
+        result = {"tools": [{"name": "t", "inputSchema": {"type": "object"}}]} if (
+            method == "tools/list") else {"protocolVersion": body["params"]["protocolVersion"],
+                                          "capabilities": {"tools": {}},
+                                          "serverInfo": {"name": "echo", "version": "1"}}
+        self._send(200, json.dumps({"jsonrpc": "2.0", "id": body["id"], "result": result}
+                                   ).encode(), "application/json")
+
+
+def test_a_secret_a_server_echoes_in_a_bad_call_answer_is_not_in_the_result():
+    """The call's error is the SDK's validation error quoting the answer cut short: its
+    input_value is left out there too (the tool result reaches the model and the trace)."""
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _EchoOnCallHandler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    cfg = McpServerConfig("w", "streamable_http",
+                          url=f"http://127.0.0.1:{server.server_address[1]}/mcp",
+                          headers={"Authorization": f"Bearer {SECRET}"})
+    try:
+        with McpToolPort([cfg]) as port:
+            r = port.call_tool(ToolCall("c1", "w__t", {}), 5.0)
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert r.is_error and "input_value=(left out)" in r.content, r.content
+    assert not [SECRET[i:i + 6] for i in range(len(SECRET) - 5) if SECRET[i:i + 6] in r.content]
+
+
 # ---- bob_mcp.py: a secret through -v -------------------------------------------------------------
 
-@pytest.mark.xfail(strict=True, reason=(
-    "README's Secrets promise ('never appears in logs, events, error messages'): with -v, an "
-    "HTTP MCP server (or proxy) echoing its Authorization header in an answer that is no "
-    "JSON-RPC message shows the token's tail ('...TVALUE123') on stderr three times: the SDK's "
-    "own record 'ERROR mcp.client.streamable_http: Error parsing JSON response' and its "
-    "traceback (pydantic's cut input_value) go out unscrubbed; 9c07a30's _INPUT_QUOTE covers "
-    "bob's own texts only, and _sdk_note lets every record but _parse_line's and _on_notify's "
-    "through, and it filters 'mcp.client.stdio' and 'client' only (McpToolPort.start), not "
-    "'mcp.client.streamable_http'. Fix: add that logger to start's list, and in _sdk_note, "
-    "for any record logged inside a server's task "
-    "(_serving.get() is a _Server), not only those two funcNames, render it masked: "
-    "record.msg = server._show(record.getMessage() + (formatted exc_info)), record.args = (), "
-    "record.exc_info = None (the streamable_http one at INFO, as the stdio ones)"))
 def test_a_secret_an_http_server_echoes_stays_hidden_with_v(tmp_path):
     server = ThreadingHTTPServer(("127.0.0.1", 0), _EchoHandler)
     threading.Thread(target=server.serve_forever, daemon=True).start()
