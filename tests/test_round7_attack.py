@@ -293,13 +293,14 @@ SECRET = "sk-SECRETVALUE123"   # begin_echo's MCP token
 
 
 def begin_echo(path: Path, srv: FakeOpenAI) -> subprocess.Popen[str]:
-    """`bob -p hi` with a Streamable HTTP MCP server that echoes its token (_EchoHandler)."""
+    """`bob -v -p hi` with a Streamable HTTP MCP server that echoes its token (_EchoHandler):
+    with -v the SDK's own log record of the bad answer, and its traceback, show too."""
     server = SSE_SERVERS[path] = ThreadingHTTPServer(("127.0.0.1", 0), _EchoHandler)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     write_config(path, srv, extra=(f'[[mcp.servers]]\nid = "w"\ntransport = "streamable_http"\n'
                                    f'url = "http://127.0.0.1:{server.server_address[1]}/mcp"\n'
                                    'headers = { Authorization = "Bearer ${MCP_TOKEN}" }\n'))
-    return cli_begun(path, "-p", "hi", env=xdg_env(path, MCP_TOKEN=SECRET))
+    return cli_begun(path, "-v", "-p", "hi", env=xdg_env(path, MCP_TOKEN=SECRET))
 
 
 def test_a_secret_an_http_server_echoes_in_a_bad_answer_is_not_shown(early):

@@ -8,7 +8,6 @@ from __future__ import annotations
 import fcntl
 import json
 import os
-import subprocess
 import sys
 import threading
 import time
@@ -22,7 +21,7 @@ import bob
 from bob import (AgentEvent, AgentRequest, AgentRuntime, FunctionTools, JsonlEventSink, Message,
                  ToolCall, TurnPolicy)
 from bob_mcp import McpServerConfig, McpToolPort
-from conftest import CLI, final, make_llm, write_config, xdg_env
+from conftest import make_llm
 from test_round7_attack import SECRET, _EchoHandler   # an HTTP MCP server echoing its token
 
 RAW = str(Path(__file__).with_name("mcp_raw_server.py"))
@@ -123,25 +122,7 @@ def test_a_secret_a_server_echoes_in_a_bad_call_answer_is_not_in_the_result():
 
 
 # ---- bob_mcp.py: a secret through -v -------------------------------------------------------------
-
-def test_a_secret_an_http_server_echoes_stays_hidden_with_v(tmp_path):
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _EchoHandler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        with FakeOpenAI([final("x")]) as srv:
-            write_config(tmp_path, srv, extra=(
-                '[[mcp.servers]]\nid = "w"\ntransport = "streamable_http"\n'
-                f'url = "http://127.0.0.1:{server.server_address[1]}/mcp"\n'
-                'headers = { Authorization = "Bearer ${MCP_TOKEN}" }\n'))
-            run = subprocess.run([sys.executable, str(CLI), "-v", "-p", "hi"], cwd=tmp_path,
-                                 text=True, capture_output=True, timeout=60,
-                                 env=xdg_env(tmp_path, MCP_TOKEN=SECRET))
-    finally:
-        server.shutdown()
-        server.server_close()
-    assert run.returncode == 1 and "failed to start" in run.stderr, run.stderr
-    shown = [SECRET[i:i + 6] for i in range(len(SECRET) - 5) if SECRET[i:i + 6] in run.stderr]
-    assert not shown, run.stderr
+# (tests/test_round7_attack.py's run against the echoing server is a `-v` run: it checks this)
 
 
 # ---- bob.py: JsonlEventSink after a stall ------------------------------------------------------
