@@ -1,7 +1,8 @@
 """Round 7, a hostile review of the day's changes (git diff 274d643 HEAD -- bob.py bob_mcp.py
-bob_cli.py). Each strict xfail is a break found: its reason says what breaks, what the user
-sees, where, and the fix suggested. Real parts only: the fake OpenAI server, a real stdio MCP
-server (tests/mcp_raw_server.py, which starts in milliseconds).
+bob_cli.py). Each test here was a break found, a strict xfail saying what broke, what the user
+saw, where, and the fix suggested; all five are fixed, and plain tests now (with one more
+case of the last: a call's error). Real parts only: the fake OpenAI server, a real stdio MCP
+server (tests/mcp_raw_server.py, which starts in milliseconds), a small HTTP MCP server.
 """
 from __future__ import annotations
 
