@@ -3047,6 +3047,10 @@ class _Replay:
     # (_inline, _Worker), and runs a batch's calls one after another, in call order. Each class
     # says so itself: a subclass that may block does not inherit it
     _answers_inline = True
+    # replay()'s runtime (set there, where the turn's time is ended: _gave_up, _Recorder); and
+    # whether the recorded listing outlived its turn (_read), so that this one does too
+    runtime = None
+    unlisted = False
 
     def __init__(self, trace: _Trace, on_interrupt: Callable[[], None] | None = None):
         events = read_trace(trace)
@@ -3059,9 +3063,6 @@ class _Replay:
         self._script = []
         self._parts = {}   # the parts of request_digest
         self.told = None   # the digest of the next request, if replay()'s sink saw it (_Recorder)
-        # the recorded listing outlived its turn; in replay() (its runtime here), so does this one
-        self.unlisted = False
-        self.runtime = None
         self._calls = {}   # call id -> the recorded calls with that id, oldest first
         # call id -> the recorded decisions on calls with that id, oldest first (a model may
         # reuse an id in a later batch); _TIMED_OUT: the approver was asked, never answered
@@ -3153,7 +3154,7 @@ class _Replay:
         """The tools the (first) recorded turn offered. In replay(), a listing that outlived
         the recorded turn ends the turn's time (_Turn.woken) and has no answer: it trips again."""
         if self.unlisted and self.runtime:
-            self._gave_up("listing")
+            self._gave_up()
         return list(self.tools)
 
     def call_tool(self, call: ToolCall, timeout_s: float,
@@ -3176,21 +3177,22 @@ class _Replay:
     # -- the approver (replay() asks it; answering inline, as the ports do) --
 
     def __call__(self, call: ToolCall) -> Approval:
-        """The recorded decision on this call (none recorded: declined). None for a call the
-        recorded turn ran out of time asking about: replay() has ended the turn's time just
-        before (_expiry_point), so the turn stops as recorded."""
+        """The recorded decision on this call (none recorded: declined). A call the recorded
+        turn ran out of time asking about has none: the turn's time ends (_gave_up), and the
+        turn stops as recorded."""
         decision = (self.decided.get(call.id) or [Approval(False, "replay: no recorded decision")]
                     ).pop(0)
         if decision is _TIMED_OUT:   # (a trip after it, deleted: replay() still waits for none)
-            self._gave_up("approver")
+            self._gave_up()
         return decision
 
-    def _gave_up(self, what):
+    def _gave_up(self):
         """In replay() (its runtime here), a port call the recorded turn ran out of time on:
-        the turn's time ends now (_Turn.woken) and the call has no answer."""
+        the turn's time ends now (_Turn.woken) and the call has no answer (the runtime takes
+        _NoAnswer for none: its text is not shown)."""
         if self.runtime:
             self.runtime._turn.cancel.cancel()
-        raise _NoAnswer(f"the recorded {what} never answered")
+        raise _NoAnswer("the recorded turn ran out of time here")
 
 
 class ReplayLlm(_Replay):
@@ -3319,7 +3321,7 @@ class _Recorder:
             if n == self.cancel_at:
                 self.cancel.cancel()
             if n == self.expire_at:   # the turn's time is up (_Turn.woken)
-                self.runtime._turn.cancel.cancel()
+                self.port.runtime._turn.cancel.cancel()
 
 
 def _first_difference(recorded, new):
@@ -3377,7 +3379,7 @@ def _replay_turn(events, state, given):
         ask_tools=start["ask_tools"],   # and the recorded denials stay:
         deny_tools=(*given.get("deny_tools", ()), *start["deny_tools"]),
         approver=port if start["approver"] else None)   # the recorded decisions
-    sink.runtime = port.runtime = runtime   # (they end the turn's time: _Recorder, list_tools)
+    port.runtime = runtime   # (where the turn's time is ended: _Recorder, _Replay._gave_up)
     # the turn: an error that ends it is an event; a bad recorded approval fails again
     approvals = {k: Approval(**a) if isinstance(a, dict) else a
                  for k, a in start["approvals"].items()}
