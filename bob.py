@@ -1385,12 +1385,13 @@ class JsonlEventSink:
     once: a stalled reader never holds a turn for long. A line cut so (or by Ctrl-C) is lost
     alone: the next event begins a line of its own."""
 
+    _cut = False       # the last line was written in part
+    _stalled = False   # the last wait for the reader ran out, and it has taken nothing since
+
     def __init__(self, path: str | os.PathLike[str]):
         self.path = Path(path)
         self._lock = threading.Lock()
         self._fd = None   # opened on the first event
-        self._cut = False   # the last line was written in part
-        self._stalled = False   # the last wait for the reader ran out
 
     def emit(self, event: AgentEvent) -> None:
         """Append the event as one JSON line."""
@@ -1403,19 +1404,24 @@ class JsonlEventSink:
             if self._fd is None:   # opened never blocking: a FIFO nobody reads fails at once
                 flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | _NONBLOCK
                 self._fd = os.open(self.path, flags, 0o600)
-            room = select.poll()   # (not select(): it takes no descriptor past 1023)
-            room.register(self._fd, select.POLLOUT)
             line = memoryview(b"\n" + line if self._cut else line)   # (no copy per write)
             end = time.monotonic() + _SINK_WAIT_S   # the line's time
-            while line:   # a pipe takes what its buffer holds: the rest when its reader has read
-                # (no wait for a reader stalled before, till it takes some: then the line's time)
-                wait = 0 if self._stalled else max(0, end - time.monotonic())
-                self._stalled = not room.poll(wait * 1000)
+            while line:   # a file takes it at once; a pipe what its buffer holds, then waits
+                with contextlib.suppress(BlockingIOError):   # (a pipe full: nothing taken)
+                    line = line[os.write(self._fd, line):]
+                    self._cut = bool(line)
+                    self._stalled = False
+                    continue   # (the rest, if any, at once: the reader may have read meanwhile)
+                # the rest when the reader has read (no wait for a reader stalled before, till
+                # it takes some: then the line's time). poll(), not select(): it takes no
+                # descriptor past 1023
+                room = select.poll()
+                room.register(self._fd, select.POLLOUT)
+                self._stalled = not room.poll(
+                    (0 if self._stalled else max(0, end - time.monotonic())) * 1000)
                 if self._stalled:
                     raise OSError(f"its reader did not take the line within {_SINK_WAIT_S} s "
                                   "(or stalled before): the line is cut")
-                line = line[os.write(self._fd, line):]
-                self._cut = bool(line)
 
     def close(self) -> None:
         """Close the file (a later event reopens it)."""
