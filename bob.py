@@ -1463,6 +1463,10 @@ _MAX_ABANDONED = 32
 # the session for ever and 40,000 events, and a cancel would wait for all of them.
 _MAX_CALLS_PER_REPLY = 1_000
 _IDLE_S = 30.0                 # an idle pool thread exits after this long
+# The longest a waiting thread sleeps at a time: the kernel may hand a Ctrl-C to any thread,
+# and Python raises it in the main thread only when that thread runs again (else: at the end of
+# a long wait, a tool's timeout). bob_mcp's waits on its loop take it too.
+_CTRL_C_SLICE_S = 0.05
 _lock = threading.Lock()       # guards the two below
 _abandoned = 0                 # given-up workers still running (read as it is within bob.py)
 _idle = []                     # inboxes (queue.SimpleQueue) of idle pool threads
@@ -1566,10 +1570,8 @@ def _wait_all(workers, deadlines, wake, cancel):
             pending = [d for w, d in zip(workers, deadlines) if not w.done and d > now]
             if not pending:
                 break
-            # 50 ms at most at a time: the kernel may hand a Ctrl-C to any thread, and Python
-            # raises it here only when this thread runs again (else: at the tool's timeout)
-            with contextlib.suppress(queue.Empty):
-                wake.get(timeout=min(min(pending) - now, 0.05))
+            with contextlib.suppress(queue.Empty):   # (a Ctrl-C: _CTRL_C_SLICE_S)
+                wake.get(timeout=min(min(pending) - now, _CTRL_C_SLICE_S))
     finally:
         for w in workers:
             w.give_up()

@@ -40,8 +40,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
-from bob import (TOOL_NAME, BobError, CancelToken, ConfigError, ToolCall, ToolDescriptor,
-                 ToolResult, secret_name)
+from bob import (_CTRL_C_SLICE_S, TOOL_NAME, BobError, CancelToken, ConfigError, ToolCall,
+                 ToolDescriptor, ToolResult, secret_name)
 
 __all__ = ["McpError", "McpServerConfig", "McpToolPort", "exposed_name", "url_problem"]
 
@@ -547,16 +547,15 @@ class _Server:
 
 def _outcome(future, timeout_s, what):
     """The future's result, waiting at most timeout_s (else McpError: "MCP servers did not
-    <what> in N s"), and 50 ms at most at a time: the kernel may hand a Ctrl-C to any thread
-    (the port's loop thread too), and Python raises it on the caller's thread only when that
-    thread runs again: in one long wait, at its timeout. (Blocking SIGINT in the loop thread
+    <what> in N s"), and bob's _CTRL_C_SLICE_S at most at a time: a Ctrl-C the kernel hands to
+    the port's loop thread reaches the caller at once. (Blocking SIGINT in the loop thread
     instead would leave it blocked in every server that thread starts.)"""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         # Wakes at once when the future is done or cancelled, from any thread (a cancel wakes
         # no concurrent.futures.wait()); its own exception is returned, a TimeoutError too
         with contextlib.suppress(TimeoutError):   # this wait's
-            future.exception(0.05)
+            future.exception(_CTRL_C_SLICE_S)
             break
     else:
         raise McpError(f"MCP servers did not {what} in {timeout_s:.0f} s")
