@@ -464,7 +464,7 @@ class CancelToken:
     def on_cancel(self, callback: Callable[[], None]) -> Callable[[], None]:
         """Run `callback` at cancel (now, if already cancelled); returns a function to remove it."""
         with self._lock:
-            if not self._event.is_set():
+            if not self.cancelled:
                 self._callbacks.append(callback)
                 return lambda: self._remove(callback)
         callback()
