@@ -243,13 +243,13 @@ class Message:
         role = _field(_want(d, dict, "a message"), "role", str)
         if role not in ("system", "user", "assistant", "tool"):
             raise ValueError(f"a message has the unknown role {_excerpt(role)!r}")
-        calls = []
-        for c in _field(d, "tool_calls", list, []):
-            c = _want(c, dict, "a tool call")
-            calls.append(ToolCall(_field(c, "id", str), _field(c, "name", str),
-                                  _field(c, "arguments", dict), _field(c, "error", _OPTIONAL_STR),
-                                  _field(c, "extra", _OPTIONAL_DICT)))
-        return cls(role, _field(d, "content", str), tuple(calls),
+        # each call: an object (checked as its first field is read), then its fields
+        calls = tuple(ToolCall(_field(_want(c, dict, "a tool call"), "id", str),
+                               _field(c, "name", str), _field(c, "arguments", dict),
+                               _field(c, "error", _OPTIONAL_STR),
+                               _field(c, "extra", _OPTIONAL_DICT))
+                      for c in _field(d, "tool_calls", list, []))
+        return cls(role, _field(d, "content", str), calls,
                    _field(d, "tool_call_id", _OPTIONAL_STR), _field(d, "name", _OPTIONAL_STR),
                    _field(d, "is_error", bool, False), _field(d, "reasoning", _OPTIONAL_STR))
 
