@@ -886,7 +886,7 @@ def _schema_for(tp):
         return _schema_for(options[0]) if len(options) == 1 else {
             "anyOf": [_schema_for(a) for a in options]}
     if origin in (list, tuple, collections.abc.Sequence):
-        return {"type": "array", **({"items": _schema_for(args[0])} if args else {})}
+        return {"type": "array", "items": _schema_for(args[0])} if args else {"type": "array"}
     return {"type": "object"} if origin is dict else {}  # Any or unannotated: accept anything
 
 
