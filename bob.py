@@ -272,7 +272,7 @@ class AskUser:
     question: str
 
 
-AgentAction = Union[Final, CallTools, AskUser]
+AgentAction = Final | CallTools | AskUser
 
 
 @dataclass(frozen=True)
