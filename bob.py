@@ -1385,13 +1385,13 @@ class JsonlEventSink:
     once: a stalled reader never holds a turn for long. A line cut so (or by Ctrl-C) is lost
     alone: the next event begins a line of its own."""
 
+    _fd = None         # the file's descriptor: opened on the first event, None once closed
     _cut = False       # the last line was written in part
     _stalled = False   # the last wait for the reader ran out, and it has taken nothing since
 
     def __init__(self, path: str | os.PathLike[str]):
         self.path = Path(path)
         self._lock = threading.Lock()
-        self._fd = None   # opened on the first event
 
     def emit(self, event: AgentEvent) -> None:
         """Append the event as one JSON line."""
