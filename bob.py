@@ -2467,6 +2467,10 @@ def _wire_call(c):
 class _Stream:
     """A streamed reply being put together: text, tool calls by index, usage, finish_reason."""
 
+    usage = Usage()         # until the server sends some
+    finish_reason = None    # a str once the server says
+    done = False            # [DONE] was seen
+
     def __init__(self, on_delta):
         self.on_delta = on_delta
         self.text = []        # str pieces
@@ -2474,9 +2478,6 @@ class _Stream:
         self.calls = []  # [id, name, arguments, extra], in order
         self.slots = {}  # an index (int) -> the call streamed there; an id (str) -> its call: a
         #                  piece may come back to it later
-        self.usage = Usage()
-        self.finish_reason = None   # a str once the server says
-        self.done = False  # [DONE] was seen
 
     def add(self, chunk):
         """Fold one chat.completion.chunk in; text deltas go to on_delta. Raises if malformed."""
