@@ -772,12 +772,13 @@ class LoopGuard:
     time.monotonic() value, each check's answer a Trip or None, and the calls it is given are
     ToolCalls, the results ToolResults."""
 
+    steps = tool_calls = consecutive_errors = 0   # the counts, from a turn's start
+    _repeated = None   # the last batch check_loop saw, if it reached the loop limit
+
     def __init__(self, policy, deadline):
         self.policy = policy
         self.deadline = deadline
-        self.steps = self.tool_calls = self.consecutive_errors = 0
         self._batches = {}   # a batch's signature (check_loop) -> how often it was requested
-        self._repeated = None   # the last batch check_loop saw, if it reached the loop limit
         self._texts = {}     # an assistant text's sha1 -> how often it was seen
 
     def out_of_time(self):
