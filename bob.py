@@ -2802,8 +2802,9 @@ class OpenAICompatLlm:
         watchdog = threading.Timer(timeout, lambda: _abort(self._inflight.get(me)))  # at a time
         watchdog.start()           # are bounded by this (the body by _body's clock)
         try:
-            # the response is closed as the block ends, however it ends (Response.__exit__)
-            with self._session.post(self._url, json.dumps(body, separators=(",", ":")).encode(),
+            # the response is closed as the block ends, however it ends (Response.__exit__);
+            # the body is ASCII JSON (json.dumps' default), which urllib3 sends as its bytes
+            with self._session.post(self._url, json.dumps(body, separators=(",", ":")),
                                     headers=self._headers, timeout=timeout,  # each of both
                                     stream=True) as resp:
                 if resp.status_code != 200:
