@@ -2417,14 +2417,6 @@ def _short_id(call_id):
     return hashlib.sha256(str(call_id).encode()).hexdigest()[:9]
 
 
-def _json_forms(tools):
-    """json mode's response_format, best first: OpenAI's json_schema (vLLM, Ollama, LM Studio,
-    OpenAI take it), llama.cpp's own json_object with a schema, plain json_object."""
-    schema = action_schema(tools)
-    return [{"type": "json_schema", "json_schema": {"name": "action", "schema": schema}},
-            {"type": "json_object", "schema": schema}, {"type": "json_object"}]
-
-
 def _function(c):
     """The `function` of a wire tool call ({} if absent); ValueError if either is no object."""
     fn = _want(c, dict, "a tool call").get("function")
@@ -2918,12 +2910,16 @@ class OpenAICompatLlm:
                 "name": t.name, "description": t.description, "parameters": t.input_schema}}
                 for t in req.tools]
             body["tool_choice"] = self.tool_choice  # llama.cpp calls no tool without it
-        # a server refusing a form (llama-cpp-python: HTTP 500 for json_schema) gets the next
+        # json mode's response_format, best first: OpenAI's json_schema (vLLM, Ollama, LM
+        # Studio, OpenAI take it), llama.cpp's own json_object with a schema, plain json_object.
+        # A server refusing a form (llama-cpp-python: HTTP 500 for json_schema) gets the next
         # from then on, and plain text after the last; a form is known by its keys
         form = None
         if req.response_format == "json" and self.json_response_format:
-            form = next((f for f in _json_forms(req.tools) if " ".join(f) not in self._rejected),
-                        None)
+            schema = action_schema(req.tools)
+            forms = [{"type": "json_schema", "json_schema": {"name": "action", "schema": schema}},
+                     {"type": "json_object", "schema": schema}, {"type": "json_object"}]
+            form = next((f for f in forms if " ".join(f) not in self._rejected), None)
         options = {"temperature": self.temperature, "seed": self.seed,
                    "max_tokens": self.max_tokens, "stream": self.stream or None,
                    "response_format": form,
