@@ -2373,7 +2373,6 @@ RETRYABLE_STATUSES = frozenset({408, 409, 429, 500, 502, 503, 504})
 TOOL_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")   # the tool names every provider takes (fullmatch)
 _OPTIONAL_FIELDS = ("response_format", "stream_options")  # dropped if a server rejects them
 HEADER_NAME = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")   # an HTTP token (RFC 9110); bob_cli too
-_CALL_EXTRAS = ("extra_content",)  # what a server attaches to a tool call and wants back
 _NO_ANSWER = "(no answer: the turn ended here)"  # Mistral takes no user message after a tool
 
 
@@ -2424,7 +2423,9 @@ def _function(c):
 
 
 def _call_extra(c):
-    return {k: c[k] for k in _CALL_EXTRAS if k in c}
+    """What the server attached to a wire tool call and wants back with it (Gemini's
+    extra_content, its thought signature), or {}."""
+    return {"extra_content": c["extra_content"]} if "extra_content" in c else {}
 
 
 def _call_from_wire(call_id, name, arguments, extra):
