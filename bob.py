@@ -974,7 +974,8 @@ class FunctionTools:
                 nullable.add(arg)
             if p.default is p.empty:
                 required.append(arg)
-            elif isinstance(p.default, (str, int, float, bool)) and not secret_name(arg):
+            # a scalar default (a bool is an int), shown unless the name says it is a secret
+            elif isinstance(p.default, (str, int, float)) and not secret_name(arg):
                 props[arg]["default"] = p.default   # _schema_for's dict: fresh each time
         schema = {"type": "object", "properties": props, "required": required,
                   "additionalProperties": False}
