@@ -2360,7 +2360,9 @@ class ScriptedLlm:
 # here, in _to_wire / _from_wire and the stream reader; transport errors become LlmError in
 # _attempt, the one place that talks HTTP.
 
-PROVIDERS: dict[str, tuple[str, str | None]] = {  # (default base_url, API key variable or None)
+# Each provider (str) -> (its default base_url, the variable holding its API key or None: a
+# local server needs no key)
+PROVIDERS = {
     "openai": ("https://api.openai.com/v1", "OPENAI_API_KEY"),
     "ollama": ("http://localhost:11434/v1", None), "vllm": ("http://localhost:8000/v1", None),
     "llamacpp": ("http://localhost:8080/v1", None), "lmstudio": ("http://localhost:1234/v1", None),
