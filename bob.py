@@ -922,7 +922,7 @@ def _ms_since(t0):
 class _Function:
     fn: Callable                 # the Python function the tool runs
     descriptor: ToolDescriptor   # its input_schema's "properties": name -> schema
-    nullable: frozenset          # names (str) of the params that accept None
+    nullable: set                # names (str) of the params that accept None (only read)
 
 
 def _check_args(f, args):
@@ -980,8 +980,7 @@ class FunctionTools:
         schema = {"type": "object", "properties": props, "required": required,
                   "additionalProperties": False}
         desc = description or (inspect.getdoc(fn) or "").split("\n\n")[0].strip() or name
-        self._functions[name] = _Function(fn, ToolDescriptor(name, desc, schema),
-                                          frozenset(nullable))
+        self._functions[name] = _Function(fn, ToolDescriptor(name, desc, schema), nullable)
 
     def list_tools(self) -> list[ToolDescriptor]:
         """The descriptors, in the order the functions were added."""
