@@ -2929,7 +2929,7 @@ class OpenAICompatLlm:
                    "stream_options": ({"include_usage": True}
                                       if self.stream and self.stream_usage else None)}
         body.update((k, v) for k, v in options.items() if v is not None and k not in self._rejected)
-        return {**body, **self.extra_body}
+        return body | self.extra_body   # a field the user set in extra_body wins
 
     def _from_wire(self, raw):
         """A non-streamed completion body -> LlmResponse; LlmError saying what is malformed."""
