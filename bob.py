@@ -2868,10 +2868,14 @@ class OpenAICompatLlm:
         # huge body's words cost seconds of regex). A field no message carried is no refusal,
         # named (an error quoting the user's text) or left out already (else: retried for ever)
         sent = {k for m in body["messages"] for part in (m, *m.get("tool_calls", ())) for k in part}
-        refused += [f for f in ("reasoning_content", "extra_content") if f in text and f in sent
+        said = text[:4096]
+        for m in body["messages"]:
+            if "_content" in (c := str(m.get("content"))):
+                said = said.replace(c, "").replace(json.dumps(c)[1:-1], "")
+        refused += [f for f in ("reasoning_content", "extra_content") if f in said and f in sent
                     and not re.search(rf"(?i)(missing|required)([^\w\\]|\\[nrt])+{f}|{f}"
                                       r"([^\w\\]|\\[nrt])+(\w+([^\w\\]|\\[nrt])+){,6}?"
-                                      "(missing|required|must be passed)", text[:4096])]
+                                      "(missing|required|must be passed)", said)]
         if refused and status in (400, 422, 500):  # 422: Mistral; 500: llama-cpp-python
             field_ = refused[0]
             if field_ == "response_format":

@@ -484,13 +484,6 @@ def deepseek(body, headers=None):
     return completion("ok")
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "an error that quotes the user's text (a safety filter: \"the prompt 'what does "
-    "reasoning_content mean?' ...\") to a request that carried reasoning_content is learnt as "
-    "a refusal: the adapter never sends a reasoning again, and DeepSeek (thinking mode) then "
-    "fails every later request with tool calls, 'Missing reasoning_content', for the adapter's "
-    "life. bob.py OpenAICompatLlm._http_failure: look for the field's name in the error with "
-    "the request's message contents cut out of it"))
 def test_an_error_quoting_the_users_text_naming_reasoning_content_is_no_refusal():
     flagged = {"status": 400, "body": {"error": {"message": (
         f"Your request was rejected by the safety system: the prompt '{ASKED}' may contain "
