@@ -2648,6 +2648,16 @@ class _Retry:
     counted: bool = True  # False: an optional field was dropped, which costs no retry
 
 
+def _unquoted(text, messages):
+    """An error's `text` with each text of the wire `messages` that names a field bob sends
+    back (reasoning_content, extra_content) cut out of it, as sent and as a JSON body escapes
+    it: a server quoting the user's words ("what does reasoning_content mean?") names no
+    field. Only such texts: a short one ("on") cut everywhere would cut the field's name."""
+    for m in messages:
+        if "_content" in (c := str(m.get("content"))):
+            text = text.replace(c, "").replace(json.dumps(c)[1:-1], "")
+    return text
+
 class OpenAICompatLlm:
     """An LlmPort for OpenAI-compatible /chat/completions endpoints; `model` is "provider:model"
     (see PROVIDERS); `base_url` and `api_key_env` override the provider's defaults."""
@@ -2865,13 +2875,11 @@ class OpenAICompatLlm:
         # `reasoning_content` field", "The `reasoning_content` in the thinking mode must be
         # passed back"; "\n" in the JSON body is a space): words next to the name, not a
         # quoted text's (a refusal may echo the reasoning it refused), in the error's head (a
-        # huge body's words cost seconds of regex). A field no message carried is no refusal,
-        # named (an error quoting the user's text) or left out already (else: retried for ever)
+        # huge body's words cost seconds of regex), a text the request sent cut out (_unquoted).
+        # A field no message carried is no refusal, named (an error quoting the user's text)
+        # or left out already (else: retried for ever)
         sent = {k for m in body["messages"] for part in (m, *m.get("tool_calls", ())) for k in part}
-        said = text[:4096]
-        for m in body["messages"]:
-            if "_content" in (c := str(m.get("content"))):
-                said = said.replace(c, "").replace(json.dumps(c)[1:-1], "")
+        said = _unquoted(text[:4096], body["messages"])
         refused += [f for f in ("reasoning_content", "extra_content") if f in said and f in sent
                     and not re.search(rf"(?i)(missing|required)([^\w\\]|\\[nrt])+{f}|{f}"
                                       r"([^\w\\]|\\[nrt])+(\w+([^\w\\]|\\[nrt])+){,6}?"
