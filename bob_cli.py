@@ -378,7 +378,9 @@ class _TurnView:
         self.raw = ""     # the reply streamed so far, less what was decoded (json mode)
         self.shown = ""   # what of it was printed
         self.drawing = self.out is not None
-        self.error = None   # why the session could not be saved (a str)
+        # why the session could not be saved (a str): Shell.turn sets it from the StoreError
+        # that run() raises (a turn's own error is raised in its place: then nothing reads it)
+        self.error = None
         self.cut = False                # a reply was cut by the token limit
 
     def emit(self, event):
@@ -415,8 +417,6 @@ class _TurnView:
             ms = f" ({d['duration_ms']:.0f} ms)"   # kept when the line is cut
             line = f"  <- {d['name']}: {mark}{str(d.get('content', '')).strip()}"
             self.draw(f"\r\x1b[K{_cut(line, len(ms))}{ms}\n")
-        elif kind == "error" and d.get("where") == "store.save":
-            self.error = str(d.get("error", "")).removeprefix("StoreError: ")
         elif kind == "llm_call_completed" and d.get("finish_reason") == "length":
             self.cut = True
 
