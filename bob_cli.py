@@ -516,6 +516,13 @@ def _note(text):
     print(f"bob: {text}", file=sys.stderr)   # line-buffered: no flush needed
 
 
+def _interrupted(signum, frame):
+    """SIGINT's handler at the approval prompt: ends it, as Python's default handler does (a
+    KeyboardInterrupt). A function of its own, so that Shell._run's worker tells the prompt
+    from the REPL's `bob> `, which reads with the default one."""
+    raise KeyboardInterrupt
+
+
 class _Approvals:
     """The approver for [policy] ask_tools: in the REPL a person decides on the main thread
     (Shell._run hands the call over); -p and piped runs allow all with --yes, else decline."""
@@ -544,28 +551,45 @@ class _Approvals:
         raise bob.Cancelled("cancelled at the approval prompt")
 
     def ask(self, call):
-        """On the main thread: show the call, read y / n (and a reason) / a; Ctrl-C cancels."""
-        _note(f"{call.name} wants to run with")
-        for name, value in call.arguments.items():   # an argument a line, cut to the terminal
-            print(_cut(f"    {name}: {json.dumps(value, ensure_ascii=False)}"), file=sys.stderr)
-        import termios   # POSIX; the prompt runs on a terminal only
-        termios.tcflush(sys.stdin, termios.TCIFLUSH)   # text typed ahead must not answer it
-        previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+        """On the main thread: show the call, read y / n (and a reason) / a; Ctrl-C cancels.
+        A turn that has ended is not asked about (see turn_ended)."""
+        previous = signal.signal(signal.SIGINT, _interrupted)   # first: then the token is read
         try:
-            while (reply := _input("[y]es / [n]o / [a]lways for this tool this session? ")
-                   .strip().lower()) not in "y yes n no a always".split():
-                pass
-            if reply.startswith("n"):
-                reason = _input("why not? (optional, told to the model) ").strip()
-                return bob.Approval(False, reason or "declined by the user")
-            if reply.startswith("a"):
-                self.always.add((self.session, call.name))   # a session's own (/reset, /resume)
-            return bob.Approval(True)
+            if not self.cancel.cancelled:   # else the turn ended while its call came over
+                _note(f"{call.name} wants to run with")
+                for name, value in call.arguments.items():   # an argument a line, cut
+                    print(_cut(f"    {name}: {json.dumps(value, ensure_ascii=False)}"),
+                          file=sys.stderr)
+                import termios   # POSIX; the prompt runs on a terminal only
+                termios.tcflush(sys.stdin, termios.TCIFLUSH)   # typed ahead: must not answer
+                while (reply := _input("[y]es / [n]o / [a]lways for this tool this session? ")
+                       .strip().lower()) not in "y yes n no a always".split():
+                    pass
+                if reply.startswith("n"):
+                    reason = _input("why not? (optional, told to the model) ").strip()
+                    return bob.Approval(False, reason or "declined by the user")
+                if reply.startswith("a"):
+                    self.always.add((self.session, call.name))   # the session's (/reset...)
+                return bob.Approval(True)
         except (KeyboardInterrupt, EOFError):
             self.cancel.cancel()
-            return bob.Approval(False, "cancelled")
         finally:
             signal.signal(signal.SIGINT, previous)
+        return bob.Approval(False, "cancelled")
+
+    def turn_ended(self):
+        """On the turn's worker, as the turn ends (its time ran out, say): its approval prompt
+        must not wait on, the answer would go nowhere. ask() sets the prompt's handler, then
+        reads the token; this cancels the token, then reads the handler: one of the two sees
+        the other. So a prompt not up yet is not shown, and one up (or coming up) is ended by
+        a Ctrl-C, sent again every 50 ms while it reads: one that lands before readline waits
+        in select() is handled, but readline does not see it and waits on. Shell._run calls
+        this before it gives the outcome: after that, the main thread may have left the turn
+        (SIGTERM's path restores its own handler) and a Ctrl-C would hit what reads next."""
+        self.cancel.cancel()
+        while signal.getsignal(signal.SIGINT) is _interrupted:
+            signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+            time.sleep(0.05)
 
 
 def _calls(m):
@@ -693,12 +717,7 @@ class Shell:
                 result = self.runtime.run(bob.AgentRequest(text, self.session_id), cancel)
             except BaseException as e:  # re-raised on the main thread below
                 result = e
-            if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
-                # the turn ended (its time ran out) while the approval prompt, which reads with
-                # this handler, waits: the answer would go nowhere. A Ctrl-C ends the prompt.
-                # Sent before the outcome is given: after it, the main thread may have left the
-                # turn (SIGTERM's path restores its own handler) and the signal would hit that.
-                signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+            self.approvals.turn_ended()   # no prompt left up for it
             outcome.put(result)
         worker = threading.Thread(target=work, name="bob-turn", daemon=True)
         previous = signal.signal(signal.SIGINT, lambda signum, frame: cancel.cancel())
