@@ -413,11 +413,11 @@ class _TurnView:
             line = f"  -> {d['name']} {json.dumps(d['arguments'], ensure_ascii=False)}"
             self.draw(f"\r\x1b[K{_cut(line)}\n")
         elif kind == "tool_call_completed" and self.calls:
-            mark = "error: " if d.get("is_error") else ""
+            mark = "error: " if d["is_error"] else ""
             ms = f" ({d['duration_ms']:.0f} ms)"   # kept when the line is cut
-            line = f"  <- {d['name']}: {mark}{str(d.get('content', '')).strip()}"
+            line = f"  <- {d['name']}: {mark}{d['content'].strip()}"
             self.draw(f"\r\x1b[K{_cut(line, len(ms))}{ms}\n")
-        elif kind == "llm_call_completed" and d.get("finish_reason") == "length":
+        elif kind == "llm_call_completed" and d["finish_reason"] == "length":
             self.cut = True
 
     def tick(self, stop=False):
