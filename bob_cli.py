@@ -687,7 +687,15 @@ class Shell:
                 print(flush=True)
             _note("warning: turn cancelled; the session is kept")
         else:
-            print(content[len(shown):] if content.startswith(shown) else "\n" + content, flush=True)
+            try:
+                print(content[len(shown):] if content.startswith(shown) else "\n" + content,
+                      flush=True)
+            except OSError as e:   # a file that cannot take it (`> out.txt` on a full disk):
+                if self.view.error is None:   # main or the REPL says so; the turn is saved
+                    raise
+                # nor was it saved, most likely for that same full disk: both are said, this
+                # first, then the save's (below); the REPL shows the answer at its next prompt
+                _note(f"error: cannot write the answer: {_one_line(e)}; free space and ask again")
         if guard := getattr(result.guard_reason, "value", None):
             _note(f"warning: turn stopped by the {guard} guard; raise "
                   f"{_GUARD_KEYS.get(guard, guard)} under [runtime] in {self.config_name}")
@@ -1242,16 +1250,16 @@ def main(argv: list[str] | None = None) -> int:
         return code
     except bob.ConfigError as e:
         return _fail(e, 2, args.verbose)
-    except OSError as e:   # BrokenPipeError: the reader left (`bob -p ... | head -1`), say nothing
-        # more; else a file that cannot take the answer (`> out.txt` on a full disk): say so
+    except Exception as e:  # BobError (LlmError, AgentError, StoreError...), a bug, or an OSError:
+        # BrokenPipeError, the reader left (`bob -p ... | head -1`): say nothing more; else a
+        # file that cannot take the answer (`> out.txt` on a full disk): say so
         code = 141 if isinstance(e, BrokenPipeError) else _fail(e, 1, args.verbose)
         # stdout, stderr: what is still buffered for them goes nowhere (else Python's exit
-        # writes it again: `Exception ignored in: <stdout>`, exit 120); nothing more is said
+        # writes it again: `Exception ignored in: <stdout>`, exit 120: an answer a full disk
+        # took no more than the session's save); nothing more is said
         for fd in (1, 2):
             os.dup2(os.open(os.devnull, os.O_WRONLY), fd)
         return code
-    except Exception as e:  # BobError (LlmError, AgentError, StoreError...) or a bug
-        return _fail(e, 1, args.verbose)
     except (KeyboardInterrupt, EOFError):   # EOFError: Ctrl-D at a question before the REPL
         return 130
     finally:   # stop MCP servers; bounded, so a second Ctrl-C may not cut it short

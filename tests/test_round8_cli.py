@@ -6,10 +6,15 @@ filled, in a mount namespace of its own)."""
 from __future__ import annotations
 
 import json
+import shutil
+import subprocess
 import sys
 from pathlib import Path
 
-from conftest import Terminal, write_config, xdg_env
+import pytest
+
+from conftest import CLI, Terminal, final, write_config, xdg_env
+from fake_openai import FakeOpenAI
 
 RAW_SERVER = Path(__file__).resolve().parent / "mcp_raw_server.py"
 
@@ -46,3 +51,44 @@ def test_an_approval_prompt_never_outlives_its_turn(tmp_path, srv):
     finally:
         term.close()
     assert len(srv.requests) == ROUNDS
+
+
+# ---- 2. `bob -p ... > out.txt` with the sessions directory on that same full disk -------------
+
+# Mounts a 64 KiB tmpfs on $XDG_DATA_HOME (where the sessions go), makes the sessions directory,
+# fills the disk, then runs the command with stdout a file on it. In a user and mount namespace
+# of its own (`unshare -rm`): no root needed, and the mount goes with the process.
+ON_FULL_DISK = """set -e
+mount -t tmpfs -o size=64k tmpfs "$XDG_DATA_HOME"
+mkdir -p "$XDG_DATA_HOME/bob/sessions"
+cat /dev/zero > "$XDG_DATA_HOME/fill" 2>/dev/null || true
+exec "$@" > "$XDG_DATA_HOME/out.txt"
+"""
+
+
+def _can_mount_a_disk() -> bool:
+    return shutil.which("unshare") is not None and subprocess.run(
+        ["unshare", "-rm", "true"], capture_output=True, check=False).returncode == 0
+
+
+@pytest.mark.skipif(not _can_mount_a_disk(), reason="needs unshare -rm (user namespaces)")
+def test_an_answer_and_its_session_on_a_full_disk_are_both_said(tmp_path):
+    # The answer's print failed before the line saying the session was not saved either: only
+    # `bob: error: [Errno 28] No space left on device` was said, and the turn was gone with no
+    # word (neither the answer nor the session holds it).
+    (tmp_path / "xd").mkdir()
+    with FakeOpenAI([final("the answer")]) as srv:
+        write_config(tmp_path, srv)
+        run = subprocess.run(["unshare", "-rm", "sh", "-c", ON_FULL_DISK, "sh", sys.executable,
+                              str(CLI), "-p", "hi", "--session", "s1"], cwd=tmp_path,
+                             env=xdg_env(tmp_path), stdin=subprocess.DEVNULL,
+                             capture_output=True, text=True, timeout=15, check=False)
+    assert len(srv.requests) == 1
+    lines = run.stderr.splitlines()
+    assert len(lines) == 2, run.stderr   # one line each, no traceback
+    answer, session = lines
+    assert answer == ("bob: error: cannot write the answer: [Errno 28] No space left on "
+                      "device; free space and ask again"), run.stderr
+    assert session.startswith("bob: error: could not save session s1: "), run.stderr
+    assert session.endswith("s1.json: [Errno 28] No space left on device"), run.stderr
+    assert run.returncode == 1
