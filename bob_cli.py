@@ -1255,8 +1255,9 @@ def main(argv: list[str] | None = None) -> int:
         # file that cannot take the answer (`> out.txt` on a full disk): say so
         code = 141 if isinstance(e, BrokenPipeError) else _fail(e, 1, args.verbose)
         # stdout, stderr: what is still buffered for them goes nowhere (else Python's exit
-        # writes it again: `Exception ignored in: <stdout>`, exit 120: an answer a full disk
-        # took no more than the session's save); nothing more is said
+        # writes it again: `Exception ignored in: <stdout>`, exit 120; an answer the full disk
+        # did not take stays buffered when the session's save, failing too, raised after it);
+        # nothing more is said
         for fd in (1, 2):
             os.dup2(os.open(os.devnull, os.O_WRONLY), fd)
         return code
