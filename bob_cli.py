@@ -378,7 +378,9 @@ class _TurnView:
         self.raw = ""     # the reply streamed so far, less what was decoded (json mode)
         self.shown = ""   # what of it was printed
         self.drawing = self.out is not None
-        self.error = None   # why the session could not be saved (a str)
+        # why the session could not be saved (a str): Shell.turn sets it from the StoreError
+        # that run() raises (a turn's own error is raised in its place: then nothing reads it)
+        self.error = None
         self.cut = False                # a reply was cut by the token limit
 
     def emit(self, event):
@@ -411,13 +413,11 @@ class _TurnView:
             line = f"  -> {d['name']} {json.dumps(d['arguments'], ensure_ascii=False)}"
             self.draw(f"\r\x1b[K{_cut(line)}\n")
         elif kind == "tool_call_completed" and self.calls:
-            mark = "error: " if d.get("is_error") else ""
+            mark = "error: " if d["is_error"] else ""
             ms = f" ({d['duration_ms']:.0f} ms)"   # kept when the line is cut
-            line = f"  <- {d['name']}: {mark}{str(d.get('content', '')).strip()}"
+            line = f"  <- {d['name']}: {mark}{d['content'].strip()}"
             self.draw(f"\r\x1b[K{_cut(line, len(ms))}{ms}\n")
-        elif kind == "error" and d.get("where") == "store.save":
-            self.error = str(d.get("error", "")).removeprefix("StoreError: ")
-        elif kind == "llm_call_completed" and d.get("finish_reason") == "length":
+        elif kind == "llm_call_completed" and d["finish_reason"] == "length":
             self.cut = True
 
     def tick(self, stop=False):
@@ -516,6 +516,13 @@ def _note(text):
     print(f"bob: {text}", file=sys.stderr)   # line-buffered: no flush needed
 
 
+def _interrupted(signum, frame):
+    """SIGINT's handler at the approval prompt: ends it, as Python's default handler does (a
+    KeyboardInterrupt). A function of its own, so that Shell._run's worker tells the prompt
+    from the REPL's `bob> `, which reads with the default one."""
+    raise KeyboardInterrupt
+
+
 class _Approvals:
     """The approver for [policy] ask_tools: in the REPL a person decides on the main thread
     (Shell._run hands the call over); -p and piped runs allow all with --yes, else decline."""
@@ -544,28 +551,45 @@ class _Approvals:
         raise bob.Cancelled("cancelled at the approval prompt")
 
     def ask(self, call):
-        """On the main thread: show the call, read y / n (and a reason) / a; Ctrl-C cancels."""
-        _note(f"{call.name} wants to run with")
-        for name, value in call.arguments.items():   # an argument a line, cut to the terminal
-            print(_cut(f"    {name}: {json.dumps(value, ensure_ascii=False)}"), file=sys.stderr)
-        import termios   # POSIX; the prompt runs on a terminal only
-        termios.tcflush(sys.stdin, termios.TCIFLUSH)   # text typed ahead must not answer it
-        previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+        """On the main thread: show the call, read y / n (and a reason) / a; Ctrl-C cancels.
+        A turn that has ended is not asked about (see turn_ended)."""
+        previous = signal.signal(signal.SIGINT, _interrupted)   # first: then the token is read
         try:
-            while (reply := _input("[y]es / [n]o / [a]lways for this tool this session? ")
-                   .strip().lower()) not in "y yes n no a always".split():
-                pass
-            if reply.startswith("n"):
-                reason = _input("why not? (optional, told to the model) ").strip()
-                return bob.Approval(False, reason or "declined by the user")
-            if reply.startswith("a"):
-                self.always.add((self.session, call.name))   # a session's own (/reset, /resume)
-            return bob.Approval(True)
+            if not self.cancel.cancelled:   # else the turn ended while its call came over
+                _note(f"{call.name} wants to run with")
+                for name, value in call.arguments.items():   # an argument a line, cut
+                    print(_cut(f"    {name}: {json.dumps(value, ensure_ascii=False)}"),
+                          file=sys.stderr)
+                import termios   # POSIX; the prompt runs on a terminal only
+                termios.tcflush(sys.stdin, termios.TCIFLUSH)   # typed ahead: must not answer
+                while (reply := _input("[y]es / [n]o / [a]lways for this tool this session? ")
+                       .strip().lower()) not in "y yes n no a always".split():
+                    pass
+                if reply.startswith("n"):
+                    reason = _input("why not? (optional, told to the model) ").strip()
+                    return bob.Approval(False, reason or "declined by the user")
+                if reply.startswith("a"):
+                    self.always.add((self.session, call.name))   # the session's (/reset...)
+                return bob.Approval(True)
         except (KeyboardInterrupt, EOFError):
             self.cancel.cancel()
-            return bob.Approval(False, "cancelled")
         finally:
             signal.signal(signal.SIGINT, previous)
+        return bob.Approval(False, "cancelled")
+
+    def turn_ended(self):
+        """On the turn's worker, as the turn ends (its time ran out, say): its approval prompt
+        must not wait on, the answer would go nowhere. ask() sets the prompt's handler, then
+        reads the token; this cancels the token, then reads the handler: one of the two sees
+        the other. So a prompt not up yet is not shown, and one up (or coming up) is ended by
+        a Ctrl-C, sent again every 50 ms while it reads: one that lands before readline waits
+        in select() is handled, but readline does not see it and waits on. Shell._run calls
+        this before it gives the outcome: after that, the main thread may have left the turn
+        (SIGTERM's path restores its own handler) and a Ctrl-C would hit what reads next."""
+        self.cancel.cancel()
+        while signal.getsignal(signal.SIGINT) is _interrupted:
+            signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+            time.sleep(0.05)
 
 
 def _calls(m):
@@ -663,7 +687,15 @@ class Shell:
                 print(flush=True)
             _note("warning: turn cancelled; the session is kept")
         else:
-            print(content[len(shown):] if content.startswith(shown) else "\n" + content, flush=True)
+            try:
+                print(content[len(shown):] if content.startswith(shown) else "\n" + content,
+                      flush=True)
+            except OSError as e:   # a file that cannot take it (`> out.txt` on a full disk):
+                if self.view.error is None:   # main or the REPL says so; the turn is saved
+                    raise
+                # nor was it saved, most likely for that same full disk: both are said, this
+                # first, then the save's (below); the REPL shows the answer at its next prompt
+                _note(f"error: cannot write the answer: {_one_line(e)}; free space and ask again")
         if guard := getattr(result.guard_reason, "value", None):
             _note(f"warning: turn stopped by the {guard} guard; raise "
                   f"{_GUARD_KEYS.get(guard, guard)} under [runtime] in {self.config_name}")
@@ -693,12 +725,7 @@ class Shell:
                 result = self.runtime.run(bob.AgentRequest(text, self.session_id), cancel)
             except BaseException as e:  # re-raised on the main thread below
                 result = e
-            if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
-                # the turn ended (its time ran out) while the approval prompt, which reads with
-                # this handler, waits: the answer would go nowhere. A Ctrl-C ends the prompt.
-                # Sent before the outcome is given: after it, the main thread may have left the
-                # turn (SIGTERM's path restores its own handler) and the signal would hit that.
-                signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+            self.approvals.turn_ended()   # no prompt left up for it
             outcome.put(result)
         worker = threading.Thread(target=work, name="bob-turn", daemon=True)
         previous = signal.signal(signal.SIGINT, lambda signum, frame: cancel.cancel())
@@ -1223,16 +1250,17 @@ def main(argv: list[str] | None = None) -> int:
         return code
     except bob.ConfigError as e:
         return _fail(e, 2, args.verbose)
-    except OSError as e:   # BrokenPipeError: the reader left (`bob -p ... | head -1`), say nothing
-        # more; else a file that cannot take the answer (`> out.txt` on a full disk): say so
+    except Exception as e:  # BobError (LlmError, AgentError, StoreError...), a bug, or an OSError:
+        # BrokenPipeError, the reader left (`bob -p ... | head -1`): say nothing more; else a
+        # file that cannot take the answer (`> out.txt` on a full disk): say so
         code = 141 if isinstance(e, BrokenPipeError) else _fail(e, 1, args.verbose)
         # stdout, stderr: what is still buffered for them goes nowhere (else Python's exit
-        # writes it again: `Exception ignored in: <stdout>`, exit 120); nothing more is said
+        # writes it again: `Exception ignored in: <stdout>`, exit 120; an answer the full disk
+        # did not take stays buffered when the session's save, failing too, raised after it);
+        # nothing more is said
         for fd in (1, 2):
             os.dup2(os.open(os.devnull, os.O_WRONLY), fd)
         return code
-    except Exception as e:  # BobError (LlmError, AgentError, StoreError...) or a bug
-        return _fail(e, 1, args.verbose)
     except (KeyboardInterrupt, EOFError):   # EOFError: Ctrl-D at a question before the REPL
         return 130
     finally:   # stop MCP servers; bounded, so a second Ctrl-C may not cut it short
