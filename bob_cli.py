@@ -43,17 +43,22 @@ __all__ = ["Config", "Shell", "load_config", "main"]
 # ---- 1. Configuration: agent.toml -> Config ----------------------------------------------------
 # Each table has a schema, key -> kind. Errors name file, table and key, never a value (secrets).
 
+def _all_of(kind, item):
+    """The check of a `kind` (list or dict) of values that are all `item`s (a dict's values)."""
+    return lambda v: isinstance(v, kind) and all(
+        isinstance(x, item) for x in (v.values() if kind is dict else v))
+
+
 _KINDS = {   # a kind's name -> its check
     "a string": lambda v: isinstance(v, str),
     "a boolean": lambda v: isinstance(v, bool),
     # TOML's values are of exactly these types: bool, a subclass of int, is neither
     "an integer": lambda v: type(v) is int,
     "a number": lambda v: type(v) in (int, float),
-    "a list of strings": lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v),
-    "an array of tables": lambda v: isinstance(v, list) and all(isinstance(x, dict) for x in v),
+    "a list of strings": _all_of(list, str),
+    "an array of tables": _all_of(list, dict),
     "a table": lambda v: isinstance(v, dict),
-    "a table of strings": lambda v: isinstance(v, dict) and all(isinstance(x, str)
-                                                                for x in v.values()),
+    "a table of strings": _all_of(dict, str),
 }
 _POLICY_KEYS = [f.name for f in fields(bob.TurnPolicy)]
 _SCHEMA = {   # a table -> its keys -> their kinds
@@ -690,12 +695,12 @@ class Shell:
             try:
                 print(content[len(shown):] if content.startswith(shown) else "\n" + content,
                       flush=True)
-            except OSError as e:   # a file that cannot take it (`> out.txt` on a full disk):
-                if self.view.error is None:   # main or the REPL says so; the turn is saved
-                    raise
-                # nor was it saved, most likely for that same full disk: both are said, this
-                # first, then the save's (below); the REPL shows the answer at its next prompt
-                _note(f"error: cannot write the answer: {_one_line(e)}; free space and ask again")
+            except OSError:   # a file that cannot take it (`> out.txt` on a full disk): main
+                # or the REPL says so. If the turn was not saved either (most likely for that
+                # same full disk), that is said first: the answer is in no file and no session
+                if self.view.error is not None:
+                    _note(f"error: {self._unsaved()}")
+                raise
         if guard := getattr(result.guard_reason, "value", None):
             _note(f"warning: turn stopped by the {guard} guard; raise "
                   f"{_GUARD_KEYS.get(guard, guard)} under [runtime] in {self.config_name}")
@@ -1243,24 +1248,23 @@ def main(argv: list[str] | None = None) -> int:
     for stream, errors in ((sys.stdin, "replace"), (sys.stdout, "bob"), (sys.stderr, "bob")):
         if isinstance(stream, io.TextIOWrapper):
             stream.reconfigure(errors=errors)
-    opened: list[Shell] = []
+    opened = []   # the Shell _start built, if it did: closed as main ends
     try:   # replay: the same exits, a reader that left (`| head`) and Ctrl-C
         code = _run_replay(argv[1:]) if replay else _start(args, opened)
         sys.stderr.flush()   # raises if -v's reader left (`2>&1 | head`): Python's exit says 120
         return code
-    except bob.ConfigError as e:
-        return _fail(e, 2, args.verbose)
-    except Exception as e:  # BobError (LlmError, AgentError, StoreError...), a bug, or an OSError:
-        # BrokenPipeError, the reader left (`bob -p ... | head -1`): say nothing more; else a
-        # file that cannot take the answer (`> out.txt` on a full disk): say so
+    except OSError as e:   # BrokenPipeError: the reader left (`bob -p ... | head -1`), say nothing
+        # more; else a file that cannot take the answer (`> out.txt` on a full disk): say so
         code = 141 if isinstance(e, BrokenPipeError) else _fail(e, 1, args.verbose)
         # stdout, stderr: what is still buffered for them goes nowhere (else Python's exit
-        # writes it again: `Exception ignored in: <stdout>`, exit 120; an answer the full disk
-        # did not take stays buffered when the session's save, failing too, raised after it);
-        # nothing more is said
+        # writes it again: `Exception ignored in: <stdout>`, exit 120); nothing more is said.
+        # Only here: after any other error, what MCP servers log as they stop is still shown
         for fd in (1, 2):
             os.dup2(os.open(os.devnull, os.O_WRONLY), fd)
         return code
+    except Exception as e:  # ConfigError: 2, a bad config or flag; any other BobError
+        # (LlmError, AgentError, StoreError...) or a bug: 1
+        return _fail(e, 2 if isinstance(e, bob.ConfigError) else 1, args.verbose)
     except (KeyboardInterrupt, EOFError):   # EOFError: Ctrl-D at a question before the REPL
         return 130
     finally:   # stop MCP servers; bounded, so a second Ctrl-C may not cut it short

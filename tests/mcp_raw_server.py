@@ -15,7 +15,8 @@ lines with terminal controls, 100,000 characters long, then `crash` exits), `die
 0.5 s after its first tools/list), `relist-slow` (each tools/call sends
 notifications/tools/list_changed; each later tools/list is answered 2 s late, listing one more
 tool, `added`), `stubborn` (ignores
-SIGTERM and stays up after stdin ends, until killed).
+SIGTERM and stays up after stdin ends, until killed), `goodbye` (writes "raw server: goodbye"
+on stderr as its stdin ends: bob is stopping it).
 Tool `echo` returns its `text` argument; `env` the value of the environment variable `name`.
 Mode `lifecycle` adds tools `pid` (the server's pid) and `die` (writes "raw server: dying with
 code N" on stderr and exits N).
@@ -147,6 +148,8 @@ def main() -> None:
         msg = json.loads(line)
         if "id" in msg and "method" in msg and (result := answer(msg)) is not UNANSWERED:
             send({"jsonrpc": "2.0", "id": msg["id"], "result": result})
+    if "goodbye" in MODES:
+        print("raw server: goodbye", file=sys.stderr, flush=True)
     if "stubborn" in MODES:
         threading.Event().wait(60)
 
