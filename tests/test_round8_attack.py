@@ -10,11 +10,14 @@ Sections: 1. Learnt refusals  2. The body on the wire  3. The approval prompt  4
 from __future__ import annotations
 
 import json
+import os
+import select
 import signal
 import socket
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -22,7 +25,7 @@ from fake_openai import FakeOpenAI, completion
 
 import bob
 from bob import CancelToken, LlmError, LlmRequest, Message, ToolCall
-from conftest import CLI, Terminal, final, make_llm, write_config, xdg_env
+from conftest import CLI, Terminal, final, make_llm, marked_pids, write_config, xdg_env
 
 RAW_SERVER = Path(__file__).resolve().parent / "mcp_raw_server.py"
 
@@ -147,3 +150,195 @@ def test_a_refused_extra_content_beside_a_quoted_prompt_naming_it_is_learnt():
         sent = ["extra_content" in r["body"]["messages"][1]["tool_calls"][0]
                 for r in srv.requests]
     assert sent == [True, False]
+
+
+# ---- 2. The body on the wire: a str now, the same bytes -----------------------------------------
+
+def one_raw_request(reply: bytes) -> tuple[socket.socket, dict]:
+    """A listening socket answering one request with `reply`; got["head"], got["body"]: the
+    request's bytes as they came."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    got: dict = {}
+
+    def serve() -> None:
+        conn, _ = listener.accept()
+        with conn:
+            data = b""
+            while b"\r\n\r\n" not in data:
+                data += conn.recv(65536)
+            head, _, body = data.partition(b"\r\n\r\n")
+            length = int(next(line.split(b":")[1] for line in head.split(b"\r\n")
+                              if line.lower().startswith(b"content-length:")))
+            while len(body) < length:
+                body += conn.recv(1 << 20)
+            got.update(head=head, body=body, length=length)
+            conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: %d\r\nConnection: close\r\n\r\n%s" % (len(reply), reply))
+    threading.Thread(target=serve, daemon=True).start()
+    return listener, got
+
+
+def test_non_ascii_lone_surrogates_and_a_huge_body_go_on_the_wire_as_their_json_bytes():
+    text = "héllo 🙂 \ud83d cut emoji, \x00 NUL, \u2028 " + "ü" * 3_000_000
+    listener, got = one_raw_request(json.dumps(completion("ok")).encode())
+    with listener:
+        url = f"http://127.0.0.1:{listener.getsockname()[1]}/v1"
+        llm = bob.OpenAICompatLlm("test:m", base_url=url, api_key="sk-test-0123456789",
+                                  extra_body={"über": "ñ\ud800"})
+        assert llm.complete(LlmRequest([Message("user", text)], [], None, None),
+                            CancelToken()).content == "ok"
+    body = got["body"]
+    assert got["length"] == len(body) and body.isascii()
+    sent = json.loads(body)
+    assert sent["messages"][0]["content"] == text and sent["über"] == "ñ\ud800"
+    assert body == json.dumps(sent, separators=(",", ":")).encode()
+
+
+# ---- 3. The approval prompt's handshake, on a real terminal --------------------------------------
+
+def call(text: str = "x") -> str:
+    return json.dumps({"type": "tool_call", "name": "t__echo", "arguments": {"text": text}})
+
+
+def asking_repl(tmp_path: Path, srv: FakeOpenAI, runtime: str = "", marker: str = "raw",
+                extra: str = "") -> Terminal:
+    """The REPL on a pty, t__echo (the raw MCP server: it starts in ms) needing approval."""
+    write_config(tmp_path, srv, runtime=runtime, extra=(
+        f'{extra}[policy]\nask_tools = ["t__echo"]\n[[mcp.servers]]\nid = "t"\n'
+        f'command = "{sys.executable}"\nargs = ["{RAW_SERVER}", "{marker}"]\n'))
+    term = Terminal(tmp_path, env=xdg_env(tmp_path))
+    term.expect(b"bob> ", timeout=10)
+    return term
+
+
+def test_ctrl_d_at_the_approval_prompt_cancels_the_turn_and_the_repl_goes_on(tmp_path, srv):
+    srv.push(call(), final("fine"))
+    term = asking_repl(tmp_path, srv)
+    try:
+        term.send(b"go\r")
+        term.expect(b"this session? ", timeout=10)
+        term.wait_blocked_reading()
+        term.send(b"\x04")   # Ctrl-D: a cancel, not the REPL's quit
+        assert b"turn cancelled" in term.expect(b"bob> ", timeout=5)
+        term.send(b"again\r")
+        assert b"fine" in term.expect(b"bob> ", timeout=5)
+    finally:
+        term.close()
+
+
+def test_always_then_a_question_then_the_tool_again_runs_without_a_prompt(tmp_path, srv):
+    ask = json.dumps({"type": "ask_user", "question": "which colour?"})
+    srv.push(call("one"), ask, call("two"), final("done"))
+    term = asking_repl(tmp_path, srv)
+    try:
+        term.send(b"go\r")
+        term.expect(b"this session? ", timeout=10)
+        term.send(b"a\r")
+        assert b"which colour?" in term.expect(b"your answer to bob's question> ", timeout=5)
+        term.send(b"blue\r")
+        seen = term.expect(b"bob> ", timeout=5)
+        assert b"done" in seen and b"wants to run" not in seen, seen
+    finally:
+        term.close()
+    assert json.loads(json.dumps(srv.requests[2]["body"]))["messages"][-1]["content"] == "blue"
+
+
+def test_sigterm_at_the_approval_prompt_exits_saves_and_stops_the_server(tmp_path, srv):
+    marker = f"bob-r8-attack-{tmp_path.name}"
+    srv.push(call())
+    term = asking_repl(tmp_path, srv, marker=marker)
+    try:
+        term.send(b"go\r")
+        term.expect(b"this session? ", timeout=10)
+        term.wait_blocked_reading()
+        term.proc.send_signal(signal.SIGTERM)
+        assert term.proc.wait(5) == 128 + signal.SIGTERM
+    finally:
+        term.close()
+    assert marked_pids(marker) == []
+    saved = list((tmp_path / "xd" / "bob" / "sessions").glob("*.json"))
+    assert len(saved) == 1 and "go" in saved[0].read_text()
+
+
+def first_of(term: Terminal, *texts: bytes, timeout: float = 3.0) -> bytes:
+    """Read until one of `texts` is on the terminal; return it (what came before is consumed)."""
+    deadline = time.monotonic() + timeout
+    while not any(t in term.seen for t in texts):
+        left = deadline - time.monotonic()
+        if left <= 0 or not select.select([term.fd], [], [], left)[0]:
+            raise AssertionError(f"none of {texts} seen; output: {term.seen[-600:]!r}")
+        term.seen += os.read(term.fd, 4096)
+    found = min(texts, key=lambda t: term.seen.find(t) if t in term.seen else len(term.seen))
+    term.expect(found)
+    return found
+
+
+def test_answering_as_the_turn_times_out_leaves_no_ctrl_c_for_the_next_line(tmp_path, srv):
+    # 150 ms turns, each asking at once (its prompt shows at the main thread's first 0.1 s
+    # tick, in about half the turns), answered the moment it shows: the answer races the
+    # turn's end and the worker's Ctrl-C. A Ctrl-C meant for the prompt landing after it
+    # would drop the `/usage` typed next at `bob> `, or show a traceback.
+    srv.push(*[call()] * 60)
+    term = asking_repl(tmp_path, srv, runtime="turn_timeout_ms = 150\n")
+    try:
+        for _ in range(7):
+            term.send(b"go\r")
+            while first_of(term, b"this session? ", b"bob> ") == b"this session? ":
+                term.send(b"y\r")
+            term.send(b"/usage\r")
+            assert b"tokens" in term.expect(b"bob> ", timeout=3)
+    finally:
+        term.close()
+
+
+# ---- 4. main's one handler: exit codes, and what MCP servers say as they stop -------------------
+
+def goodbye_config(tmp_path: Path) -> None:
+    """No LLM server; the raw MCP server, which says goodbye on stderr as bob stops it."""
+    write_config(tmp_path, None, extra=(
+        f'[[mcp.servers]]\nid = "t"\ncommand = "{sys.executable}"\n'
+        f'args = ["{RAW_SERVER}", "goodbye"]\n'))
+
+
+def cli(tmp_path: Path, *args: str, stdin=subprocess.DEVNULL, stderr=subprocess.PIPE):
+    return subprocess.run([sys.executable, str(CLI), *args], cwd=tmp_path, env=xdg_env(tmp_path),
+                          stdin=stdin, stdout=subprocess.PIPE, stderr=stderr, text=True,
+                          timeout=15, check=False)
+
+
+def test_a_config_error_after_the_servers_started_is_2_and_their_goodbye_shows(tmp_path):
+    goodbye_config(tmp_path)
+    done = cli(tmp_path, "-v", "-p", "-")   # stdin empty: found after the servers started
+    assert done.returncode == 2, done.stderr
+    assert "bob: error: -p -: stdin is empty" in done.stderr
+    assert "[t] raw server: goodbye" in done.stderr
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "an OSError that is not stdout's (here reading stdin, a descriptor open for writing "
+    "only: `bob -v -p - 0>file`) takes main's full-disk path: `bob: error: [Errno 9] Bad "
+    "file descriptor` names no file, then fds 1 and 2 go to /dev/null before the MCP "
+    "servers stop, and what they say as they stop (-v) is lost. bob_cli.py main's OSError "
+    "handler / _prompt: say `cannot read stdin: ...` as a BobError (_prompt wraps its read)"))
+def test_stdin_that_cannot_be_read_is_said_and_the_servers_goodbye_shows(tmp_path):
+    goodbye_config(tmp_path)
+    with open(tmp_path / "written", "w") as write_only:
+        done = cli(tmp_path, "-v", "-p", "-", stdin=write_only)
+    assert done.returncode in (1, 2), done.stderr
+    said = [line for line in done.stderr.splitlines() if line.startswith("bob: error:")]
+    assert len(said) == 1 and "stdin" in said[0], done.stderr
+    assert "[t] raw server: goodbye" in done.stderr
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "stderr on a full disk (`bob ... 2> err.txt`, here /dev/full): every error's exit code is "
+    "120 (Python's own, for a failed flush at exit), not the documented 2 (a config error) or "
+    "1: _fail's line cannot be written, its OSError escapes main's handler. A script cannot "
+    "tell a bad config from a crash. Not new this round (96284d8 too). bob_cli.py _fail: "
+    "when its line raises OSError, point fd 2 at /dev/null (else Python's exit fails to "
+    "flush it again) and return the code"))
+def test_a_config_error_with_stderr_on_a_full_disk_still_exits_2(tmp_path):
+    write_config(tmp_path, None)
+    with open("/dev/full", "w") as full:
+        done = cli(tmp_path, "--model", "nosuch", "-p", "hi", stderr=full)
+    assert done.returncode == 2
