@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 import pytest
-from fake_openai import FakeOpenAI, completion
+from fake_openai import FakeOpenAI, completion, tool_calls_reply
 
 import bob
 from bob import CancelToken, LlmError, LlmRequest, Message, ToolCall
@@ -258,6 +258,28 @@ def test_sigterm_at_the_approval_prompt_exits_saves_and_stops_the_server(tmp_pat
     assert marked_pids(marker) == []
     saved = list((tmp_path / "xd" / "bob" / "sessions").glob("*.json"))
     assert len(saved) == 1 and "go" in saved[0].read_text()
+
+
+def test_two_approvals_in_one_batch_yes_then_ctrl_c_cancels_and_history_stays_whole(
+        tmp_path, srv):
+    srv.push(tool_calls_reply([("t__echo", {"text": "one"}), ("t__echo", {"text": "two"})]),
+             completion("fine"))
+    term = asking_repl(tmp_path, srv, runtime='action_mode = "native"\n')
+    try:
+        term.send(b"go\r")
+        assert b"one" in term.expect(b"this session? ", timeout=10)
+        term.send(b"y\r")
+        assert b"two" in term.expect(b"this session? ", timeout=5)
+        term.wait_blocked_reading()
+        term.send(b"\x03")
+        assert b"turn cancelled" in term.expect(b"bob> ", timeout=5)
+        term.send(b"again\r")
+        assert b"fine" in term.expect(b"bob> ", timeout=5)
+    finally:
+        term.close()
+    sent = srv.requests[1]["body"]["messages"]
+    calls = [c["id"] for m in sent if m["role"] == "assistant" for c in m.get("tool_calls", ())]
+    assert [m["tool_call_id"] for m in sent if m["role"] == "tool"] == calls and len(calls) == 2
 
 
 def first_of(term: Terminal, *texts: bytes, timeout: float = 3.0) -> bytes:
