@@ -2375,6 +2375,7 @@ RETRYABLE_STATUSES = frozenset({408, 409, 429, 500, 502, 503, 504})
 TOOL_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")   # the tool names every provider takes (fullmatch)
 _OPTIONAL_FIELDS = ("response_format", "stream_options")  # dropped if a server rejects them
 HEADER_NAME = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")   # an HTTP token (RFC 9110); bob_cli too
+_SENT_BACK = ("reasoning_content", "extra_content")  # a message's fields its server wants back
 _NO_ANSWER = "(no answer: the turn ended here)"  # Mistral takes no user message after a tool
 
 
@@ -2650,13 +2651,16 @@ class _Retry:
 
 def _unquoted(text, messages):
     """An error's `text` with each text of the wire `messages` that names a field bob sends
-    back (reasoning_content, extra_content) cut out of it, as sent and as a JSON body escapes
-    it: a server quoting the user's words ("what does reasoning_content mean?") names no
-    field. Only such texts: a short one ("on") cut everywhere would cut the field's name."""
-    for m in messages:
-        if "_content" in (c := str(m.get("content"))):
-            text = text.replace(c, "").replace(json.dumps(c)[1:-1], "")
+    back (_SENT_BACK) cut out of it, as sent and as a JSON body quotes it (non-ASCII escaped,
+    as Python's json does, or not, as FastAPI's and serde's do): a server quoting the user's
+    words ("what does reasoning_content mean?") names no field. Only texts holding a whole
+    name: a piece of one ("on", "_content") cut everywhere would cut the name itself."""
+    for c in (str(m.get("content")) for m in messages):
+        if any(f in c for f in _SENT_BACK):
+            for quoted in c, json.dumps(c)[1:-1], _model_json(c)[1:-1]:
+                text = text.replace(quoted, "")
     return text
+
 
 class OpenAICompatLlm:
     """An LlmPort for OpenAI-compatible /chat/completions endpoints; `model` is "provider:model"
@@ -2879,11 +2883,11 @@ class OpenAICompatLlm:
         # A field no message carried is no refusal, named (an error quoting the user's text)
         # or left out already (else: retried for ever)
         sent = {k for m in body["messages"] for part in (m, *m.get("tool_calls", ())) for k in part}
-        said = _unquoted(text[:4096], body["messages"])
-        refused += [f for f in ("reasoning_content", "extra_content") if f in said and f in sent
+        said = _unquoted(text[:65536], body["messages"])
+        refused += [f for f in _SENT_BACK if f in said and f in sent
                     and not re.search(rf"(?i)(missing|required)([^\w\\]|\\[nrt])+{f}|{f}"
                                       r"([^\w\\]|\\[nrt])+(\w+([^\w\\]|\\[nrt])+){,6}?"
-                                      "(missing|required|must be passed)", said)]
+                                      "(missing|required|must be passed)", said[:4096])]
         if refused and status in (400, 422, 500):  # 422: Mistral; 500: llama-cpp-python
             field_ = refused[0]
             if field_ == "response_format":

@@ -63,24 +63,11 @@ def rejected(text: str, status: int = 400) -> dict:
 LEARNT, NOT_LEARNT = [True, False, False], [True, True]
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "a message text that is a piece of the field's name (here '_content' or 'ng_content': a "
-    "user's word, a tool's result) is cut out of the refusal, which then no longer names the "
-    "field: 'reasoning_content' becomes 'reasonin'. The refusal is never learnt and every "
-    "turn of the session fails with HTTP 400 (before this round: learnt). bob.py _unquoted "
-    "cuts any text holding '_content'; cut only a text that holds the field's whole name"))
 @pytest.mark.parametrize("said", ["_content", "ng_content"])
 def test_a_refusal_is_learnt_when_a_message_is_a_piece_of_the_fields_name(said):
     assert reasoning_sent(history(said), rejected(REFUSAL)) == LEARNT
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "a refusal naming the field only after the error's first 4,096 chars (here a gateway's "
-    "error echoing the request, a 5,000-char system prompt first) is not learnt: every turn "
-    "fails with HTTP 400. Before this round the name was looked for in the whole error "
-    "(`f in text`); now in _unquoted(text[:4096]) (bob.py _http_failure). Cutting the "
-    "whole error instead costs 40 s of CPU for a 16 MiB error and 2,000 long messages "
-    "naming the field: cut a bounded head (64 KiB), look for the name there"))
 def test_a_refusal_naming_the_field_after_4_kib_of_echo_is_learnt():
     system = "Answer briefly. " * 320   # 5,120 chars
     echo = json.dumps({"messages": [{"role": "system", "content": system},
@@ -89,26 +76,12 @@ def test_a_refusal_naming_the_field_after_4_kib_of_echo_is_learnt():
                           rejected(f"bad request {echo}: {REFUSAL}")) == LEARNT
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "a safety filter quoting a user's prompt longer than ~4 KiB that names reasoning_content "
-    "in its head is still learnt as a refusal (the bug this round fixed, for long prompts): "
-    "the error is cut to 4,096 chars before the quoted text is cut out of it, so the quote, "
-    "cut short, no longer matches. The adapter stops sending reasoning for its life "
-    "(DeepSeek's thinking mode then fails each turn with tool calls). bob.py _http_failure: "
-    "_unquoted(text[:4096], ...) - cut the texts out first, of a bounded head"))
 def test_a_long_quoted_prompt_naming_the_field_is_no_refusal():
     asked = "Please explain what reasoning_content is in this API doc:\n" + "text " * 1000
     flagged = rejected(f"Rejected by the safety system: the prompt '{asked}' may be unsafe")
     assert reasoning_sent(history(asked), flagged) == NOT_LEARNT
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "a JSON body that leaves non-ASCII as it is (Python's ensure_ascii=False: Starlette's "
-    "JSONResponse, so FastAPI servers; pydantic's model_dump_json; Rust's serde_json) quotes "
-    "a prompt with a quote or a line break and an accent in a form _unquoted does not cut "
-    "(it cuts the text as sent and json.dumps' ASCII-only form): the safety filter's error is "
-    "learnt as a refusal, reasoning is no longer sent. bob.py _unquoted: cut "
-    "json.dumps(c, ensure_ascii=False)[1:-1] too"))
 def test_a_prompt_quoted_by_a_json_body_keeping_non_ascii_is_no_refusal():
     asked = '¿qué es "reasoning_content"?\nY 2+3?'
     body = json.dumps({"error": {"message": f"the prompt '{asked}' may be unsafe"}},
