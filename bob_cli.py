@@ -178,8 +178,14 @@ def _check_url(url, what):
 
 
 def _bounded(read, what, mib=16):
-    """read(), up to `mib` MiB (16: no model reads more): `bob < /dev/zero` took all memory."""
-    if len(data := read((mib << 20) + 1)) > mib << 20:
+    """read(), up to `mib` MiB (16: no model reads more): `bob < /dev/zero` took all memory.
+    A read that fails is a ConfigError naming `what` (stdin open for writing only: `[Errno 9]
+    Bad file descriptor` alone named nothing)."""
+    try:
+        data = read((mib << 20) + 1)
+    except OSError as e:   # (-v's traceback shows the OSError too)
+        raise bob.ConfigError(f"cannot read {what}: {e}")
+    if len(data) > mib << 20:
         raise bob.ConfigError(f"{what} holds over {mib} MiB; is it the right input?")
     return data
 
@@ -698,7 +704,7 @@ class Shell:
             except OSError:   # a file that cannot take it (`> out.txt` on a full disk): main
                 # or the REPL says so. If the turn was not saved either (most likely for that
                 # same full disk), that is said first: the answer is in no file and no session
-                if self.view.error is not None:
+                if self.view.error:   # (a reason: never empty, _one_line)
                     _note(f"error: {self._unsaved()}")
                 raise
         if guard := getattr(result.guard_reason, "value", None):
@@ -710,7 +716,7 @@ class Shell:
         if self.view.out and result.finish_reason is not bob.FinishReason.CANCELLED:
             stats = f"  {self.view.stats(result)}"
             print(stats if _plain() else f"\x1b[2m{stats}\x1b[0m", file=sys.stderr)
-        if self.view.error is not None:
+        if self.view.error:
             raise self._unsaved()
         return result
 
@@ -959,7 +965,7 @@ def _run_demo(sinks):
                                events=[_EventPrinter(sys.stdout), *sinks])
     print("bob --demo: bob.ScriptedLlm plays the model (no key needed); the tools and the turn "
           f"loop are real, and every event is shown.\nuser> {_DEMO_PROMPT}", flush=True)
-    result = runtime.run(bob.AgentRequest(_DEMO_PROMPT, session_id="demo"))
+    result = runtime.run(bob.AgentRequest(_DEMO_PROMPT, "demo"))
     print(f"answer> {result.content}\n({result.finish_reason.value}: {result.steps} LLM calls, "
           f"{result.tool_calls} tool calls)", flush=True)
     return _exit_code(result)

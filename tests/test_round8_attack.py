@@ -336,12 +336,6 @@ def test_a_config_error_after_the_servers_started_is_2_and_their_goodbye_shows(t
     assert "[t] raw server: goodbye" in done.stderr
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "an OSError that is not stdout's (here reading stdin, a descriptor open for writing "
-    "only: `bob -v -p - 0>file`) takes main's full-disk path: `bob: error: [Errno 9] Bad "
-    "file descriptor` names no file, then fds 1 and 2 go to /dev/null before the MCP "
-    "servers stop, and what they say as they stop (-v) is lost. bob_cli.py main's OSError "
-    "handler / _prompt: say `cannot read stdin: ...` as a BobError (_prompt wraps its read)"))
 def test_stdin_that_cannot_be_read_is_said_and_the_servers_goodbye_shows(tmp_path):
     goodbye_config(tmp_path)
     with open(tmp_path / "written", "w") as write_only:
