@@ -2251,7 +2251,9 @@ class AgentRuntime:
         caller = cancel or CancelToken()
         guard = LoopGuard(policy, time.monotonic() + policy.turn_timeout_ms / 1000)
         turn = _Turn(self, request, policy, caller, CancelToken(), guard)
-        self._turn = turn   # the last turn begun: where replay's sink ends its time (_Recorder)
+        # the last turn's own token: where replay's sink ends its time (_Recorder). The token,
+        # not the turn, which holds the runtime: no cycle, so a runtime let go of is freed at once
+        self._cancel = turn.cancel
         # A cancel of the turn wakes whatever it waits for; the caller's cancel is the turn's
         turn.cancel.on_cancel(turn.woken)
         unlink = caller.on_cancel(turn.cancel.cancel)
@@ -3055,7 +3057,7 @@ class _Replay:
     # (_inline, _Worker), and runs a batch's calls one after another, in call order. Each class
     # says so itself: a subclass that may block does not inherit it
     _answers_inline = True
-    # replay()'s runtime (set there, where the turn's time is ended: _gave_up, _Recorder); and
+    # replay()'s runtime during its turn (where the turn's time is ended: _gave_up, _Recorder); and
     # whether the recorded listing outlived its turn (_read), so that this one does too
     runtime = None
     unlisted = False
@@ -3199,7 +3201,7 @@ class _Replay:
         the turn's time ends now (_Turn.woken) and the call has no answer (the runtime takes
         _NoAnswer for none: its text is not shown)."""
         if self.runtime:
-            self.runtime._turn.cancel.cancel()
+            self.runtime._cancel.cancel()
         raise _NoAnswer("the recorded turn ran out of time here")
 
 
@@ -3309,13 +3311,12 @@ def _expiry_point(events):
 
 class _Recorder:
     """The replay's event sink: the recorded events (compared and shown) and the new ones; it
-    fires `cancel` where the recorded cancel came, and the turn's own token where the recorded
-    turn ran out of time."""
+    fires the caller's cancel (its port's on_interrupt) where the recorded cancel came, and the
+    turn's own token where the recorded turn ran out of time."""
 
-    def __init__(self, cancel, recorded, port):
+    def __init__(self, recorded, port):
         self.recorded = recorded
         self.events = []   # the new run's, compared and shown
-        self.cancel = cancel
         self.cancel_at = _cancel_point(recorded)
         self.expire_at = _expiry_point(recorded)
         self.port = port
@@ -3326,10 +3327,10 @@ class _Recorder:
         if event.kind in _COMPARED:
             self.events.append(_shown(vars(event)))
             n = len(self.events) - 1
-            if n == self.cancel_at:
-                self.cancel.cancel()
+            if n == self.cancel_at:   # the caller's cancel (the port's on_interrupt)
+                self.port.on_interrupt()
             if n == self.expire_at:   # the turn's time is up (_Turn.woken)
-                self.port.runtime._turn.cancel.cancel()
+                self.port.runtime._cancel.cancel()
 
 
 def _first_difference(recorded, new):
@@ -3376,7 +3377,7 @@ def _replay_turn(events, state, given):
     # the runtime, as recorded but for the settings given
     caller = CancelToken()
     port = _Replay(events, caller.cancel)
-    sink = _Recorder(caller, [_shown(e) for e in events if e["kind"] in _COMPARED], port)
+    sink = _Recorder([_shown(e) for e in events if e["kind"] in _COMPARED], port)
     tools = given.get("tools")   # (a port may be falsy: one with no tools and a __len__)
     runtime = AgentRuntime(
         port, port if tools is None else tools,
@@ -3393,6 +3394,10 @@ def _replay_turn(events, state, given):
                  for k, a in start["approvals"].items()}
     with contextlib.suppress(BobError):
         runtime.run(AgentRequest(start["input"], sid, approvals=approvals or None), caller)
+    # the turn over, the port lets go of its runtime: no cycle (runtime, port, sink), so all the
+    # turn's objects (the trace's events among them) go when the report is made, not at the
+    # garbage collector's next full pass (a tenth of a 1,000-step replay's time)
+    port.runtime = None
     return sink, port, store.load(sid)
 
 
