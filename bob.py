@@ -1432,22 +1432,26 @@ class JsonlEventSink:
                 self._fd = None
 
 
+# request_digest's JSON, by one encoder (json.dumps with options builds one a call)
+_canonical = json.JSONEncoder(sort_keys=True, separators=(",", ":"), default=str).encode
+
+
 def request_digest(req: LlmRequest, cache: dict | None = None) -> str:
     """sha256 of the canonical JSON of {"messages" (masked), "response_format", "tools"};
     `cache` (a dict) keeps each message's part and each list of tools' by the object (held,
     so its id stays its own): give a cache only to requests whose lists of tools are not
     changed in place, as a turn's are not (a step that offers fewer tools gets a new list)."""
     cache = {} if cache is None else cache
-    canonical = functools.partial(json.dumps, sort_keys=True, separators=(",", ":"), default=str)
-    objs = (req.tools, *req.messages)
-    for obj in objs:   # each encoded once while it lives
-        if id(obj) not in cache:
+    parts = []
+    for obj in (req.tools, *req.messages):   # each encoded once while it lives
+        if (known := cache.get(id(obj))) is None:
             data = redact(obj.to_dict()) if isinstance(obj, Message) else [
                 dataclasses.asdict(d) for d in obj]   # (tools: masked at Start)
-            cache[id(obj)] = (obj, canonical(data))
-    tools, *parts = [cache[id(obj)][1] for obj in objs]
+            known = cache[id(obj)] = (obj, _canonical(data))
+        parts.append(known[1])
+    tools, *parts = parts
     text = (f'{{"messages":[{",".join(parts)}],"response_format":'
-            f'{canonical(req.response_format)},"tools":{tools}}}')
+            f'{_canonical(req.response_format)},"tools":{tools}}}')
     return hashlib.sha256(text.encode()).hexdigest()
 
 
@@ -1923,7 +1927,7 @@ class _Turn:
         tools = self.tools
         if json_mode and self.guard.at_loop_limit(last):
             tools = [t for t in tools if t.name not in {c.name for c in last}]
-        return LlmRequest([self.system, *(self.wire[i] for i in kept)],
+        return LlmRequest([self.system, *map(self.wire.get, kept)],
                           tools, "json" if json_mode else None, self.guard.deadline)
 
     def woken(self):
@@ -2252,7 +2256,9 @@ class AgentRuntime:
         caller = cancel or CancelToken()
         guard = LoopGuard(policy, time.monotonic() + policy.turn_timeout_ms / 1000)
         turn = _Turn(self, request, policy, caller, CancelToken(), guard)
-        self._turn = turn   # the last turn begun: where replay's sink ends its time (_Recorder)
+        # the last turn's own token: where replay's sink ends its time (_Recorder). The token,
+        # not the turn, which holds the runtime: no cycle, so a runtime let go of is freed at once
+        self._cancel = turn.cancel
         # A cancel of the turn wakes whatever it waits for; the caller's cancel is the turn's
         turn.cancel.on_cancel(turn.woken)
         unlink = caller.on_cancel(turn.cancel.cancel)
@@ -3073,7 +3079,7 @@ class _Replay:
     # (_inline, _Worker), and runs a batch's calls one after another, in call order. Each class
     # says so itself: a subclass that may block does not inherit it
     _answers_inline = True
-    # replay()'s runtime (set there, where the turn's time is ended: _gave_up, _Recorder); and
+    # replay()'s runtime during its turn (where the turn's time is ended: _gave_up, _Recorder); and
     # whether the recorded listing outlived its turn (_read), so that this one does too
     runtime = None
     unlisted = False
@@ -3217,7 +3223,7 @@ class _Replay:
         the turn's time ends now (_Turn.woken) and the call has no answer (the runtime takes
         _NoAnswer for none: its text is not shown)."""
         if self.runtime:
-            self.runtime._turn.cancel.cancel()
+            self.runtime._cancel.cancel()
         raise _NoAnswer("the recorded turn ran out of time here")
 
 
@@ -3271,8 +3277,10 @@ _COMPARED = {"turn_started": ("tools",), "state": ("from", "to"), "llm_call_star
 def _shown(e):
     """An event (a trace's, or an AgentEvent's fields) as replay compares it and a report shows
     it: kind, step, compared fields."""
-    fields = _COMPARED[e["kind"]]
-    return {"kind": e["kind"], "step": e["step"], **{f: e["data"].get(f) for f in fields}}
+    shown = {"kind": e["kind"], "step": e["step"]}
+    for f in _COMPARED[e["kind"]]:   # (a loop: twice as fast as a comprehension unpacked)
+        shown[f] = e["data"].get(f)
+    return shown
 
 
 def _turns(events):
@@ -3327,13 +3335,12 @@ def _expiry_point(events):
 
 class _Recorder:
     """The replay's event sink: the recorded events (compared and shown) and the new ones; it
-    fires `cancel` where the recorded cancel came, and the turn's own token where the recorded
-    turn ran out of time."""
+    fires the caller's cancel (its port's on_interrupt) where the recorded cancel came, and the
+    turn's own token where the recorded turn ran out of time."""
 
-    def __init__(self, cancel, recorded, port):
+    def __init__(self, recorded, port):
         self.recorded = recorded
         self.events = []   # the new run's, compared and shown
-        self.cancel = cancel
         self.cancel_at = _cancel_point(recorded)
         self.expire_at = _expiry_point(recorded)
         self.port = port
@@ -3344,10 +3351,10 @@ class _Recorder:
         if event.kind in _COMPARED:
             self.events.append(_shown(vars(event)))
             n = len(self.events) - 1
-            if n == self.cancel_at:
-                self.cancel.cancel()
+            if n == self.cancel_at:   # the caller's cancel (the port's on_interrupt)
+                self.port.on_interrupt()
             if n == self.expire_at:   # the turn's time is up (_Turn.woken)
-                self.port.runtime._turn.cancel.cancel()
+                self.port.runtime._cancel.cancel()
 
 
 def _first_difference(recorded, new):
@@ -3394,7 +3401,7 @@ def _replay_turn(events, state, given):
     # the runtime, as recorded but for the settings given
     caller = CancelToken()
     port = _Replay(events, caller.cancel)
-    sink = _Recorder(caller, [_shown(e) for e in events if e["kind"] in _COMPARED], port)
+    sink = _Recorder([_shown(e) for e in events if e["kind"] in _COMPARED], port)
     tools = given.get("tools")   # (a port may be falsy: one with no tools and a __len__)
     runtime = AgentRuntime(
         port, port if tools is None else tools,
@@ -3411,6 +3418,10 @@ def _replay_turn(events, state, given):
                  for k, a in start["approvals"].items()}
     with contextlib.suppress(BobError):
         runtime.run(AgentRequest(start["input"], sid, approvals=approvals or None), caller)
+    # the turn over, the port lets go of its runtime: no cycle (runtime, port, sink), so all the
+    # turn's objects (the trace's events among them) go when the report is made, not at the
+    # garbage collector's next full pass (a tenth of a 1,000-step replay's time)
+    port.runtime = None
     return sink, port, store.load(sid)
 
 

@@ -43,6 +43,25 @@ Still short of 5,000 here: per 1,000-step replay, reading the trace ~28 ms (its 
 ~20), the recorded events' comparison form and the new ones' ~20 ms, the request digest
 ~17 ms (sha256 and one lookup per message sent), masking each event, and the loop itself
 (~93 us a step with no sink at all). Flat in history length.
+The seventh round (issue 20's last item; the same VM, shared, load 1-3): a replayed turn left
+its runtime, port and sink in reference cycles, so all its objects (the trace's events among
+them: 42,000 for 1,000 steps) lived until the garbage collector's next full pass, which walked
+them (here: during the next replay); no cycle now, and the GC's time per 1,000-step replay went
+from 46-63 ms to 19-27 (mean CPU of 20 replays -7 to -9% for that alone). And a step's own costs:
+request_digest's one encoder and one pass over the request, the comparison form (_shown) as a
+plain loop, the prompt's messages by map. Instructions per replayed step (callgrind: the same
+count every run, unlike this VM's clock): 1,651,354 -> 1,521,109 at 100 steps (-7.9%),
+1,701,853 -> 1,557,614 at 1,000 (-8.5%; the GC's share, in memory traffic, comes on top). CPU
+per step (min of 9 per process, before and after alternately, three rounds): at 100
+steps 232-314 -> 205-243 us (best 4,870 steps/s), at 1,000 245-281 -> 229-275 (best 4,362).
+Mean CPU of 20 1,000-step replays in a row (GC included), two rounds: 351-352 -> 282-289 ms
+(-18 to -20%; the GC 52-53 -> 20 ms of it). The script's wall-time medians swung 2x with the
+load through these runs (1,000 steps: 2,456 -> 2,968 steps/s in one round).
+Still short of 5,000 at 1,000 steps here (at 100 within 3% on a quiet round). Per 1,000-step
+replay now: the trace's JSON parse ~20 ms of ~30 reading it, the recorded replies and
+listing read (_Replay) ~15, the GC ~20 (about 35 objects a step live to the end: the trace's
+events, the requests asked, the history, the comparison forms), the request digest ~25 (of
+it sha256 ~5), the events (9 a step: masking, AgentEvent, comparison form) ~45, the loop ~70.
 
 Sections: 1. Setup  2. Measure
 """
