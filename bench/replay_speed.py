@@ -43,7 +43,7 @@ Still short of 5,000 here: per 1,000-step replay, reading the trace ~28 ms (its 
 ~20), the recorded events' comparison form and the new ones' ~20 ms, the request digest
 ~17 ms (sha256 and one lookup per message sent), masking each event, and the loop itself
 (~93 us a step with no sink at all). Flat in history length.
-The seventh round (issue 20's last item; the same VM, shared, load 1-3): a replayed turn left
+The eighth round (issue 20's last item; the same VM, shared, load 1-3): a replayed turn left
 its runtime, port and sink in reference cycles, so all its objects (the trace's events among
 them: 42,000 for 1,000 steps) lived until the garbage collector's next full pass, which walked
 them (here: during the next replay); no cycle now, and the GC's time per 1,000-step replay went
