@@ -1526,12 +1526,13 @@ class _Worker:
     counted as abandoned. On a pool thread _NoAnswer is an error like any other (a port that
     wraps a replay port): handed over, and the thread uncounted if it was given up."""
 
+    value = None   # what fn returned
+    error = None   # or the exception it raised
+    done = _given_up = False
+
     def __init__(self, fn, wake, port=None):
         self.fn = fn
         self.wake = wake   # (put to by an inline call too: a stale token costs one more look)
-        self.value = None   # what fn returned
-        self.error = None   # or the exception it raised
-        self.done = self._given_up = False
         self.inline = _inline(port)
         if self.inline:
             self._run()
