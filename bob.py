@@ -2217,6 +2217,8 @@ class _Turn:
 class AgentRuntime:
     """Runs agent turns: the FSM over an LlmPort, a ToolPort, a store and event sinks."""
 
+    _probe = None   # health()'s list_tools call, a _Worker (one at a time)
+
     def __init__(self, llm: LlmPort, tools: ToolPort | None = None, *,
                  store: SessionStore | None = None,
                  events: EventSink | Sequence[EventSink] | None = None,
@@ -2243,7 +2245,6 @@ class AgentRuntime:
         self.approver = approver
         # What the runtime remembers between turns
         self._failing = set()   # ids (int) of sinks that raised (logged once each)
-        self._probe = None      # health()'s list_tools call, a _Worker
         self._traced = {}       # session id -> the version (int) its traced turns lead to
 
     def run(self, request: AgentRequest, cancel: CancelToken | None = None) -> AgentRunResult:
