@@ -680,11 +680,12 @@ class _Units:
     after it, or one other message; a result whose call is not right before it is in none.
     Kept up to date as messages are appended, so a step costs what it sends, not the history."""
 
+    seen = 0   # messages read so far
+
     def __init__(self):
         self.units = []         # lists of message indices, in order of their first index
         self.system = []        # indices of system messages
         self.open_ids = set()   # ids of the last unit's calls still without a result
-        self.seen = 0           # messages read so far
 
     def read(self, messages):
         """Take in the messages appended since the last call."""
