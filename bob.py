@@ -2235,10 +2235,10 @@ class AgentRuntime:
         self.llm = llm
         self.tools = tools
         self.action_mode = action_mode
-        self.store: SessionStore = store if store is not None else InMemorySessionStore()
+        self.store = store if store is not None else InMemorySessionStore()
         if not isinstance(events, (list, tuple)):
             events = [] if events is None else [events]
-        self.sinks: list[EventSink] = list(events)
+        self.sinks = list(events)   # EventSinks, in the order given
         self.policy = policy or TurnPolicy()
         self.system_prompt = system_prompt
         self.deny_tools = _globs("deny_tools", deny_tools)
