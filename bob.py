@@ -1753,7 +1753,7 @@ class _Turn:
             "usage": vars(fitted.usage), "duration_ms": duration})
         return State.PARSE_ACTION
 
-    def parse_action(self) -> State:
+    def parse_action(self):
         """Turn the reply into an action; one corrective re-prompt, then AgentError."""
         reply = self.reply
         try:
