@@ -2147,8 +2147,9 @@ class _Turn:
         elif not isinstance(r.content, str):
             got = f"a ToolResult whose content is {type(r.content).__name__}"
         else:   # a result: its text, cut to max_tool_output_chars
-            content = cut_output(r.content, self.policy.max_tool_output_chars)
-            return ToolResult(call.id, call.name, content, r.is_error, r.duration_ms)
+            return ToolResult(call.id, call.name,
+                              cut_output(r.content, self.policy.max_tool_output_chars),
+                              r.is_error, r.duration_ms)
         return _error(call, f"executor unavailable: the tool port returned {got}, not a "
                             "ToolResult with text")
 
