@@ -1748,8 +1748,8 @@ class _Turn:
         self.usage += reply.usage
         # llm_call_completed: the reply as fitted above, its ids as the port gave them (bob fixes
         # them in parse_action)
-        self._emit("llm_call_completed", lambda: {
-            **vars(fitted), "tool_calls": [c.to_dict() for c in fitted.tool_calls],
+        self._emit("llm_call_completed", lambda: vars(fitted) | {
+            "tool_calls": [c.to_dict() for c in fitted.tool_calls],
             "usage": vars(fitted.usage), "duration_ms": duration})
         return State.PARSE_ACTION
 
