@@ -3063,7 +3063,7 @@ def _recorded_reply(d):
     checked as a saved message's are; a message may leave its calls out, a recorded reply never
     does (deleted: replayed without them)."""
     _field(d, "tool_calls", list)
-    m = Message.from_dict({**d, "role": "assistant"})
+    m = Message.from_dict(d | {"role": "assistant"})
     return LlmResponse(m.content, m.tool_calls, Usage(**d["usage"]),
                        _field(d, "finish_reason", _OPTIONAL_STR), m.reasoning)
 
