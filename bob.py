@@ -1692,8 +1692,13 @@ class _Turn:
         self.tools = [] if unfit else [   # no secret in a description or a schema
             ToolDescriptor(d.name, redact(d.description), _masked_schema(d.input_schema))
             for d in self.tools]
-        # The trace's opening events, then the input (or the paused batch)
-        self._trace_loaded()
+        # The trace's opening events, then the input (or the paused batch). session_loaded
+        # unless the session is as this runtime's last turn left it: a trace begun mid-session
+        # (or after a failed save, or another writer) reads alone
+        traced = rt._traced.get(self.request.session_id)
+        if history is not None or traced != self.session.version:
+            self._emit("session_loaded", lambda: {"paused": self.session.paused, "messages": [
+                m.to_dict() for m in self.session.messages]})
         self._trace_start()   # first: every turn in the trace begins with it
         self.started = True
         self._resume_or_add_input()
@@ -2190,14 +2195,6 @@ class _Turn:
     def _trace_call(self, call, runs):
         self._emit("tool_call_started", {"call_id": call.id, "name": call.name, "runs": runs,
                                          "arguments": call.arguments})
-
-    def _trace_loaded(self):
-        """session_loaded unless the session is as this runtime's last turn left it: a trace
-        begun mid-session (or after a failed save, or another writer) reads alone."""
-        traced = self.rt._traced.get(self.request.session_id)
-        if self.request.history is not None or traced != self.session.version:
-            self._emit("session_loaded", lambda: {"paused": self.session.paused, "messages": [
-                m.to_dict() for m in self.session.messages]})
 
     def _trace_start(self):
         """turn_started: all that decides the run."""
