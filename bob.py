@@ -680,11 +680,12 @@ class _Units:
     after it, or one other message; a result whose call is not right before it is in none.
     Kept up to date as messages are appended, so a step costs what it sends, not the history."""
 
+    seen = 0   # messages read so far
+
     def __init__(self):
         self.units = []         # lists of message indices, in order of their first index
         self.system = []        # indices of system messages
         self.open_ids = set()   # ids of the last unit's calls still without a result
-        self.seen = 0           # messages read so far
 
     def read(self, messages):
         """Take in the messages appended since the last call."""
@@ -1530,12 +1531,13 @@ class _Worker:
     counted as abandoned. On a pool thread _NoAnswer is an error like any other (a port that
     wraps a replay port): handed over, and the thread uncounted if it was given up."""
 
+    value = None   # what fn returned
+    error = None   # or the exception it raised
+    done = _given_up = False
+
     def __init__(self, fn, wake, port=None):
         self.fn = fn
         self.wake = wake   # (put to by an inline call too: a stale token costs one more look)
-        self.value = None   # what fn returned
-        self.error = None   # or the exception it raised
-        self.done = self._given_up = False
         self.inline = _inline(port)
         if self.inline:
             self._run()
@@ -1694,8 +1696,13 @@ class _Turn:
         self.tools = [] if unfit else [   # no secret in a description or a schema
             ToolDescriptor(d.name, redact(d.description), _masked_schema(d.input_schema))
             for d in self.tools]
-        # The trace's opening events, then the input (or the paused batch)
-        self._trace_loaded()
+        # The trace's opening events, then the input (or the paused batch). session_loaded
+        # unless the session is as this runtime's last turn left it: a trace begun mid-session
+        # (or after a failed save, or another writer) reads alone
+        traced = rt._traced.get(self.request.session_id)
+        if history is not None or traced != self.session.version:
+            self._emit("session_loaded", lambda: {"paused": self.session.paused, "messages": [
+                m.to_dict() for m in self.session.messages]})
         self._trace_start()   # first: every turn in the trace begins with it
         self.started = True
         self._resume_or_add_input()
@@ -1750,12 +1757,12 @@ class _Turn:
         self.usage += reply.usage
         # llm_call_completed: the reply as fitted above, its ids as the port gave them (bob fixes
         # them in parse_action)
-        self._emit("llm_call_completed", lambda: {
-            **vars(fitted), "tool_calls": [c.to_dict() for c in fitted.tool_calls],
+        self._emit("llm_call_completed", lambda: vars(fitted) | {
+            "tool_calls": [c.to_dict() for c in fitted.tool_calls],
             "usage": vars(fitted.usage), "duration_ms": duration})
         return State.PARSE_ACTION
 
-    def parse_action(self) -> State:
+    def parse_action(self):
         """Turn the reply into an action; one corrective re-prompt, then AgentError."""
         reply = self.reply
         try:
@@ -2149,8 +2156,9 @@ class _Turn:
         elif not isinstance(r.content, str):
             got = f"a ToolResult whose content is {type(r.content).__name__}"
         else:   # a result: its text, cut to max_tool_output_chars
-            content = cut_output(r.content, self.policy.max_tool_output_chars)
-            return ToolResult(call.id, call.name, content, r.is_error, r.duration_ms)
+            return ToolResult(call.id, call.name,
+                              cut_output(r.content, self.policy.max_tool_output_chars),
+                              r.is_error, r.duration_ms)
         return _error(call, f"executor unavailable: the tool port returned {got}, not a "
                             "ToolResult with text")
 
@@ -2192,14 +2200,6 @@ class _Turn:
         self._emit("tool_call_started", {"call_id": call.id, "name": call.name, "runs": runs,
                                          "arguments": call.arguments})
 
-    def _trace_loaded(self):
-        """session_loaded unless the session is as this runtime's last turn left it: a trace
-        begun mid-session (or after a failed save, or another writer) reads alone."""
-        traced = self.rt._traced.get(self.request.session_id)
-        if self.request.history is not None or traced != self.session.version:
-            self._emit("session_loaded", lambda: {"paused": self.session.paused, "messages": [
-                m.to_dict() for m in self.session.messages]})
-
     def _trace_start(self):
         """turn_started: all that decides the run."""
         rt = self.rt
@@ -2220,6 +2220,8 @@ class _Turn:
 class AgentRuntime:
     """Runs agent turns: the FSM over an LlmPort, a ToolPort, a store and event sinks."""
 
+    _probe = None   # health()'s list_tools call, a _Worker (one at a time)
+
     def __init__(self, llm: LlmPort, tools: ToolPort | None = None, *,
                  store: SessionStore | None = None,
                  events: EventSink | Sequence[EventSink] | None = None,
@@ -2235,10 +2237,10 @@ class AgentRuntime:
         self.llm = llm
         self.tools = tools
         self.action_mode = action_mode
-        self.store: SessionStore = store if store is not None else InMemorySessionStore()
+        self.store = store if store is not None else InMemorySessionStore()
         if not isinstance(events, (list, tuple)):
             events = [] if events is None else [events]
-        self.sinks: list[EventSink] = list(events)
+        self.sinks = list(events)   # EventSinks, in the order given
         self.policy = policy or TurnPolicy()
         self.system_prompt = system_prompt
         self.deny_tools = _globs("deny_tools", deny_tools)
@@ -2246,7 +2248,6 @@ class AgentRuntime:
         self.approver = approver
         # What the runtime remembers between turns
         self._failing = set()   # ids (int) of sinks that raised (logged once each)
-        self._probe = None      # health()'s list_tools call, a _Worker
         self._traced = {}       # session id -> the version (int) its traced turns lead to
 
     def run(self, request: AgentRequest, cancel: CancelToken | None = None) -> AgentRunResult:
@@ -3065,7 +3066,7 @@ def _recorded_reply(d):
     checked as a saved message's are; a message may leave its calls out, a recorded reply never
     does (deleted: replayed without them)."""
     _field(d, "tool_calls", list)
-    m = Message.from_dict({**d, "role": "assistant"})
+    m = Message.from_dict(d | {"role": "assistant"})
     return LlmResponse(m.content, m.tool_calls, Usage(**d["usage"]),
                        _field(d, "finish_reason", _OPTIONAL_STR), m.reasoning)
 
