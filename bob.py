@@ -975,8 +975,10 @@ class FunctionTools:
                 nullable.add(arg)
             if p.default is p.empty:
                 required.append(arg)
-            # a scalar default (a bool is an int), shown unless the name says it is a secret
-            elif isinstance(p.default, (str, int, float)) and not secret_name(arg):
+            # a scalar default (a bool is an int), shown unless the name says it is a secret or
+            # JSON has no such value (math.inf, NaN: a strict server refused every request)
+            elif isinstance(p.default, (str, int, float)) and not (
+                    secret_name(arg) or _json_problem(p.default)):
                 props[arg]["default"] = p.default   # _schema_for's dict: fresh each time
         schema = {"type": "object", "properties": props, "required": required,
                   "additionalProperties": False}

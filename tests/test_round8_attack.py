@@ -175,12 +175,6 @@ def strict_json(data: bytes):
     return json.loads(data, parse_constant=refuse)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "a function tool whose float default is infinite or NaN (`def f(x: float = math.inf)`) "
-    "has it shown in its schema, and the request body carries `Infinity`: not JSON, so a "
-    "strict server (OpenAI: 'We could not parse the JSON body of your request') answers 400 "
-    "on every turn, naming no tool. Not new this round: FunctionTools.add shows any float "
-    "default (dc4257d kept that). Show a float default only if math.isfinite(it)"))
 def test_a_tools_infinite_default_never_makes_the_request_body_invalid_json():
     def scale(x: float = float("inf")) -> str:
         """Scale."""
