@@ -574,17 +574,25 @@ def test_odd_tools_offered_replay_recorded_and_live(tmp_path, description, schem
         assert report.ok, str(report)
 
 
+class UnfitSchema:
+    """A port listing a tool whose schema JSON cannot hold (a custom port's; FunctionTools
+    leaves such a default out since the eighth round)."""
+
+    def list_tools(self):
+        return [bob.ToolDescriptor("clamp", "Clamp x to hi.", {"type": "object", "properties": {
+            "hi": {"type": "number", "default": math.inf}}})]
+
+    def call_tool(self, call, timeout_s):
+        raise AssertionError("never called")
+
+
 def test_a_turn_failed_on_an_unfit_tool_schema_replays_offline(tmp_path):
-    def clamp(x: float, hi: float = math.inf) -> float:
-        """Clamp x to hi."""
-        return min(x, hi)
     path = tmp_path / "t.jsonl"
-    rt = AgentRuntime(ScriptedLlm(["never asked"]), FunctionTools([clamp]),
-                      events=JsonlEventSink(path))
+    rt = AgentRuntime(ScriptedLlm(["never asked"]), UnfitSchema(), events=JsonlEventSink(path))
     with pytest.raises(bob.AgentError, match="holds NaN or Infinity"):
         rt.run(AgentRequest("hi", "s1"))
     rt.sinks[0].close()
-    assert replayed_at_once(path, tools=FunctionTools([clamp])).ok
+    assert replayed_at_once(path, tools=UnfitSchema()).ok
     report = replayed_at_once(path)
     assert report.ok, str(report)
 
