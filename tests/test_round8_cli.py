@@ -91,4 +91,3 @@ def test_an_answer_and_its_session_on_a_full_disk_are_both_said(tmp_path):
     assert session.endswith("s1.json: [Errno 28] No space left on device"), run.stderr
     assert answer == "bob: error: [Errno 28] No space left on device", run.stderr
     assert run.returncode == 1
-
