@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import math
 import threading
+from pathlib import Path
 
 import pytest
 from fake_openai import FakeOpenAI
@@ -23,6 +24,8 @@ from bob import (AgentRequest, AgentRuntime, CancelToken, FinishReason, Function
                  LlmError, LlmRequest, Message, ScriptedLlm, ToolCall)
 from conftest import make_llm
 from test_replay import big_run
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 # ---- 1. The adapter's learnt refusals -----------------------------------------------------------
@@ -75,13 +78,16 @@ def test_a_refusal_is_learnt_when_the_user_named_the_field_in_a_sentence():
 
 @pytest.mark.xfail(strict=True, reason=(
     "README (the adapter's refusals) says the name is looked for in the error's first 4,096 "
-    "characters; bob.py _http_failure looks in the first 65,536 (`f in said`; only the "
-    "missing/required words are looked for in 4,096): an error naming the field after 5,000 "
-    "characters is learnt as a refusal. Fix the README's number, or `f in said[:4096]`"))
-def test_the_name_is_looked_for_in_the_errors_first_4096_characters_only():
+    "characters; bob.py _http_failure looks for it in the first 65,536 (`f in said`; only "
+    "the missing/required words in 4,096), and tests/test_round8_attack.py's "
+    "test_a_refusal_naming_the_field_after_4_kib_of_echo_is_learnt wants that: the README "
+    "is what is wrong (an error naming the field after 5,000 characters is learnt)"))
+def test_the_readme_says_how_far_into_an_error_the_name_is_looked_for():
     late = {"status": 400, "body": {"error": {
         "message": "x" * 5000 + " Unrecognized request argument supplied: reasoning_content"}}}
-    assert reasoning_sent("hi", late) == [True, True]
+    assert reasoning_sent("hi", late) == [True, False, False]   # learnt, as the code means
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    assert "the name is looked for in the error's first 4,096 characters" not in readme
 
 
 # ---- 2. FunctionTools: a default JSON cannot hold -----------------------------------------------
