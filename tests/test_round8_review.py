@@ -1,0 +1,142 @@
+"""The eighth round's last review: breaks in its change (strict expected failures, each saying
+what breaks and where) and promises it makes that were checked and held.
+
+1. The adapter's learnt refusals (`_unquoted`): a message whose text is the field's name alone
+   cuts that name out of a real refusal; the README's "first 4,096 characters".
+2. FunctionTools: a default JSON cannot hold is left out, and the request is strict JSON.
+3. Replays side by side (the shared `_canonical` encoder, class defaults, `_cancel`, the
+   caller's cancel through the port's on_interrupt) while a live runtime runs turns.
+
+Real parts: the fake HTTP server, real runtimes and trace files.
+"""
+from __future__ import annotations
+
+import json
+import math
+import threading
+from pathlib import Path
+
+import pytest
+from fake_openai import FakeOpenAI
+
+import bob
+from bob import (AgentRequest, AgentRuntime, CancelToken, FinishReason, FunctionTools,
+                 LlmError, LlmRequest, Message, ScriptedLlm, ToolCall)
+from conftest import make_llm
+from test_replay import big_run
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+# ---- 1. The adapter's learnt refusals -----------------------------------------------------------
+
+def history(asked: str) -> list[Message]:
+    """The user asked `asked`; the model (a thinking one) called a tool with its reasoning."""
+    return [Message("user", asked),
+            Message("assistant", "", (ToolCall("call_1", "add", {"a": 2, "b": 3}),),
+                    reasoning="The user wants 2+3; use add."),
+            Message("tool", "5", tool_call_id="call_1", name="add"),
+            Message("user", "and 4+4?")]
+
+
+def reasoning_sent(asked: str, *answers) -> list[bool]:
+    """Ask twice (the first answer an error); whether each request carried the reasoning."""
+    with FakeOpenAI([*answers, "ok", "ok"]) as srv:
+        llm = make_llm(srv, retry_max=0)
+        for _ in range(2):
+            try:
+                llm.complete(LlmRequest(history(asked), [], None, None), CancelToken())
+            except LlmError:
+                pass
+        return ["reasoning_content" in r["body"]["messages"][1] for r in srv.requests]
+
+
+UNRECOGNIZED = {"status": 400, "body": {"error": {
+    "message": "Unrecognized request argument supplied: reasoning_content"}}}
+# Mistral's (pydantic's) 422: the field's name only in `loc`, a JSON string of its own
+EXTRA_FORBIDDEN = {"status": 422, "body": {"detail": [{
+    "type": "extra_forbidden", "loc": ["body", "messages", 1, "reasoning_content"],
+    "msg": "Extra inputs are not permitted", "input": "The user wants 2+3; use add."}]}}
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "bob.py _unquoted: a message whose text is the field's name alone (a user asking about "
+    "`reasoning_content` in one word, a tool's output such as `grep -o`) is cut out of the "
+    "error wherever the name stands, the server's own words included: a real refusal is not "
+    "learnt, and every turn of that session to a strict server (after /model from DeepSeek) "
+    "fails with HTTP 400/422 until a new adapter; before this round it was learnt"))
+@pytest.mark.parametrize("refusal", [UNRECOGNIZED, EXTRA_FORBIDDEN], ids=["openai", "mistral"])
+def test_a_refusal_is_learnt_when_a_message_is_the_name_alone(refusal):
+    assert reasoning_sent("reasoning_content", refusal) == [True, False, False]
+
+
+def test_a_refusal_is_learnt_when_the_user_named_the_field_in_a_sentence():
+    """Held: the user's sentence is not in the error, so nothing of it is cut."""
+    asked = "is reasoning_content sent back?"
+    assert reasoning_sent(asked, EXTRA_FORBIDDEN) == [True, False, False]
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "README (the adapter's refusals) says the name is looked for in the error's first 4,096 "
+    "characters; bob.py _http_failure looks for it in the first 65,536 (`f in said`; only "
+    "the missing/required words in 4,096), and tests/test_round8_attack.py's "
+    "test_a_refusal_naming_the_field_after_4_kib_of_echo_is_learnt wants that: the README "
+    "is what is wrong (an error naming the field after 5,000 characters is learnt)"))
+def test_the_readme_says_how_far_into_an_error_the_name_is_looked_for():
+    late = {"status": 400, "body": {"error": {
+        "message": "x" * 5000 + " Unrecognized request argument supplied: reasoning_content"}}}
+    assert reasoning_sent("hi", late) == [True, False, False]   # learnt, as the code means
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    assert "the name is looked for in the error's first 4,096 characters" not in readme
+
+
+# ---- 2. FunctionTools: a default JSON cannot hold -----------------------------------------------
+
+def test_defaults_json_cannot_hold_are_left_out_and_the_request_is_strict_json():
+    """Held: math.inf, NaN and an int past Python's 4,300-digit limit are left out of the
+    schema (each made every request invalid JSON, or failed to encode); the rest stay."""
+    def scan(path: str, depth: float = math.inf, tolerance: float = math.nan,
+             seed: int = 10 ** 5000, limit: int = 3, fast: bool = True,
+             api_key: str = "sk-x") -> str:
+        """Scan a path."""
+        return path
+
+    with FakeOpenAI(["ok"]) as srv:
+        llm = make_llm(srv)
+        tools = FunctionTools([scan]).list_tools()
+        llm.complete(LlmRequest([Message("user", "hi")], tools, None, None), CancelToken())
+        [req] = srv.requests
+    params = req["body"]["tools"][0]["function"]["parameters"]
+    json.dumps(params, allow_nan=False)   # strict JSON
+    defaults = {k: p.get("default") for k, p in params["properties"].items()}
+    assert defaults == {"path": None, "depth": None, "tolerance": None, "seed": None,
+                        "limit": 3, "fast": True, "api_key": None}
+
+
+# ---- 3. Replays side by side, while a live runtime runs turns ----------------------------------
+
+def test_replays_in_threads_beside_a_live_runtime_all_report_the_same(tmp_path):
+    """Held: four replays at once (their recorded cancel fired through each port's
+    on_interrupt, `_canonical` shared) while one live runtime runs turns from two threads:
+    every report is the recorded run's, every live turn its own."""
+    path = tmp_path / "t.jsonl"
+    big_run(path)
+    expected = bob.replay(path).turns
+    assert expected[-1].endswith("cancelled)")
+    reports, live = [], []
+    runtime = AgentRuntime(ScriptedLlm([f"answer {i}" for i in range(20)]), action_mode="native")
+
+    def replays():
+        reports.extend(bob.replay(path).turns for _ in range(2))
+
+    def turns(name):
+        live.extend(runtime.run(AgentRequest("hi", name)).finish_reason for _ in range(10))
+
+    threads = [threading.Thread(target=replays) for _ in range(4)] + [
+        threading.Thread(target=turns, args=(n,)) for n in ("a", "b")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert reports == [expected] * 8
+    assert live == [FinishReason.FINAL] * 20
