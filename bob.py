@@ -2663,9 +2663,10 @@ def _unquoted(text, messages):
     back (_SENT_BACK) cut out of it, as sent and as a JSON body quotes it (non-ASCII escaped,
     as Python's json does, or not, as FastAPI's and serde's do): a server quoting the user's
     words ("what does reasoning_content mean?") names no field. Only texts holding a whole
-    name: a piece of one ("on", "_content") cut everywhere would cut the name itself."""
+    name and more: a piece of one ("on", "_content") or the name alone, cut everywhere, would
+    cut the name itself out of a real refusal."""
     for c in (str(m.get("content")) for m in messages):
-        if any(f in c for f in _SENT_BACK):
+        if c not in _SENT_BACK and any(f in c for f in _SENT_BACK):
             for quoted in c, json.dumps(c)[1:-1], _model_json(c)[1:-1]:
                 text = text.replace(quoted, "")
     return text

@@ -1,8 +1,8 @@
-"""The eighth round's last review: breaks in its change (strict expected failures, each saying
-what breaks and where) and promises it makes that were checked and held.
+"""The eighth round's last review: a break in its change (fixed: the test failed first) and
+promises it makes that were checked and held.
 
 1. The adapter's learnt refusals (`_unquoted`): a message whose text is the field's name alone
-   cuts that name out of a real refusal; the README's "first 4,096 characters".
+   cut that name out of a real refusal, which was then not learnt (before this round it was).
 2. FunctionTools: a default JSON cannot hold is left out, and the request is strict JSON.
 3. Replays side by side (the shared `_canonical` encoder, class defaults, `_cancel`, the
    caller's cancel through the port's on_interrupt) while a live runtime runs turns.
@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import math
 import threading
-from pathlib import Path
 
 import pytest
 from fake_openai import FakeOpenAI
@@ -24,8 +23,6 @@ from bob import (AgentRequest, AgentRuntime, CancelToken, FinishReason, Function
                  LlmError, LlmRequest, Message, ScriptedLlm, ToolCall)
 from conftest import make_llm
 from test_replay import big_run
-
-ROOT = Path(__file__).resolve().parent.parent
 
 
 # ---- 1. The adapter's learnt refusals -----------------------------------------------------------
@@ -59,12 +56,6 @@ EXTRA_FORBIDDEN = {"status": 422, "body": {"detail": [{
     "msg": "Extra inputs are not permitted", "input": "The user wants 2+3; use add."}]}}
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "bob.py _unquoted: a message whose text is the field's name alone (a user asking about "
-    "`reasoning_content` in one word, a tool's output such as `grep -o`) is cut out of the "
-    "error wherever the name stands, the server's own words included: a real refusal is not "
-    "learnt, and every turn of that session to a strict server (after /model from DeepSeek) "
-    "fails with HTTP 400/422 until a new adapter; before this round it was learnt"))
 @pytest.mark.parametrize("refusal", [UNRECOGNIZED, EXTRA_FORBIDDEN], ids=["openai", "mistral"])
 def test_a_refusal_is_learnt_when_a_message_is_the_name_alone(refusal):
     assert reasoning_sent("reasoning_content", refusal) == [True, False, False]
@@ -74,20 +65,6 @@ def test_a_refusal_is_learnt_when_the_user_named_the_field_in_a_sentence():
     """Held: the user's sentence is not in the error, so nothing of it is cut."""
     asked = "is reasoning_content sent back?"
     assert reasoning_sent(asked, EXTRA_FORBIDDEN) == [True, False, False]
-
-
-@pytest.mark.xfail(strict=True, reason=(
-    "README (the adapter's refusals) says the name is looked for in the error's first 4,096 "
-    "characters; bob.py _http_failure looks for it in the first 65,536 (`f in said`; only "
-    "the missing/required words in 4,096), and tests/test_round8_attack.py's "
-    "test_a_refusal_naming_the_field_after_4_kib_of_echo_is_learnt wants that: the README "
-    "is what is wrong (an error naming the field after 5,000 characters is learnt)"))
-def test_the_readme_says_how_far_into_an_error_the_name_is_looked_for():
-    late = {"status": 400, "body": {"error": {
-        "message": "x" * 5000 + " Unrecognized request argument supplied: reasoning_content"}}}
-    assert reasoning_sent("hi", late) == [True, False, False]   # learnt, as the code means
-    readme = " ".join((ROOT / "README.md").read_text().split())
-    assert "the name is looked for in the error's first 4,096 characters" not in readme
 
 
 # ---- 2. FunctionTools: a default JSON cannot hold -----------------------------------------------
