@@ -125,7 +125,7 @@ def _expand(value, where, environ):
         # ${VAR:-default} as in sh: the default when the variable is unset or empty; any other
         # form (${VAR-x}, ${VAR:=x}, a nested one) is refused, never sent as it is written
         form = _FORM.fullmatch(m[1])
-        if form is None or form[1] not in environ and form[2] is None:
+        if not form or form[1] not in environ and form[2] is None:
             raise bob.ConfigError(f"{where}: {m[1]} is not set, or {m[0]} is not a form bob "
                                   "expands: export the variable, or write ${VAR} or "
                                   "${VAR:-default}")
@@ -543,8 +543,8 @@ class _Approvals:
         self.yes = yes
         self.always = set()   # (session, tool name) pairs answered "always"
         self.session = ""
-        self.asks = queue.SimpleQueue()   # (call, a queue for its bob.Approval)
         self.cancel = bob.CancelToken()   # the running turn's
+        # and its queue of (call, a queue for its bob.Approval): Shell._run makes one a turn
 
     def __call__(self, call):
         """On the runtime's worker: decide now, or wait for the person's answer."""
@@ -729,6 +729,9 @@ class Shell:
         has the session's _STICKY flags written beside it (ID.flags)."""
         cancel = self.cancel = self.approvals.cancel = bob.CancelToken()
         self.approvals.session = self.session_id
+        # a queue of the turn's own: a call put on it as the turn ended, after this thread's
+        # last look, is not asked about in the next turn (its token is this one's, fired)
+        self.approvals.asks = queue.SimpleQueue()
         outcome = queue.SimpleQueue()   # the turn's result, or what it raised
 
         def work():
