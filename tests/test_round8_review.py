@@ -20,33 +20,13 @@ from fake_openai import FakeOpenAI
 
 import bob
 from bob import (AgentRequest, AgentRuntime, CancelToken, FinishReason, FunctionTools,
-                 LlmError, LlmRequest, Message, ScriptedLlm, ToolCall)
+                 LlmRequest, Message, ScriptedLlm)
 from conftest import make_llm
 from test_replay import big_run
+from test_round8_refusal import reasoning_sent
 
 
 # ---- 1. The adapter's learnt refusals -----------------------------------------------------------
-
-def history(asked: str) -> list[Message]:
-    """The user asked `asked`; the model (a thinking one) called a tool with its reasoning."""
-    return [Message("user", asked),
-            Message("assistant", "", (ToolCall("call_1", "add", {"a": 2, "b": 3}),),
-                    reasoning="The user wants 2+3; use add."),
-            Message("tool", "5", tool_call_id="call_1", name="add"),
-            Message("user", "and 4+4?")]
-
-
-def reasoning_sent(asked: str, *answers) -> list[bool]:
-    """Ask twice (the first answer an error); whether each request carried the reasoning."""
-    with FakeOpenAI([*answers, "ok", "ok"]) as srv:
-        llm = make_llm(srv, retry_max=0)
-        for _ in range(2):
-            try:
-                llm.complete(LlmRequest(history(asked), [], None, None), CancelToken())
-            except LlmError:
-                pass
-        return ["reasoning_content" in r["body"]["messages"][1] for r in srv.requests]
-
 
 UNRECOGNIZED = {"status": 400, "body": {"error": {
     "message": "Unrecognized request argument supplied: reasoning_content"}}}
