@@ -776,39 +776,39 @@ class Shell:
         """Run a /command; returns False when the user wants to quit."""
         name, _, arg = line.strip().partition(" ")
         store, arg = self.runtime.store, arg.strip()
-        match name, bool(arg):
-            case "/help", _:
+        match name:
+            case "/help":
                 print(_HELP)
-            case "/tools", _:
+            case "/tools":
                 self._print_tools()
-            case "/reset", _:
+            case "/reset":
                 self.session_id = _new_session_id()
                 print(f"new session {self.session_id}")
-            case "/usage", _:
+            case "/usage":
                 u = self._state().usage
                 print(f"session {self.session_id}: {u.prompt_tokens} prompt + "
                       f"{u.completion_tokens} completion = {u.total_tokens} tokens")
-            case "/sessions", _:
+            case "/sessions":
                 _list_sessions(store)
-            case "/resume", True:
+            case "/resume" if arg:
                 if (kept := _resumed(store, arg)) is None:
                     print(f"no session {arg} in {store.directory}; /sessions lists them")
                 else:   # on the model and endpoint it ran with, if it remembers them and
                     self.session_id = arg   # they work
                     _remembered(lambda: self._use(kept), arg, kept, "the session goes on with "
                                 "the running model: /model NAME")
-            case "/history", _:   # one line a message
+            case "/history":   # one line a message
                 for m in (messages := self._state().messages):   # loaded once: it may be 20 MB
                     print(_cut(" ".join([f"{m.role}:", m.content, *_calls(m)])))
                 if not messages:
                     print(f"session {self.session_id} is empty: no messages yet")
-            case "/model", True:
+            case "/model" if arg:
                 self._use({"model": arg})
-            case "/save", True:
+            case "/save" if arg:
                 self._save(_path(arg, "/save", Path()))   # ~nosuchuser: a ConfigError
-            case "/exit" | "/quit", _:
+            case "/exit" | "/quit":
                 return False
-            case "/save" | "/resume" | "/model", False:
+            case "/save" | "/resume" | "/model":   # with no argument
                 print(f"{name} needs an argument; /help shows it")
             case _:
                 print(f"unknown command {line.strip()!r}; /help lists the commands")
