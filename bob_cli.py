@@ -836,15 +836,17 @@ class Shell:
         print(f"saved {len(parts) - 1} messages to {path}")
 
     def _print_tools(self):
-        tools, sources = (self.mcp.list_tools(), self.mcp.tool_sources()) if self.mcp else ([], {})
-        width = max((len(t.name) for t in tools), default=0)
+        tools = self.mcp.list_tools() if self.mcp else []
+        if not tools:
+            print("no tools (MCP servers are listed under [[mcp.servers]])")
+            return
+        sources = self.mcp.tool_sources()   # (after list_tools: its servers have started)
+        width = max(len(t.name) for t in tools)
         for t in tools:
             mark = ("  (denied by [policy])" if bob.is_denied(t.name, self.runtime.deny_tools)
                     else "")
             print(_cut(f"  {t.name:<{width}}  {sources.get(t.name, '?'):<12} {t.description}",
                        len(mark)) + mark)
-        if not tools:
-            print("no tools (MCP servers are listed under [[mcp.servers]])")
 
     def close(self) -> None:
         """Cancel a running turn and stop every MCP server; idempotent."""
