@@ -584,8 +584,13 @@ class _Approvals:
                 return bob.Approval(True)
         except (KeyboardInterrupt, EOFError):
             self.cancel.cancel()
-        finally:
-            signal.signal(signal.SIGINT, previous)
+        finally:   # a SIGINT pending now (the worker's, as the turn ended) is handled by
+            # signal.signal before it changes the handler: the KeyboardInterrupt left this one
+            # set, the worker sending more, one reaching `bob> `. Again until it is changed
+            while True:
+                with contextlib.suppress(KeyboardInterrupt):
+                    signal.signal(signal.SIGINT, previous)
+                    break
         return bob.Approval(False, "cancelled")
 
     def turn_ended(self):
@@ -1174,8 +1179,18 @@ def _fail(e, code, verbose):
     # an OSError is the system's (a full disk, a sessions directory without permission), not
     # a bug: its message (errno, reason, file) says what happened
     label = "" if isinstance(e, bob.BobError | OSError) else f"internal error: {type(e).__name__}: "
-    _note(f"error: {label}{_one_line(e)}")
+    try:
+        _note(f"error: {label}{_one_line(e)}")
+    except OSError:   # stderr on a full disk (`2> err.txt`): the code alone says what happened
+        _silenced(2)
     return code
+
+
+def _silenced(*fds):
+    """Point these descriptors at /dev/null: what is still buffered for them goes nowhere (else
+    Python's exit writes it again, fails, and exits 120: `Exception ignored in: <stdout>`)."""
+    for fd in fds:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), fd)
 
 
 def _start(args, opened):
@@ -1267,11 +1282,9 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as e:   # BrokenPipeError: the reader left (`bob -p ... | head -1`), say nothing
         # more; else a file that cannot take the answer (`> out.txt` on a full disk): say so
         code = 141 if isinstance(e, BrokenPipeError) else _fail(e, 1, args.verbose)
-        # stdout, stderr: what is still buffered for them goes nowhere (else Python's exit
-        # writes it again: `Exception ignored in: <stdout>`, exit 120); nothing more is said.
-        # Only here: after any other error, what MCP servers log as they stop is still shown
-        for fd in (1, 2):
-            os.dup2(os.open(os.devnull, os.O_WRONLY), fd)
+        # stdout, stderr: nothing more is said. Only here: after any other error, what MCP
+        # servers log as they stop is still shown
+        _silenced(1, 2)
         return code
     except Exception as e:  # ConfigError: 2, a bad config or flag; any other BobError
         # (LlmError, AgentError, StoreError...) or a bug: 1

@@ -351,13 +351,6 @@ def test_after_any_error_but_an_oserror_what_servers_say_as_they_stop_shows(tmp_
     assert done["unreadable"][1] == 2 and "cannot read stdin: " in done["unreadable"][0]
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "stderr on a full disk (`bob ... 2> err.txt`, here /dev/full): every error's exit code is "
-    "120 (Python's own, for a failed flush at exit), not the documented 2 (a config error) or "
-    "1: _fail's line cannot be written, its OSError escapes main's handler. A script cannot "
-    "tell a bad config from a crash. Not new this round (96284d8 too). bob_cli.py _fail: "
-    "when its line raises OSError, point fd 2 at /dev/null (else Python's exit fails to "
-    "flush it again) and return the code"))
 def test_a_config_error_with_stderr_on_a_full_disk_still_exits_2(tmp_path):
     write_config(tmp_path, None)
     with open("/dev/full", "w") as full:
