@@ -2,8 +2,8 @@
 sent (_unquoted, _http_failure), the savings that must not change behaviour (the request body
 posted as a str), and the CLI's approval prompt handshake and main()'s one error handler.
 
-A strict xfail is a break found (its reason: what breaks, what the user sees, where in the
-code); a plain test is a promise that held under the attack. Real parts only: the fake HTTP
+The eight breaks it found were strict xfails (what breaks, what the user sees, where in the
+code); all are fixed now and plain tests, beside the promises that held under the attack. Real parts only: the fake HTTP
 server, a raw socket for the bytes on the wire, the CLI as a subprocess and on a real pty.
 Sections: 1. Learnt refusals  2. The body on the wire  3. The approval prompt  4. main's errors
 """
